@@ -1,0 +1,41 @@
+"""Checks for user-supplied options: each error names the argument and what is allowed."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+BY_CHOICES = ("thread", "task", "prefix")
+
+
+def number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def by(value: Any) -> str:
+    if value not in BY_CHOICES:
+        raise ValueError(f"by must be one of {', '.join(map(repr, BY_CHOICES))}, got {value!r}")
+    return value
+
+
+def window(start: Any, stop: Any) -> tuple[float | None, float | None]:
+    """A time window in Unix seconds; either end may be open (None)."""
+    start = None if start is None else number("start", start)
+    stop = None if stop is None else number("stop", stop)
+    if start is not None and stop is not None and stop < start:
+        raise ValueError(f"stop must not be before start, got start={start} stop={stop}")
+    return start, stop

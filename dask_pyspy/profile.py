@@ -1,0 +1,122 @@
+"""A sampled profile of one process or a whole cluster, and its files."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dask_pyspy import _native, options
+
+SPEEDSCOPE_SUFFIXES = (".json", ".json.gz")
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """'speedscope', 'speedscope.gz' or 'html', from the file name."""
+    name = os.fspath(path).lower()
+    if name.endswith(".json.gz"):
+        return "speedscope.gz"
+    if name.endswith(".json"):
+        return "speedscope"
+    if name.endswith(".html"):
+        return "html"
+    raise ValueError(
+        f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz) "
+        f"or .html (report), got {os.fspath(path)!r}"
+    )
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """Fail before any work is done if `path` cannot be written."""
+    file_kind(path)
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OSError(f"cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise OSError(f"cannot write {str(path)!r}: permission denied")
+    return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same directory, so a failure leaves no half file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class Profile:
+    """Samples of one or more processes, with their task tags.
+
+    `by` picks the default grouping of exports: "thread" (plain stacks), "task" or
+    "prefix" (a root frame per task key or task prefix, so views group by task).
+    """
+
+    def __init__(self, native: _native.Profile, by: str = "thread") -> None:
+        self._native = native
+        self.by = options.by(by)
+
+    @classmethod
+    def from_wire(cls, data: bytes, by: str = "thread") -> Profile:
+        """Read bytes made by `to_wire` (in this or another process)."""
+        return cls(_native.Profile.from_wire(data), by=by)
+
+    def to_wire(self) -> bytes:
+        """Compact gzip bytes keeping every sample and tag, for sending between processes."""
+        return self._native.to_wire()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The run's facts: per-process sampler stats (rate achieved, throttling, errors) and more."""
+        meta = json.loads(self._native.metadata_json())
+        meta["processes"] = self.processes
+        return meta
+
+    @property
+    def processes(self) -> list[dict[str, Any]]:
+        return json.loads(self._native.processes_json())
+
+    @property
+    def n_samples(self) -> int:
+        return self._native.n_samples
+
+    @property
+    def sampled_seconds(self) -> float:
+        """Thread-seconds the samples stand for."""
+        return self._native.total_seconds
+
+    def with_metadata(self, **extra: Any) -> Profile:
+        return Profile(self._native.with_metadata(json.dumps(extra, default=str)), by=self.by)
+
+    def speedscope(self, by: str | None = None) -> dict[str, Any]:
+        """The profile as a speedscope document (a dict)."""
+        return json.loads(self.to_bytes(compress=False, by=by))
+
+    def to_bytes(self, compress: bool = True, by: str | None = None) -> bytes:
+        """The speedscope document as JSON bytes, gzip-compressed unless `compress=False`."""
+        by = options.by(self.by if by is None else by)
+        return self._native.speedscope(by=by, compress=options.flag("compress", compress))
+
+    def save(self, path: str | os.PathLike, by: str | None = None) -> Path:
+        """Write speedscope (`.json`, `.json.gz`) or an HTML report (`.html`), by suffix."""
+        path = check_writable(path)
+        kind = file_kind(path)
+        if kind == "html":
+            from dask_pyspy.report import render_html
+
+            data = render_html(self).encode()
+        else:
+            data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
+        write_atomic(path, data)
+        return path
+
+    def __repr__(self) -> str:
+        names = ", ".join(p["name"] for p in self.processes)
+        return f"<Profile {self.n_samples} samples, {self.sampled_seconds:.1f} thread-s, by={self.by!r}, processes: {names}>"

@@ -1,0 +1,112 @@
+//! Sampler options, checked once, and their translation to py-spy's `Config`.
+
+use py_spy::config::{LineNo, LockingStrategy};
+use serde::Serialize;
+
+pub const MAX_RATE: f64 = 10_000.0;
+pub const MIN_MEMORY: usize = 1 << 20;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SamplerConfig {
+    /// Samples per second requested.
+    pub rate: f64,
+    /// Keep samples of threads that are neither on a CPU nor holding the GIL.
+    pub idle: bool,
+    /// Only sample the thread holding the GIL.
+    pub gil_only: bool,
+    /// Largest fraction of one core the sampler may use.
+    pub cpu_budget: f64,
+    /// Cap on the sample store, bytes.
+    pub max_memory: usize,
+    /// Record the current line of each frame (off: function-level, ~25% cheaper).
+    pub lines: bool,
+    /// Aggregate by the first line of each function, like `py-spy record --function`.
+    pub function: bool,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            rate: 100.0,
+            idle: false,
+            gil_only: false,
+            cpu_budget: 0.02,
+            max_memory: 64 << 20,
+            lines: true,
+            function: false,
+        }
+    }
+}
+
+impl SamplerConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.rate > 0.0 && self.rate <= MAX_RATE) {
+            return Err(format!("rate must be in (0, {MAX_RATE}] samples per second, got {}", self.rate));
+        }
+        if !(self.cpu_budget > 0.0 && self.cpu_budget <= 1.0) {
+            return Err(format!(
+                "cpu_budget must be a fraction of one core in (0, 1], got {}",
+                self.cpu_budget
+            ));
+        }
+        if self.max_memory < MIN_MEMORY {
+            return Err(format!(
+                "max_memory must be at least {MIN_MEMORY} bytes (1 MiB), got {}",
+                self.max_memory
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn interval_secs(&self) -> f64 {
+        1.0 / self.rate
+    }
+
+    pub fn pyspy(&self) -> py_spy::Config {
+        py_spy::Config {
+            // Locking our own process would suspend the sampling thread too.
+            blocking: LockingStrategy::NonBlocking,
+            gil_only: self.gil_only,
+            include_idle: self.idle,
+            // Cached by py-spy; looked up again only for new threads, at most once a second.
+            collect_thread_names: true,
+            lineno: match (self.lines, self.function) {
+                (_, true) => LineNo::First,
+                (true, false) => LineNo::LastInstruction,
+                (false, false) => LineNo::NoLine,
+            },
+            ..py_spy::Config::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_out_of_range_options() {
+        let bad = [
+            SamplerConfig { rate: 0.0, ..Default::default() },
+            SamplerConfig { rate: 10_001.0, ..Default::default() },
+            SamplerConfig { rate: f64::NAN, ..Default::default() },
+            SamplerConfig { cpu_budget: 0.0, ..Default::default() },
+            SamplerConfig { cpu_budget: 1.5, ..Default::default() },
+            SamplerConfig { max_memory: 1000, ..Default::default() },
+        ];
+        let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory"];
+        for (cfg, name) in bad.iter().zip(names) {
+            assert!(cfg.validate().unwrap_err().starts_with(name));
+        }
+        assert!(SamplerConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn line_modes() {
+        let cfg = SamplerConfig { lines: false, ..Default::default() };
+        assert_eq!(cfg.pyspy().lineno, LineNo::NoLine);
+        assert_eq!(cfg.pyspy().blocking, LockingStrategy::NonBlocking);
+        let cfg = SamplerConfig { function: true, ..Default::default() };
+        assert_eq!(cfg.pyspy().lineno, LineNo::First);
+    }
+}

@@ -1,0 +1,191 @@
+//! Python bindings only: every piece of logic lives in its own module.
+
+mod compress;
+mod config;
+mod flamegraph;
+mod model;
+mod sampler;
+mod speedscope;
+mod store;
+mod tags;
+
+use config::SamplerConfig;
+use model::{ProfileData, Sample};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use serde_json::{Map, Value};
+use speedscope::By;
+use std::sync::Arc;
+
+fn value_error(e: impl ToString) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn secs_to_ns(t: f64) -> u64 {
+    (t.max(0.0) * 1e9) as u64
+}
+
+fn parse_object(json: &str, what: &str) -> PyResult<Map<String, Value>> {
+    serde_json::from_str(json).map_err(|e| value_error(format!("{what} must be a JSON object: {e}")))
+}
+
+#[pyclass(name = "Sampler", module = "dask_pyspy._native", frozen)]
+struct PySampler {
+    inner: sampler::Sampler,
+}
+
+#[pymethods]
+impl PySampler {
+    #[new]
+    #[pyo3(signature = (rate=100.0, idle=false, gil_only=false, cpu_budget=0.02, max_memory=64 << 20, lines=true, function=false))]
+    fn new(rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool) -> PyResult<Self> {
+        let config = SamplerConfig { rate, idle, gil_only, cpu_budget, max_memory, lines, function };
+        Ok(PySampler { inner: sampler::Sampler::new(config).map_err(value_error)? })
+    }
+
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.start()).map_err(PyRuntimeError::new_err)
+    }
+
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.inner.stop())
+    }
+
+    #[getter]
+    fn is_running(&self) -> bool {
+        self.inner.is_running()
+    }
+
+    #[getter]
+    fn has_started(&self) -> bool {
+        self.inner.has_started()
+    }
+
+    fn stats_json(&self) -> String {
+        self.inner.stats().to_string()
+    }
+
+    fn dump_json(&self, py: Python<'_>) -> String {
+        py.detach(|| self.inner.dump().to_string())
+    }
+
+    fn set_thread_tag(&self, ident: u64, key: String, prefix: String) {
+        self.inner.tags().set_tag(ident, key, prefix)
+    }
+
+    fn clear_thread_tag(&self, ident: u64) {
+        self.inner.tags().clear_tag(ident)
+    }
+
+    fn set_thread_name(&self, ident: u64, name: String) {
+        self.inner.tags().set_name(ident, name)
+    }
+
+    /// The samples captured between `start` and `stop` (Unix seconds).
+    fn profile(&self, py: Python<'_>, start: f64, stop: f64, process_name: String, host: String) -> PyProfile {
+        let data = py.detach(|| self.inner.profile(secs_to_ns(start), secs_to_ns(stop), process_name, host));
+        PyProfile { data: Arc::new(data) }
+    }
+
+    fn _inject_panic(&self) {
+        self.inner.inject_panic()
+    }
+}
+
+#[pyclass(name = "Profile", module = "dask_pyspy._native", frozen)]
+struct PyProfile {
+    data: Arc<ProfileData>,
+}
+
+impl PyProfile {
+    fn svg(&self, py: Python<'_>, title: &str, keep: impl Fn(&Sample) -> bool + Send + Sync) -> Option<String> {
+        py.detach(|| flamegraph::svg(&self.data, title, &keep))
+    }
+}
+
+#[pymethods]
+impl PyProfile {
+    /// Reads a profile sent by another process (gzip JSON).
+    #[staticmethod]
+    fn from_wire(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
+        let parsed = py.detach(|| -> Result<ProfileData, String> {
+            let raw = compress::gunzip(data).map_err(|e| e.to_string())?;
+            serde_json::from_slice(&raw).map_err(|e| e.to_string())
+        });
+        let data = parsed.map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
+        Ok(PyProfile { data: Arc::new(data) })
+    }
+
+    fn to_wire<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let bytes = py.detach(|| compress::gzip(&serde_json::to_vec(&*self.data).expect("profiles serialise")));
+        PyBytes::new(py, &bytes)
+    }
+
+    /// One profile of several processes; the same process twice is kept once.
+    #[staticmethod]
+    fn merge(py: Python<'_>, parts: Vec<PyRef<'_, PyProfile>>, metadata_json: &str) -> PyResult<Self> {
+        let metadata = parse_object(metadata_json, "metadata_json")?;
+        let parts: Vec<Arc<ProfileData>> = parts.iter().map(|p| p.data.clone()).collect();
+        let data = py.detach(|| {
+            let owned: Vec<&ProfileData> = parts.iter().map(|p| &**p).collect();
+            ProfileData::merge(&owned, metadata)
+        });
+        Ok(PyProfile { data: Arc::new(data) })
+    }
+
+    #[pyo3(signature = (by="thread", name="dask-pyspy", compress=false))]
+    fn speedscope<'py>(&self, py: Python<'py>, by: &str, name: &str, compress: bool) -> PyResult<Bound<'py, PyBytes>> {
+        let by: By = by.parse().map_err(value_error)?;
+        let bytes = py.detach(|| {
+            let doc = speedscope::write(&self.data, by, name);
+            if compress { compress::gzip(&doc) } else { doc }
+        });
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Flame graph of the samples of one task prefix and/or one process (None: all).
+    #[pyo3(signature = (title, prefix=None, process=None))]
+    fn flamegraph_svg(&self, py: Python<'_>, title: &str, prefix: Option<&str>, process: Option<u32>) -> Option<String> {
+        let data = &self.data;
+        self.svg(py, title, |s| {
+            let prefix_ok = prefix.is_none_or(|p| s.tag.is_some_and(|t| data.tags[t as usize].prefix == p));
+            let process_ok = process.is_none_or(|p| data.threads[s.thread as usize].process == p);
+            prefix_ok && process_ok
+        })
+    }
+
+    fn metadata_json(&self) -> String {
+        Value::Object(self.data.metadata.clone()).to_string()
+    }
+
+    /// A copy with `metadata_json` (an object) merged into the metadata.
+    fn with_metadata(&self, metadata_json: &str) -> PyResult<Self> {
+        let extra = parse_object(metadata_json, "metadata_json")?;
+        let mut data = (*self.data).clone();
+        data.metadata.extend(extra);
+        Ok(PyProfile { data: Arc::new(data) })
+    }
+
+    fn processes_json(&self) -> String {
+        serde_json::to_string(&self.data.processes).expect("processes serialise")
+    }
+
+    #[getter]
+    fn n_samples(&self) -> usize {
+        self.data.samples.len()
+    }
+
+    #[getter]
+    fn total_seconds(&self) -> f64 {
+        self.data.total_seconds()
+    }
+}
+
+#[pymodule(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySampler>()?;
+    m.add_class::<PyProfile>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

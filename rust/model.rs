@@ -1,0 +1,399 @@
+//! The profile data model shared by the live store, merges and every exporter.
+//!
+//! Stacks and frames are interned: a sample is a handful of integers, so a window
+//! of millions of samples stays small and exporters never re-hash strings.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::collections::HashMap;
+use std::hash::Hash;
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Frame {
+    pub name: String,
+    pub file: String,
+    pub line: i32,
+}
+
+/// The dask task a thread was running, as the key's repr and its `key_split` prefix.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Tag {
+    pub key: String,
+    pub prefix: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Thread {
+    pub process: u32,
+    pub ident: u64,
+    pub name: Option<String>,
+}
+
+/// One sampled process (a worker, the scheduler, or a plain Python process).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Process {
+    pub name: String,
+    pub pid: u32,
+    pub host: String,
+    /// Unique per sampler, so one process reached through two workers is kept once.
+    pub token: String,
+    pub stats: Value,
+}
+
+pub const FLAG_ACTIVE: u8 = 1;
+pub const FLAG_GIL: u8 = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "SampleRow", into = "SampleRow")]
+pub struct Sample {
+    /// Capture time, nanoseconds since the Unix epoch.
+    pub time_ns: u64,
+    pub thread: u32,
+    pub stack: u32,
+    pub tag: Option<u32>,
+    /// The wall time this sample stands for.
+    pub weight_us: u32,
+    pub flags: u8,
+}
+
+/// Samples travel as compact arrays rather than objects with repeated field names.
+#[derive(Serialize, Deserialize)]
+struct SampleRow(u64, u32, u32, Option<u32>, u32, u8);
+
+impl From<SampleRow> for Sample {
+    fn from(r: SampleRow) -> Self {
+        Sample { time_ns: r.0, thread: r.1, stack: r.2, tag: r.3, weight_us: r.4, flags: r.5 }
+    }
+}
+
+impl From<Sample> for SampleRow {
+    fn from(s: Sample) -> Self {
+        SampleRow(s.time_ns, s.thread, s.stack, s.tag, s.weight_us, s.flags)
+    }
+}
+
+/// A self-contained profile: what a window export produces and what merges combine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProfileData {
+    pub frames: Vec<Frame>,
+    /// Frame ids, root first.
+    pub stacks: Vec<Vec<u32>>,
+    pub tags: Vec<Tag>,
+    pub threads: Vec<Thread>,
+    pub processes: Vec<Process>,
+    pub samples: Vec<Sample>,
+    pub metadata: Map<String, Value>,
+}
+
+/// A table that stores each distinct item once and hands out dense ids.
+#[derive(Debug)]
+pub struct Interner<T> {
+    items: Vec<T>,
+    index: HashMap<T, u32>,
+    bytes: usize,
+}
+
+impl<T> Default for Interner<T> {
+    fn default() -> Self {
+        Interner { items: Vec::new(), index: HashMap::new(), bytes: 0 }
+    }
+}
+
+/// Approximate heap bytes an item costs, for the store's memory cap.
+pub trait Footprint {
+    fn heap_bytes(&self) -> usize;
+}
+
+impl Footprint for Frame {
+    fn heap_bytes(&self) -> usize {
+        self.name.len() + self.file.len()
+    }
+}
+
+impl Footprint for Vec<u32> {
+    fn heap_bytes(&self) -> usize {
+        self.len() * 4
+    }
+}
+
+impl Footprint for Tag {
+    fn heap_bytes(&self) -> usize {
+        self.key.len() + self.prefix.len()
+    }
+}
+
+impl Footprint for Thread {
+    fn heap_bytes(&self) -> usize {
+        self.name.as_ref().map_or(0, |n| n.len())
+    }
+}
+
+/// Hash-map bookkeeping per entry (hash, control byte, id), on top of the two copies.
+const ENTRY_OVERHEAD: usize = 16;
+
+impl<T: Clone + Eq + Hash + Footprint> Interner<T> {
+    pub fn intern(&mut self, item: T) -> u32 {
+        if let Some(&id) = self.index.get(&item) {
+            return id;
+        }
+        let id = self.items.len() as u32;
+        self.bytes += 2 * (item.heap_bytes() + std::mem::size_of::<T>()) + ENTRY_OVERHEAD;
+        self.index.insert(item.clone(), id);
+        self.items.push(item);
+        id
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn get(&self, id: u32) -> &T {
+        &self.items[id as usize]
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn into_items(self) -> Vec<T> {
+        self.items
+    }
+}
+
+/// Copies samples from one set of tables into another, re-interning only what they use.
+///
+/// Used for window exports (live store -> profile), compaction and merges.
+#[derive(Debug, Default)]
+pub struct Builder {
+    pub frames: Interner<Frame>,
+    pub stacks: Interner<Vec<u32>>,
+    pub tags: Interner<Tag>,
+    pub threads: Interner<Thread>,
+    pub samples: Vec<Sample>,
+}
+
+/// Maps ids of one source's tables to the builder's, filled lazily.
+pub struct Remap {
+    frames: Vec<Option<u32>>,
+    stacks: Vec<Option<u32>>,
+    tags: Vec<Option<u32>>,
+    threads: Vec<Option<u32>>,
+}
+
+/// Read access to a source's tables, so the live store and a ProfileData share one copier.
+pub trait Tables {
+    fn frame(&self, id: u32) -> &Frame;
+    fn stack(&self, id: u32) -> &[u32];
+    fn tag(&self, id: u32) -> &Tag;
+    fn thread(&self, id: u32) -> &Thread;
+    fn counts(&self) -> [usize; 4];
+}
+
+impl Remap {
+    pub fn for_source(src: &impl Tables) -> Remap {
+        let [f, s, t, th] = src.counts();
+        Remap { frames: vec![None; f], stacks: vec![None; s], tags: vec![None; t], threads: vec![None; th] }
+    }
+}
+
+fn remapped(slot: &mut Option<u32>, make: impl FnOnce() -> u32) -> u32 {
+    *slot.get_or_insert_with(make)
+}
+
+impl Builder {
+    /// Adds `sample` from `src`; `process` overrides the thread's process index when merging.
+    pub fn copy_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, process: Option<u32>) {
+        let stack = remapped(&mut map.stacks[sample.stack as usize], || {
+            let frames = src
+                .stack(sample.stack)
+                .iter()
+                .map(|&f| remapped(&mut map.frames[f as usize], || self.frames.intern(src.frame(f).clone())))
+                .collect();
+            self.stacks.intern(frames)
+        });
+        let tag = sample
+            .tag
+            .map(|t| remapped(&mut map.tags[t as usize], || self.tags.intern(src.tag(t).clone())));
+        let thread = remapped(&mut map.threads[sample.thread as usize], || {
+            let mut th = src.thread(sample.thread).clone();
+            th.process = process.unwrap_or(th.process);
+            self.threads.intern(th)
+        });
+        self.samples.push(Sample { stack, tag, thread, ..*sample });
+    }
+
+    pub fn finish(self, processes: Vec<Process>, metadata: Map<String, Value>) -> ProfileData {
+        ProfileData {
+            frames: self.frames.into_items(),
+            stacks: self.stacks.into_items(),
+            tags: self.tags.into_items(),
+            threads: self.threads.into_items(),
+            processes,
+            samples: self.samples,
+            metadata,
+        }
+    }
+}
+
+impl Tables for ProfileData {
+    fn frame(&self, id: u32) -> &Frame {
+        &self.frames[id as usize]
+    }
+    fn stack(&self, id: u32) -> &[u32] {
+        &self.stacks[id as usize]
+    }
+    fn tag(&self, id: u32) -> &Tag {
+        &self.tags[id as usize]
+    }
+    fn thread(&self, id: u32) -> &Thread {
+        &self.threads[id as usize]
+    }
+    fn counts(&self) -> [usize; 4] {
+        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
+    }
+}
+
+impl Tables for Builder {
+    fn frame(&self, id: u32) -> &Frame {
+        self.frames.get(id)
+    }
+    fn stack(&self, id: u32) -> &[u32] {
+        self.stacks.get(id)
+    }
+    fn tag(&self, id: u32) -> &Tag {
+        self.tags.get(id)
+    }
+    fn thread(&self, id: u32) -> &Thread {
+        self.threads.get(id)
+    }
+    fn counts(&self) -> [usize; 4] {
+        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
+    }
+}
+
+impl ProfileData {
+    /// Combines profiles of several processes; a process seen twice (same token) is kept once.
+    pub fn merge(parts: &[&ProfileData], metadata: Map<String, Value>) -> ProfileData {
+        let mut out = Builder::default();
+        let mut processes: Vec<Process> = Vec::new();
+        for part in parts {
+            let mut map = Remap::for_source(*part);
+            let mut offsets = Vec::with_capacity(part.processes.len());
+            let mut keep = Vec::with_capacity(part.processes.len());
+            for p in &part.processes {
+                keep.push(!processes.iter().any(|q| q.token == p.token));
+                offsets.push(processes.len() as u32);
+                if *keep.last().unwrap() {
+                    processes.push(p.clone());
+                }
+            }
+            for s in &part.samples {
+                let proc = part.threads[s.thread as usize].process as usize;
+                if keep[proc] {
+                    out.copy_sample(*part, &mut map, s, Some(offsets[proc]));
+                }
+            }
+        }
+        out.samples.sort_by_key(|s| s.time_ns);
+        out.finish(processes, metadata)
+    }
+
+    /// Names set from Python win; a thread py-spy had not named yet (its first
+    /// second) takes the name of the same thread seen later. Then equal threads merge.
+    pub fn resolve_thread_names(&mut self, given: impl Fn(u64) -> Option<String>) {
+        let seen: HashMap<(u32, u64), String> =
+            self.threads.iter().filter_map(|t| Some(((t.process, t.ident), t.name.clone()?))).collect();
+        let mut ids: Interner<Thread> = Interner::default();
+        let remap: Vec<u32> = self
+            .threads
+            .iter()
+            .map(|t| {
+                let name = given(t.ident).or_else(|| t.name.clone()).or_else(|| seen.get(&(t.process, t.ident)).cloned());
+                ids.intern(Thread { name, ..t.clone() })
+            })
+            .collect();
+        for s in &mut self.samples {
+            s.thread = remap[s.thread as usize];
+        }
+        self.threads = ids.into_items();
+    }
+
+    /// Total sampled time in seconds.
+    pub fn total_seconds(&self) -> f64 {
+        self.samples.iter().map(|s| s.weight_us as f64).sum::<f64>() / 1e6
+    }
+
+    pub fn thread_label(&self, id: u32) -> String {
+        let th = &self.threads[id as usize];
+        let process = self.processes.get(th.process as usize).map(|p| p.name.as_str()).unwrap_or("?");
+        match &th.name {
+            Some(name) => format!("{process} {name} ({:#x})", th.ident),
+            None => format!("{process} thread {:#x}", th.ident),
+        }
+    }
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    pub fn frame(name: &str) -> Frame {
+        Frame { name: name.into(), file: format!("{name}.py"), line: 1 }
+    }
+
+    /// A one-process profile with the given (thread ident, stack names, tag key) samples.
+    pub fn profile(token: &str, samples: &[(u64, &[&str], Option<&str>)]) -> ProfileData {
+        let mut b = Builder::default();
+        for (i, (ident, names, tag)) in samples.iter().enumerate() {
+            let stack = names.iter().map(|n| b.frames.intern(frame(n))).collect();
+            let stack = b.stacks.intern(stack);
+            let tag = tag.map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into() }));
+            let thread = b.threads.intern(Thread { process: 0, ident: *ident, name: Some(format!("T{ident}")) });
+            b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, flags: FLAG_ACTIVE });
+        }
+        let proc = Process { name: token.into(), pid: 1, host: "h".into(), token: token.into(), stats: Value::Null };
+        b.finish(vec![proc], Map::new())
+    }
+
+    #[test]
+    fn interner_dedups() {
+        let mut i = Interner::default();
+        assert_eq!(i.intern(frame("a")), 0);
+        assert_eq!(i.intern(frame("b")), 1);
+        assert_eq!(i.intern(frame("a")), 0);
+        assert_eq!(i.len(), 2);
+    }
+
+    #[test]
+    fn merge_remaps_and_dedups_processes() {
+        let a = profile("w1", &[(1, &["main", "f"], Some("f-1"))]);
+        let b = profile("w2", &[(1, &["main", "g"], None), (2, &["main", "f"], Some("f-1"))]);
+        let m = ProfileData::merge(&[&a, &b, &a], Map::new());
+        assert_eq!(m.processes.len(), 2);
+        assert_eq!(m.samples.len(), 3);
+        assert_eq!(m.frames.len(), 3);
+        assert_eq!(m.tags.len(), 1);
+        let names: Vec<_> = m.samples.iter().map(|s| m.thread_label(s.thread)).collect();
+        assert!(names.contains(&"w2 T2 (0x2)".to_string()));
+    }
+
+    #[test]
+    fn thread_names_resolve_and_merge() {
+        let mut p = profile("w", &[(1, &["a"], None), (1, &["a"], None), (2, &["a"], None)]);
+        p.threads[0].name = None; // py-spy had not named thread 1 yet
+        p.threads.push(Thread { process: 0, ident: 1, name: Some("late".into()) });
+        p.samples[1].thread = 2;
+        p.resolve_thread_names(|ident| (ident == 2).then(|| "given".to_string()));
+        let names: Vec<_> = p.samples.iter().map(|s| p.threads[s.thread as usize].name.clone().unwrap()).collect();
+        assert_eq!(names, ["late", "late", "given"]);
+        assert_eq!(p.threads.len(), 2);
+    }
+
+    #[test]
+    fn wire_round_trip() {
+        let a = profile("w1", &[(1, &["main", "f"], Some("f-1"))]);
+        let json = serde_json::to_string(&a).unwrap();
+        assert!(json.contains("[1000,0,0,0,10000,1]"));
+        assert_eq!(serde_json::from_str::<ProfileData>(&json).unwrap(), a);
+    }
+}

@@ -1,0 +1,210 @@
+//! The live sample store of one process: interned tables plus a time-ordered ring
+//! of samples, kept under a memory cap by evicting the oldest samples and, when
+//! the tables themselves grow (thread churn, many task keys), compacting them to
+//! what the remaining samples still use.
+
+use crate::model::{Builder, Frame, Process, ProfileData, Remap, Sample, Tables, Tag, Thread};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::VecDeque;
+
+pub const SAMPLE_BYTES: usize = std::mem::size_of::<Sample>();
+
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct StoreStats {
+    pub samples_recorded: u64,
+    pub samples_evicted: u64,
+    pub samples_held: usize,
+    pub compactions: u64,
+    pub bytes: usize,
+    pub max_bytes: usize,
+    pub oldest_ns: Option<u64>,
+}
+
+pub struct Store {
+    tables: Builder,
+    ring: VecDeque<Sample>,
+    max_bytes: usize,
+    recorded: u64,
+    evicted: u64,
+    compactions: u64,
+}
+
+impl Store {
+    pub fn new(max_bytes: usize) -> Store {
+        Store { tables: Builder::default(), ring: VecDeque::new(), max_bytes, recorded: 0, evicted: 0, compactions: 0 }
+    }
+
+    /// Records one thread's stack (frames root first).
+    pub fn record(
+        &mut self,
+        time_ns: u64,
+        ident: u64,
+        name: Option<String>,
+        frames: impl Iterator<Item = Frame>,
+        tag: Option<&Tag>,
+        weight_us: u32,
+        flags: u8,
+    ) {
+        let t = &mut self.tables;
+        let stack = frames.map(|f| t.frames.intern(f)).collect();
+        let stack = t.stacks.intern(stack);
+        let tag = tag.map(|tag| t.tags.intern(tag.clone()));
+        let thread = t.threads.intern(Thread { process: 0, ident, name });
+        self.ring.push_back(Sample { time_ns, thread, stack, tag, weight_us, flags });
+        self.recorded += 1;
+        self.enforce_cap();
+    }
+
+    fn tables_bytes(&self) -> usize {
+        let t = &self.tables;
+        t.frames.bytes() + t.stacks.bytes() + t.tags.bytes() + t.threads.bytes()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.tables_bytes() + self.ring.len() * SAMPLE_BYTES
+    }
+
+    fn enforce_cap(&mut self) {
+        while self.bytes() > self.max_bytes {
+            if self.tables_bytes() > self.max_bytes / 2 {
+                self.evict((self.ring.len() / 2).max(1));
+                self.compact();
+            } else {
+                // Evict in batches so the cost amortises over many pushes.
+                let excess = (self.bytes() - self.max_bytes).div_ceil(SAMPLE_BYTES);
+                self.evict(excess.max(self.ring.len() / 64));
+            }
+        }
+    }
+
+    fn evict(&mut self, n: usize) {
+        let n = n.min(self.ring.len());
+        self.ring.drain(..n);
+        self.evicted += n as u64;
+    }
+
+    /// Rebuilds the tables from the samples still held, dropping what nothing uses.
+    fn compact(&mut self) {
+        let mut fresh = Builder::default();
+        let mut map = Remap::for_source(&self.tables);
+        for s in &self.ring {
+            fresh.copy_sample(&self.tables, &mut map, s, None);
+        }
+        self.ring = std::mem::take(&mut fresh.samples).into();
+        self.tables = fresh;
+        self.compactions += 1;
+    }
+
+    /// The samples captured in `[start_ns, stop_ns]`, with just the tables they use.
+    pub fn window(&self, start_ns: u64, stop_ns: u64, process: Process, metadata: Map<String, Value>) -> ProfileData {
+        let lo = self.ring.partition_point(|s| s.time_ns < start_ns);
+        let hi = self.ring.partition_point(|s| s.time_ns <= stop_ns);
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(&self.tables);
+        for s in self.ring.range(lo..hi.max(lo)) {
+            out.copy_sample(&self.tables, &mut map, s, None);
+        }
+        out.finish(vec![process], metadata)
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            samples_recorded: self.recorded,
+            samples_evicted: self.evicted,
+            samples_held: self.ring.len(),
+            compactions: self.compactions,
+            bytes: self.bytes(),
+            max_bytes: self.max_bytes,
+            oldest_ns: self.ring.front().map(|s| s.time_ns),
+        }
+    }
+}
+
+impl Tables for Store {
+    fn frame(&self, id: u32) -> &Frame {
+        self.tables.frame(id)
+    }
+    fn stack(&self, id: u32) -> &[u32] {
+        self.tables.stack(id)
+    }
+    fn tag(&self, id: u32) -> &Tag {
+        self.tables.tag(id)
+    }
+    fn thread(&self, id: u32) -> &Thread {
+        self.tables.thread(id)
+    }
+    fn counts(&self) -> [usize; 4] {
+        self.tables.counts()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::frame;
+
+    fn proc() -> Process {
+        Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
+    }
+
+    fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {
+        let tag = key.map(|k| Tag { key: k.into(), prefix: k.into() });
+        store.record(t, 1, None, names.iter().map(|n| frame(n)), tag.as_ref(), 10_000, 1);
+    }
+
+    #[test]
+    fn interns_stacks_once() {
+        let mut s = Store::new(1 << 20);
+        for t in 0..100 {
+            push(&mut s, t, &["main", "work"], Some("k"));
+        }
+        assert_eq!(s.counts(), [2, 1, 1, 1]);
+        assert_eq!(s.stats().samples_held, 100);
+    }
+
+    #[test]
+    fn ring_evicts_oldest_under_cap() {
+        let cap = 64 * 1024;
+        let mut s = Store::new(cap);
+        for t in 0..100_000 {
+            push(&mut s, t, &["main", "work"], None);
+        }
+        let st = s.stats();
+        assert!(st.bytes <= cap, "{} > {cap}", st.bytes);
+        assert!(st.samples_evicted > 90_000);
+        assert_eq!(st.samples_held as u64 + st.samples_evicted, 100_000);
+        assert_eq!(st.oldest_ns, Some(100_000 - st.samples_held as u64));
+    }
+
+    #[test]
+    fn churn_of_distinct_keys_compacts_tables() {
+        let cap = 256 * 1024;
+        let mut s = Store::new(cap);
+        for t in 0..50_000u64 {
+            let key = format!("task-{t}-{}", "x".repeat(40));
+            push(&mut s, t, &["main", &format!("f{}", t % 5000)], Some(&key));
+        }
+        let st = s.stats();
+        assert!(st.bytes <= cap);
+        assert!(st.compactions > 0);
+        // Tables only hold what live samples use.
+        assert_eq!(s.counts()[2], st.samples_held);
+        let w = s.window(0, u64::MAX, proc(), Map::new());
+        assert_eq!(w.samples.len(), st.samples_held);
+        assert!(w.tags.iter().all(|t| t.key.starts_with("task-")));
+    }
+
+    #[test]
+    fn window_selects_time_range() {
+        let mut s = Store::new(1 << 20);
+        for t in 0..10 {
+            push(&mut s, t * 100, &["main", if t < 5 { "early" } else { "late" }], None);
+        }
+        let w = s.window(500, 900, proc(), Map::new());
+        assert_eq!(w.samples.len(), 5);
+        assert_eq!(w.frames.len(), 2, "only the frames the window uses");
+        assert!(w.frames.iter().any(|f| f.name == "late"));
+        assert!(s.window(2000, 3000, proc(), Map::new()).samples.is_empty());
+    }
+}
