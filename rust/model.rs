@@ -299,16 +299,22 @@ impl ProfileData {
     }
 
     /// Names set from Python win; a thread py-spy had not named yet (its first
-    /// second) takes the name of the same thread seen later. Then equal threads merge.
+    /// second) takes the name seen later for its ident, unless that ident was reused
+    /// under several names. Then equal threads merge.
     pub fn resolve_thread_names(&mut self, given: impl Fn(u64) -> Option<String>) {
-        let seen: HashMap<(u32, u64), String> =
-            self.threads.iter().filter_map(|t| Some(((t.process, t.ident), t.name.clone()?))).collect();
+        let mut names: HashMap<(u32, u64), Option<String>> = HashMap::new();
+        for t in self.threads.iter().filter(|t| t.name.is_some()) {
+            let slot = names.entry((t.process, t.ident)).or_insert_with(|| t.name.clone());
+            if *slot != t.name {
+                *slot = None;
+            }
+        }
         let mut ids: Interner<Thread> = Interner::default();
         let remap: Vec<u32> = self
             .threads
             .iter()
             .map(|t| {
-                let name = given(t.ident).or_else(|| t.name.clone()).or_else(|| seen.get(&(t.process, t.ident)).cloned());
+                let name = given(t.ident).or_else(|| t.name.clone()).or_else(|| names.get(&(t.process, t.ident)).cloned().flatten());
                 ids.intern(Thread { name, ..t.clone() })
             })
             .collect();

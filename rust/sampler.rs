@@ -204,7 +204,7 @@ impl Sampler {
                 let tag = last.tags.get(&t.thread_id).and_then(|e| e.tag.clone());
                 json!({
                     "ident": t.thread_id,
-                    "name": self.shared.tags.name(t.thread_id),
+                    "name": self.shared.tags.name(t.thread_id).or_else(|| t.thread_name.clone()),
                     "active": t.active,
                     "owns_gil": t.owns_gil,
                     "task": tag.as_ref().map(|t| &t.key),
@@ -249,12 +249,14 @@ struct Loop<'a> {
     base: Duration,
     interval: Duration,
     cost_s: Option<f64>,
+    /// OS thread id last seen behind each Python thread ident, to notice ident reuse.
+    os_tids: HashMap<u64, Option<u64>>,
 }
 
 impl<'a> Loop<'a> {
     fn new(shared: &'a Shared, spy: PythonSpy) -> Self {
         let base = Duration::from_secs_f64(shared.config.interval_secs());
-        Loop { shared, spy, base, interval: base, cost_s: None }
+        Loop { shared, spy, base, interval: base, cost_s: None, os_tids: HashMap::new() }
     }
 
     fn run(&mut self) {
@@ -313,7 +315,8 @@ impl<'a> Loop<'a> {
         let before = self.shared.tags.snapshot();
         let time_ns = now_ns();
         match self.spy.get_stack_traces() {
-            Ok(traces) => {
+            Ok(mut traces) => {
+                self.forget_reused_names(&mut traces);
                 self.record(&traces, &before, time_ns, weight);
                 *self.shared.last.lock() = Some(LastTick { time_ns, traces, tags: before });
             }
@@ -325,6 +328,21 @@ impl<'a> Loop<'a> {
             }
         }
         self.shared.stats.lock().ticks += 1;
+    }
+
+    /// A new thread can get a dead one's ident; py-spy would keep the old name for it.
+    fn forget_reused_names(&mut self, traces: &mut [StackTrace]) {
+        if self.os_tids.len() > 4 * traces.len() + 64 {
+            let live: std::collections::HashSet<u64> = traces.iter().map(|t| t.thread_id).collect();
+            self.os_tids.retain(|ident, _| live.contains(ident));
+        }
+        for t in traces {
+            let previous = self.os_tids.insert(t.thread_id, t.os_thread_id);
+            if previous.is_some_and(|p| p != t.os_thread_id) {
+                self.spy.python_thread_names.remove(&t.thread_id);
+                t.thread_name = None;
+            }
+        }
     }
 
     fn record(&self, traces: &[StackTrace], before: &HashMap<u64, ThreadTag>, time_ns: u64, weight: Duration) {

@@ -1,0 +1,23 @@
+"""Helpers shared by unit and integration tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def frame_names(doc: dict[str, Any], sample: list[int]) -> list[str]:
+    frames = doc["shared"]["frames"]
+    return [frames[i]["name"] for i in sample]
+
+
+def weight_by_function(doc: dict[str, Any], profile: dict[str, Any]) -> dict[str, float]:
+    """Seconds each function name appears anywhere on the stacks of one speedscope profile."""
+    out: dict[str, float] = {}
+    for sample, weight in zip(profile["samples"], profile["weights"]):
+        for name in set(frame_names(doc, sample)):
+            out[name] = out.get(name, 0.0) + weight
+    return out
+
+
+def profiles_named(doc: dict[str, Any], fragment: str) -> list[dict[str, Any]]:
+    return [p for p in doc["profiles"] if fragment in p["name"]]
