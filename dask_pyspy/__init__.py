@@ -1,7 +1,21 @@
 """Task-attributed, in-process py-spy profiling for dask."""
 
+from dask_pyspy import config as _config  # registers the `pyspy` dask config namespace
 from dask_pyspy._native import __version__
+from dask_pyspy.client import StackDump, dump, get_profile, profile
+from dask_pyspy.plugin import PySpyPlugin, PySpyWorkerPlugin, dask_setup
 from dask_pyspy.profile import Profile
 from dask_pyspy.sampler import Sampler
 
-__all__ = ["Profile", "Sampler", "__version__"]
+__all__ = [
+    "PySpyPlugin",
+    "PySpyWorkerPlugin",
+    "Profile",
+    "Sampler",
+    "StackDump",
+    "__version__",
+    "dask_setup",
+    "dump",
+    "get_profile",
+    "profile",
+]

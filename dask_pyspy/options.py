@@ -32,6 +32,31 @@ def by(value: Any) -> str:
     return value
 
 
+def workers(value: Any) -> int | list[str] | None:
+    """None (all), a positive count (a random sample), or worker addresses/names."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"workers must be None, a positive number of workers or a list of worker addresses, got {value}")
+        return int(value)
+    if isinstance(value, (list, tuple, set)) and all(isinstance(w, str) for w in value):
+        return list(value)
+    raise ValueError(f"workers must be None, a positive number of workers or a list of worker addresses, got {value!r}")
+
+
+def last(value: Any) -> float | None:
+    """Seconds before now that a window starts."""
+    if value is None:
+        return None
+    seconds = number("last", value)
+    if seconds <= 0:
+        raise ValueError(f"last must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def window(start: Any, stop: Any) -> tuple[float | None, float | None]:
     """A time window in Unix seconds; either end may be open (None)."""
     start = None if start is None else number("start", start)

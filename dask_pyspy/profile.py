@@ -92,6 +92,22 @@ class Profile:
         """Thread-seconds the samples stand for."""
         return self._native.total_seconds
 
+    @classmethod
+    def merge(cls, profiles: list[Profile], by: str = "thread", **metadata: Any) -> Profile:
+        """One profile of several processes; a process seen twice is kept once.
+
+        The `tasks` metadata of each part (per worker) is combined.
+        """
+        tasks: dict[str, Any] = {}
+        for p in profiles:
+            tasks.update(json.loads(p._native.metadata_json()).get("tasks", {}))
+        meta = json.dumps({"tasks": tasks, **metadata}, default=str)
+        return cls(_native.Profile.merge([p._native for p in profiles], meta), by=by)
+
+    def only_process(self, index: int) -> Profile:
+        """The samples of `self.processes[index]` alone."""
+        return Profile(self._native.only_process(index), by=self.by)
+
     def with_metadata(self, **extra: Any) -> Profile:
         return Profile(self._native.with_metadata(json.dumps(extra, default=str)), by=self.by)
 

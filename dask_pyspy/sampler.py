@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sysconfig
+import threading
 import time
 from typing import Any
 
 from dask_pyspy import _native, options
 from dask_pyspy.profile import Profile
+
+logger = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -38,7 +42,7 @@ class Sampler:
         lines: bool = True,
         function: bool = False,
     ) -> None:
-        self._native = _native.Sampler(
+        self.options = dict(
             rate=options.number("rate", rate),
             idle=options.flag("idle", idle),
             gil_only=options.flag("gil_only", gil_only),
@@ -47,6 +51,7 @@ class Sampler:
             lines=options.flag("lines", lines),
             function=options.flag("function", function),
         )
+        self._native = _native.Sampler(**self.options)
 
     def start(self) -> None:
         """Start sampling; raises RuntimeError if this interpreter cannot be read."""
@@ -102,3 +107,41 @@ class Sampler:
     def dump(self) -> dict[str, Any]:
         """Every thread's stack at the last tick (leaf first), with its task and state."""
         return json.loads(self._native.dump_json())
+
+
+class ProcessSampler:
+    """The one sampler of this process, shared by every server in it (scheduler, workers).
+
+    Each user acquires it and releases it when done; it samples while anyone holds it.
+    Its store outlives a stop, so a plugin re-registered with the same options keeps history.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sampler: Sampler | None = None
+        self._users = 0
+
+    def acquire(self, opts: dict[str, Any]) -> Sampler:
+        with self._lock:
+            current = self._sampler
+            if current is None or (not current.is_running and current.options != Sampler(**opts).options):
+                current = self._sampler = Sampler(**opts)
+            elif current.options != Sampler(**opts).options:
+                logger.warning("dask-pyspy: this process already samples with %s; keeping those options", current.options)
+            if not current.is_running:
+                current.start()
+            self._users += 1
+            return current
+
+    def release(self) -> None:
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users == 0 and self._sampler is not None:
+                self._sampler.stop()
+
+    @property
+    def sampler(self) -> Sampler | None:
+        return self._sampler
+
+
+process_sampler = ProcessSampler()

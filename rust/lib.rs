@@ -155,6 +155,14 @@ impl PyProfile {
         })
     }
 
+    /// The samples of the process at `index` in `processes_json()`.
+    fn only_process(&self, py: Python<'_>, index: u32) -> PyResult<Self> {
+        if index as usize >= self.data.processes.len() {
+            return Err(value_error(format!("index must be below {}, got {index}", self.data.processes.len())));
+        }
+        Ok(PyProfile { data: Arc::new(py.detach(|| self.data.only_process(index))) })
+    }
+
     fn metadata_json(&self) -> String {
         Value::Object(self.data.metadata.clone()).to_string()
     }

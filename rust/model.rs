@@ -298,6 +298,16 @@ impl ProfileData {
         out.finish(processes, metadata)
     }
 
+    /// The samples of one process only.
+    pub fn only_process(&self, process: u32) -> ProfileData {
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(self);
+        for s in self.samples.iter().filter(|s| self.threads[s.thread as usize].process == process) {
+            out.copy_sample(self, &mut map, s, Some(0));
+        }
+        out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone())
+    }
+
     /// Names set from Python win; a thread py-spy had not named yet (its first
     /// second) takes the name seen later for its ident, unless that ident was reused
     /// under several names. Then equal threads merge.
@@ -333,6 +343,8 @@ impl ProfileData {
         let th = &self.threads[id as usize];
         let process = self.processes.get(th.process as usize).map(|p| p.name.as_str()).unwrap_or("?");
         match &th.name {
+            // Worker threads are named with their worker's address already.
+            Some(name) if name.starts_with(process) => format!("{name} ({:#x})", th.ident),
             Some(name) => format!("{process} {name} ({:#x})", th.ident),
             None => format!("{process} thread {:#x}", th.ident),
         }
@@ -381,6 +393,8 @@ pub mod tests {
         assert_eq!(m.tags.len(), 1);
         let names: Vec<_> = m.samples.iter().map(|s| m.thread_label(s.thread)).collect();
         assert!(names.contains(&"w2 T2 (0x2)".to_string()));
+        let w2 = m.only_process(1);
+        assert_eq!((w2.processes[0].name.as_str(), w2.samples.len(), w2.frames.len()), ("w2", 2, 3));
     }
 
     #[test]

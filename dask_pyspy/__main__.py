@@ -1,0 +1,3 @@
+from dask_pyspy.cli import main
+
+main()

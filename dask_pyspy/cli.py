@@ -1,0 +1,88 @@
+"""`dask pyspy ...` (through distributed's `dask_cli` entry point) and `dask-pyspy ...`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+
+def _connect(scheduler: str, timeout: float) -> Any:
+    from distributed import Client
+
+    try:
+        return Client(scheduler, timeout=timeout)
+    except (OSError, TimeoutError) as e:
+        raise click.ClickException(f"cannot reach the scheduler at {scheduler}: {e}") from e
+
+
+def _workers(value: str | None) -> Any:
+    if not value:
+        return None
+    return int(value) if value.isdigit() else value.split(",")
+
+
+@click.group(name="pyspy", help="Profile dask clusters with the in-process py-spy sampler.")
+def pyspy() -> None:
+    pass
+
+
+@pyspy.command(help="Record the cluster for a while and save the profile (.html report or speedscope .json[.gz]).")
+@click.option("--scheduler", required=True, help="Scheduler address, e.g. tcp://10.0.0.1:8786.")
+@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to record.")
+@click.option("--workers", default=None, help="A number of workers, or comma-separated addresses (default: all).")
+@click.option("--by", type=click.Choice(["thread", "task", "prefix"]), default="thread", show_default=True)
+@click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html, .json or .json.gz.")
+@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the scheduler.")
+def record(scheduler: str, duration: float, workers: str | None, by: str, output: str, timeout: float) -> None:
+    from dask_pyspy.client import get_profile, save_or_keep
+    from dask_pyspy.profile import check_writable
+
+    try:
+        check_writable(output)
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--output") from e
+    with _connect(scheduler, timeout) as client:
+        start = time.time()
+        steps = max(1, int(duration * 10))
+        with click.progressbar(range(steps), label=f"Recording {duration:g} s") as bar:
+            for _ in bar:
+                time.sleep(duration / steps)
+        try:
+            prof = get_profile(client, workers=_workers(workers), start=start, stop=time.time(), by=by)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from e
+        save_or_keep(prof, output)
+    missing = prof.metadata["missing"]
+    click.echo(f"Saved {prof.n_samples} samples of {len(prof.processes)} processes to {output}")
+    for name, error in missing.items():
+        click.echo(f"missing {name}: {error}", err=True)
+
+
+@pyspy.command(help="Print every thread's current stack on every worker and the scheduler, with its task.")
+@click.option("--scheduler", required=True, help="Scheduler address.")
+@click.option("--workers", default=None, help="A number of workers, or comma-separated addresses (default: all).")
+@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the scheduler.")
+def dump(scheduler: str, workers: str | None, timeout: float) -> None:
+    from dask_pyspy.client import dump as dump_stacks
+
+    with _connect(scheduler, timeout) as client:
+        try:
+            click.echo(str(dump_stacks(client, workers=_workers(workers))))
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from e
+
+
+@pyspy.command(help="Profile a realistic workload on a LocalCluster and save the report.")
+@click.option("-o", "--output", default="dask-pyspy-demo.html", show_default=True, help="Output file: .html, .json or .json.gz.")
+@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="Threads per worker.")
+@click.option("--days", default=20, show_default=True, type=click.IntRange(min=1), help="Size of the timeseries data set.")
+def demo(output: str, n_workers: int, threads: int, days: int) -> None:
+    from dask_pyspy.demo import run_demo
+
+    run_demo(output, n_workers=n_workers, threads=threads, days=days)
+
+
+main = pyspy

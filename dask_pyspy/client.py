@@ -1,0 +1,169 @@
+"""What a client calls: collect a cluster-wide profile, record a block, dump live stacks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+from distributed import Client, default_client
+
+from dask_pyspy import config, options
+from dask_pyspy.profile import Profile, check_writable, file_kind
+
+logger = logging.getLogger(__name__)
+
+NO_PLUGIN = (
+    "no dask-pyspy plugin on this cluster's scheduler: run "
+    "client.register_plugin(dask_pyspy.PySpyPlugin()) or start the scheduler with --preload dask_pyspy"
+)
+
+
+async def _call(client: Client, op: str, **kwargs: Any) -> Any:
+    try:
+        reply = await getattr(client.scheduler, op)(**kwargs)
+    except (KeyError, ValueError) as e:
+        if op in str(e) and "handler" in str(e).lower():
+            raise RuntimeError(NO_PLUGIN) from e
+        raise
+    if reply is None:  # distributed answers an unknown op with nothing
+        raise RuntimeError(NO_PLUGIN)
+    return reply
+
+
+async def _get_profile(client: Client, by: str, **kwargs: Any) -> Profile:
+    data = await _call(client, "pyspy_profile", **kwargs)
+    return Profile.from_wire(data, by=by)
+
+
+def get_profile(
+    client: Client | None = None,
+    workers: int | list[str] | None = None,
+    scheduler: bool = True,
+    start: float | None = None,
+    stop: float | None = None,
+    last: float | None = None,
+    by: str | None = None,
+    timeout: float | None = None,
+) -> Profile:
+    """The cluster's profile of a time window, merged over every selected process.
+
+    workers: None (all), a number of workers picked at random, or addresses.
+    start, stop: Unix seconds; or `last`: the last so many seconds.
+    by: default grouping of exports, "thread", "task" or "prefix".
+    Workers that fail or time out are named in `profile.metadata["missing"]`.
+    """
+    client = client or default_client()
+    by = options.by(config.get("by") if by is None else by)
+    options.workers(workers)
+    seconds = options.last(last)
+    if seconds is not None:
+        if start is not None or stop is not None:
+            raise ValueError("give either last or start/stop, not both")
+        stop = time.time()
+        start = stop - seconds
+    start, stop = options.window(start, stop)
+    kwargs = dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
+    return client.sync(_get_profile, client, by, **kwargs)
+
+
+def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:
+    """Save; if that fails, keep the profile in a temporary file and say where."""
+    try:
+        profile.save(path)
+    except Exception as e:
+        fd, kept = tempfile.mkstemp(prefix="dask-pyspy-", suffix="." + file_kind(path).replace("speedscope", "json").replace(".gz", ".json.gz"))
+        os.close(fd)
+        profile.save(kept)
+        logger.error("dask-pyspy: could not save the profile to %s (%s); kept it at %s", path, e, kept)
+        raise OSError(f"could not save the profile to {os.fspath(path)!r}: {e}; it was kept at {kept!r} and on .profile") from e
+
+
+class profile:
+    """Record the block's window of the whole cluster and save it on exit.
+
+    >>> with dask_pyspy.profile("out.speedscope.json.gz") as rec:  # doctest: +SKIP
+    ...     x.compute()
+    >>> rec.profile  # doctest: +SKIP
+
+    The path is checked on entry, before the workload runs; if saving fails on
+    exit the profile is kept (on `.profile` and in a temporary file).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, client: Client | None = None, **kwargs: Any) -> None:
+        if "start" in kwargs or "stop" in kwargs or "last" in kwargs:
+            raise ValueError("profile() records the block's own window: start, stop and last are not allowed")
+        self.path = path
+        self.client = client
+        self.kwargs = kwargs
+        self.profile: Profile | None = None
+
+    def __enter__(self) -> profile:
+        if self.path is not None:
+            check_writable(self.path)
+        self.client = self.client or default_client()
+        self.start = time.time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop = time.time()
+        self.profile = get_profile(self.client, start=self.start, stop=self.stop, **self.kwargs)
+        if self.path is not None:
+            save_or_keep(self.profile, self.path)
+
+    async def __aenter__(self) -> profile:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.stop = time.time()
+        by = options.by(config.get("by") if self.kwargs.get("by") is None else self.kwargs["by"])
+        rest = {k: v for k, v in self.kwargs.items() if k != "by"}
+        self.profile = await _get_profile(self.client, by, start=self.start, stop=self.stop, **rest)
+        if self.path is not None:
+            save_or_keep(self.profile, self.path)
+
+
+class StackDump(dict):
+    """Live stacks of every thread in every process; `str()` prints them like `py-spy dump`."""
+
+    def __str__(self) -> str:
+        lines: list[str] = []
+        for proc in self["processes"].values():
+            lines.append(f"Process {proc['process']} (pid {proc['pid']})")
+            for th in proc["threads"]:
+                state = "active" if th["active"] else "idle"
+                state += "+gil" if th["owns_gil"] else ""
+                task = f" task {th['task']}" if th["task"] else ""
+                lines.append(f"Thread {th['ident']:#x} ({state}): {th['name'] or ''!r}{task}")
+                lines.extend(f"    {f['name']} ({f['file']}:{f['line']})" for f in th["frames"])
+            lines.append("")
+        for name, error in self["missing"].items():
+            lines.append(f"Missing {name}: {error}")
+        return "\n".join(lines)
+
+
+async def _dump(client: Client, **kwargs: Any) -> StackDump:
+    return StackDump(await _call(client, "pyspy_dump", **kwargs))
+
+
+def dump(client: Client | None = None, workers: int | list[str] | None = None, scheduler: bool = True) -> StackDump:
+    """Every thread's current stack on every worker (and the scheduler), with its task."""
+    client = client or default_client()
+    options.workers(workers)
+    return client.sync(_dump, client, workers=workers, scheduler=options.flag("scheduler", scheduler))
+
+
+def _pyspy_profile(self: Client, **kwargs: Any) -> Profile:
+    return get_profile(client=self, **kwargs)
+
+
+def _pyspy_dump(self: Client, **kwargs: Any) -> StackDump:
+    return dump(client=self, **kwargs)
+
+
+_pyspy_profile.__doc__ = get_profile.__doc__
+_pyspy_dump.__doc__ = dump.__doc__
+Client.pyspy_profile = _pyspy_profile
+Client.pyspy_dump = _pyspy_dump

@@ -1,0 +1,36 @@
+"""The `pyspy` namespace of dask config, registered the way distributed registers its own."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+SAMPLER_OPTIONS = ("rate", "idle", "gil_only", "cpu_budget", "max_memory", "lines", "function")
+
+with open(os.path.join(os.path.dirname(__file__), "pyspy.yaml")) as f:
+    defaults = yaml.safe_load(f)
+
+dask.config.update_defaults(defaults)
+
+
+def get(name: str) -> Any:
+    return dask.config.get(f"pyspy.{name}")
+
+
+def sampler_options(**given: Any) -> dict[str, Any]:
+    """Sampler options: the given ones, the rest from dask config (`DASK_PYSPY__RATE` etc.)."""
+    unknown = set(given) - set(SAMPLER_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown sampler options {sorted(unknown)}; allowed: {', '.join(SAMPLER_OPTIONS)}")
+    out = {name: get(name) if given.get(name) is None else given[name] for name in SAMPLER_OPTIONS}
+    if isinstance(out["max_memory"], str):
+        out["max_memory"] = parse_bytes(out["max_memory"])
+    return out
+
+
+def timeout() -> float:
+    return parse_timedelta(get("timeout"))

@@ -1,0 +1,111 @@
+"""Drop-in replacements for dask-pyspy 0.4's context managers.
+
+Same signatures and output files; underneath, the in-process sampler (no py-spy
+child process, no ptrace rights). Options that only made sense for the py-spy
+command line are accepted and ignored, or refused where they cannot be honoured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from distributed import Client, default_client
+
+from dask_pyspy import client as client_api
+from dask_pyspy.plugin import PySpyPlugin
+from dask_pyspy.profile import Profile, check_writable
+
+logger = logging.getLogger(__name__)
+
+
+def legacy_filename(addr: str) -> str:
+    """The file name dask-pyspy 0.4 gave a worker's profile."""
+    return addr.replace("://", "-").replace(".", "_").replace(":", "-") + ".json"
+
+
+def _check_legacy_options(format: str, native: bool, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool) -> None:
+    if format != "speedscope":
+        raise ValueError(f"format must be 'speedscope' (the only format written in-process), got {format!r}")
+    if native:
+        raise ValueError(
+            "native=True is not possible in-process: native frames need ptrace of a stopped thread; "
+            "use the py-spy command line with SYS_PTRACE for that"
+        )
+    if extra_pyspy_args:
+        raise ValueError(f"extra_pyspy_args cannot apply: no py-spy command line is run (got {list(extra_pyspy_args)!r})")
+    if not subprocesses:
+        logger.info("dask-pyspy: subprocesses=False has no effect: each server process samples itself")
+    if not nonblocking:
+        logger.info("dask-pyspy: in-process sampling is always non-blocking; nonblocking=False is ignored")
+
+
+@contextmanager
+def _record(client: Client | None, rate: int, function: bool, gil: bool, idle: bool,
+            workers: Any, scheduler: bool, **legacy: Any) -> Iterator[client_api.profile]:
+    _check_legacy_options(**legacy)
+    client = client or default_client()
+    # Idempotent: a cluster that already samples keeps its own options.
+    client.register_plugin(PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle))
+    with client_api.profile(client=client, workers=workers, scheduler=scheduler) as rec:
+        yield rec
+
+
+@contextmanager
+def pyspy_on_scheduler(
+    output: str | os.PathLike,
+    format: str = "speedscope",
+    rate: int = 100,
+    subprocesses: bool = True,
+    function: bool = False,
+    gil: bool = False,
+    threads: bool = False,
+    idle: bool = True,
+    nonblocking: bool = False,
+    native: bool = False,
+    extra_pyspy_args: Sequence[str] = (),
+    log_level: str | None = None,
+    client: Client | None = None,
+) -> Iterator[None]:
+    """Profile the scheduler for the block and write one speedscope file to `output`."""
+    check_writable(output)
+    with _record(client, rate, function, gil, idle, workers=[], scheduler=True, format=format, native=native,
+                 extra_pyspy_args=extra_pyspy_args, subprocesses=subprocesses, nonblocking=nonblocking) as rec:
+        yield
+    client_api.save_or_keep(rec.profile, output)
+
+
+@contextmanager
+def pyspy(
+    output: str | os.PathLike,
+    workers: int | list[str] | None = None,
+    format: str = "speedscope",
+    rate: int = 100,
+    subprocesses: bool = True,
+    function: bool = False,
+    gil: bool = False,
+    threads: bool = False,
+    idle: bool = True,
+    nonblocking: bool = False,
+    native: bool = False,
+    extra_pyspy_args: Sequence[str] = (),
+    log_level: str | None = None,
+    client: Client | None = None,
+) -> Iterator[None]:
+    """Profile workers for the block; write one speedscope file per worker into directory `output`."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out / legacy_filename("tcp://probe"))
+    with _record(client, rate, function, gil, idle, workers=workers, scheduler=False, format=format, native=native,
+                 extra_pyspy_args=extra_pyspy_args, subprocesses=subprocesses, nonblocking=nonblocking) as rec:
+        yield
+    for addr, part in split_by_process(rec.profile).items():
+        client_api.save_or_keep(part, out / legacy_filename(addr))
+
+
+def split_by_process(profile: Profile) -> dict[str, Profile]:
+    """One profile per sampled process, keyed by process name."""
+    return {p["name"]: profile.only_process(i) for i, p in enumerate(profile.processes)}
