@@ -243,7 +243,7 @@ class PySpyPlugin(SchedulerPlugin):
     ) -> bytes:
         """Every selected process's samples of `[start, stop]`, merged, as wire bytes."""
         start, stop = options.window(start, stop)
-        stop = time.time() if stop is None else stop
+        stop = max(time.time(), start or 0.0) if stop is None else stop
         addresses = self.select_workers(workers)
         timeout = config.timeout() if timeout is None else options.number("timeout", timeout)
         replies, missing = await self._ask_workers(addresses, "pyspy_profile", timeout, start=start, stop=stop)

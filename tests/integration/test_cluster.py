@@ -1,0 +1,184 @@
+"""A real LocalCluster with worker processes, profiled end to end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from dask.utils import key_split
+from distributed import Client, LocalCluster
+
+import dask_pyspy
+from tests.conftest import frame_names
+from tests.integration.conftest import start_cluster
+from tests.integration.workload import alpha, beta, gamma, sleeper
+
+
+def run_mixed_workload(client: Client) -> None:
+    """Many short tasks of two prefixes (str and tuple keys) and a few long ones."""
+    futures = [client.submit(alpha, i, key=f"alpha-{i}") for i in range(300)]
+    futures += [client.submit(beta, i, key=("beta", i)) for i in range(300)]
+    futures += [client.submit(gamma, i, key=f"gamma-{i}") for i in range(4)]
+    client.gather(futures)
+
+
+def tagged_samples(doc: dict) -> list[tuple[str, list[str], float]]:
+    """(task prefix, stack function names, weight) of every task-tagged sample."""
+    out = []
+    frames = doc["shared"]["frames"]
+    for prof in doc["profiles"]:
+        for sample, weight in zip(prof["samples"], prof["weights"]):
+            if frames[sample[0]].get("file") == "dask task":
+                names = frame_names(doc, sample)
+                out.append((names[0], names[1:], weight))
+    return out
+
+
+TASK_FUNCTIONS = {"alpha", "beta", "gamma"}
+
+
+def check_attribution(doc: dict) -> None:
+    """Of the tagged samples that run a task function, >= 99% are tagged with that task.
+
+    Tagged samples with no task function on the stack are distributed's own per-task
+    work (result sizeof, metering) inside `_run_task`: rightly charged to the task.
+    """
+    tagged = tagged_samples(doc)
+    prefixes = {prefix for prefix, _, _ in tagged}
+    assert TASK_FUNCTIONS <= prefixes, prefixes
+    running = [(prefix, TASK_FUNCTIONS & set(names)) for prefix, names, _ in tagged]
+    right = [{prefix} == functions for prefix, functions in running if functions]
+    assert len(right) > 50, "enough samples to judge"
+    assert sum(right) >= 0.99 * len(right), f"{len(right) - sum(right)} of {len(right)} samples mislabelled"
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_task_attribution(processes, client):
+    if processes:
+        c = client
+    else:
+        cluster, c = start_cluster(processes=False)
+    try:
+        start = time.time()
+        run_mixed_workload(c)
+        prof = c.pyspy_profile(start=start, by="prefix")
+        check_attribution(prof.speedscope())
+        names = [p["name"] for p in prof.processes]
+        workers = list(c.scheduler_info()["workers"])
+        if processes:
+            assert sorted(n for n in names if not n.startswith("scheduler")) == sorted(workers)
+            assert any(n.startswith("scheduler ") for n in names)
+        else:
+            assert len(names) == 1, "one sampler per process, shared by scheduler and workers"
+        # Worker threads carry their worker's address, so shared processes still attribute.
+        labels = [p["name"] for p in prof.speedscope()["profiles"]]
+        for w in workers:
+            assert any(w in label and "Dask-Default-Threads" in label for label in labels), (w, labels)
+        tasks = prof.metadata["tasks"]
+        assert sum(t["alpha"]["count"] for t in tasks.values()) == 300
+    finally:
+        if not processes:
+            c.close()
+            cluster.close()
+
+
+def test_task_keys_of_every_type(client):
+    start = time.time()
+    futures = [
+        client.submit(gamma, 0, 0.4, key="gamma-strkey"),
+        client.submit(gamma, 1, 0.4, key=("gamma-tuple", 7)),
+        client.submit(gamma, 2, 0.4, key=12345),
+    ]
+    client.gather(futures)
+    doc = client.pyspy_profile(start=start, by="task").speedscope()
+    roots = {key for key, names, _ in tagged_samples(doc) if "gamma" in names}
+    assert {"gamma-strkey", "('gamma-tuple', 7)", "12345"} <= roots, roots
+    prefixes = {p for p, _, _ in tagged_samples(client.pyspy_profile(start=start, by="prefix").speedscope())}
+    assert {key_split("gamma-strkey"), key_split(("gamma-tuple", 7)), key_split(12345)} <= prefixes
+
+
+def test_worker_selection_and_window(client):
+    workers = list(client.scheduler_info()["workers"])
+    start = time.time()
+    client.gather(client.map(alpha, range(50)))
+    one = client.pyspy_profile(workers=[workers[0]], scheduler=False, start=start)
+    assert [p["name"] for p in one.processes] == [workers[0]]
+    sampled = client.pyspy_profile(workers=1, scheduler=False, last=30)
+    assert len(sampled.processes) == 1 and sampled.processes[0]["name"] in workers
+    assert sampled.metadata["window"][1] - sampled.metadata["window"][0] == pytest.approx(30, abs=1)
+    future = client.pyspy_profile(start=time.time() + 3600)
+    assert future.n_samples == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"workers": 0}, "workers must be None, a positive number"),
+        ({"workers": ["tcp://127.0.0.1:1"]}, "unknown worker addresses"),
+        ({"last": -5}, "last must be a positive number of seconds"),
+        ({"start": 10.0, "stop": 5.0}, "stop must not be before start"),
+        ({"by": "worker"}, "by must be one of"),
+        ({"last": 5, "start": 1.0}, "either last or start/stop"),
+    ],
+)
+def test_bad_requests(client, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        client.pyspy_profile(**kwargs)
+
+
+def test_without_plugin_the_error_says_what_to_do():
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
+        with pytest.raises(RuntimeError, match=r"register_plugin\(dask_pyspy.PySpyPlugin\(\)\).*--preload dask_pyspy"):
+            c.pyspy_profile()
+        with pytest.raises(RuntimeError, match="no dask-pyspy plugin"):
+            c.pyspy_dump()
+
+
+def test_registering_twice_keeps_one_sampler(client):
+    before = client.run(lambda: __import__("dask_pyspy").sampler.process_sampler._users)
+    client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3))
+    assert client.run(lambda: __import__("dask_pyspy").sampler.process_sampler._users) == before
+
+
+def test_live_dump_shows_running_tasks(client):
+    future = client.submit(sleeper, 3, key="sleeper-dumped")
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stacks = client.pyspy_dump()
+        running = [
+            th for proc in stacks["processes"].values() for th in proc["threads"] if th["task"] == "sleeper-dumped"
+        ]
+        if running:
+            break
+        time.sleep(0.2)
+    assert running and running[0]["frames"][0]["name"] in ("sleeper", "sleep")
+    text = str(stacks)
+    assert "task sleeper-dumped" in text and "Process scheduler" in text
+    future.result()
+
+
+def test_profile_context_manager_records_its_block(client, tmp_path):
+    path = tmp_path / "block.speedscope.json.gz"
+    client.gather(client.map(beta, range(100), key=[f"beta-before-{i}" for i in range(100)]))
+    with dask_pyspy.profile(path, client=client, by="prefix") as rec:
+        client.gather(client.map(alpha, range(200)))
+    assert path.exists()
+    prefixes = {p for p, _, _ in tagged_samples(rec.profile.speedscope())}
+    assert "alpha" in prefixes and "beta" not in prefixes
+    assert rec.profile.metadata["window"] == [rec.start, rec.stop]
+    with pytest.raises(OSError, match="does not exist"):
+        with dask_pyspy.profile(tmp_path / "nope" / "x.json", client=client):
+            pytest.fail("the block must not run when the output cannot be written")
+
+
+def test_config_defaults_and_overrides():
+    import dask
+
+    assert dask.config.get("pyspy.rate") == 100
+    assert dask.config.get("pyspy.cpu_budget") == 0.02
+    with dask.config.set({"pyspy.rate": 250, "pyspy.max-memory": "8MiB"}):
+        plugin = dask_pyspy.PySpyPlugin()
+        assert plugin.sampler_options["rate"] == 250
+        assert plugin.sampler_options["max_memory"] == 8 * 2**20
+    with pytest.raises(ValueError, match="rate must be in"):
+        dask_pyspy.PySpyPlugin(rate=-1)

@@ -1,0 +1,31 @@
+"""Task functions with distinct names, importable by worker processes."""
+
+from __future__ import annotations
+
+import time
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
+def alpha(i: int, seconds: float = 0.005) -> int:
+    spin(seconds)
+    return i
+
+
+def beta(i: int, seconds: float = 0.002) -> int:
+    spin(seconds)
+    return i
+
+
+def gamma(i: int, seconds: float = 0.3) -> int:
+    spin(seconds)
+    return i
+
+
+def sleeper(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
