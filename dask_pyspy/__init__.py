@@ -2,13 +2,15 @@
 
 from dask_pyspy import config as _config  # registers the `pyspy` dask config namespace
 from dask_pyspy._native import __version__
-from dask_pyspy.client import StackDump, dump, get_profile, profile
+from dask_pyspy.client import StackDump, dump, get_profile, profile, pyspy_report
+from dask_pyspy.local import PySpyProfiler
 from dask_pyspy.plugin import PySpyPlugin, PySpyWorkerPlugin, dask_setup
 from dask_pyspy.profile import Profile
 from dask_pyspy.sampler import Sampler
 
 __all__ = [
     "PySpyPlugin",
+    "PySpyProfiler",
     "PySpyWorkerPlugin",
     "Profile",
     "Sampler",
@@ -18,4 +20,5 @@ __all__ = [
     "dump",
     "get_profile",
     "profile",
+    "pyspy_report",
 ]

@@ -13,7 +13,7 @@ def _connect(scheduler: str, timeout: float) -> Any:
 
     try:
         return Client(scheduler, timeout=timeout)
-    except (OSError, TimeoutError) as e:
+    except (OSError, TimeoutError, ValueError) as e:
         raise click.ClickException(f"cannot reach the scheduler at {scheduler}: {e}") from e
 
 

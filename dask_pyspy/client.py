@@ -125,6 +125,19 @@ class profile:
             save_or_keep(self.profile, self.path)
 
 
+class pyspy_report(profile):
+    """Like `distributed.performance_report`: on exit, write one self-contained HTML report.
+
+    >>> with dask_pyspy.pyspy_report("report.html"):  # doctest: +SKIP
+    ...     x.compute()
+    """
+
+    def __init__(self, filename: str | os.PathLike = "dask-pyspy-report.html", client: Client | None = None, **kwargs: Any) -> None:
+        if file_kind(filename) != "html":
+            raise ValueError(f"filename must end in .html, got {os.fspath(filename)!r}")
+        super().__init__(filename, client=client, **kwargs)
+
+
 class StackDump(dict):
     """Live stacks of every thread in every process; `str()` prints them like `py-spy dump`."""
 

@@ -18,6 +18,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.protocol.pickle import dumps
 
 from dask_pyspy import config, options
+from dask_pyspy._loop import off_loop
+from dask_pyspy.dashboard import add_routes
 from dask_pyspy.profile import Profile
 from dask_pyspy.sampler import Sampler, process_sampler
 
@@ -25,11 +27,6 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pyspy"
 HANDLERS = ("pyspy_profile", "pyspy_dump")
-
-
-async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn` in a thread: export, merge and compression never block the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 async def acquire_sampler(opts: dict[str, Any]) -> tuple[Sampler | None, str | None]:
@@ -186,6 +183,7 @@ class PySpyPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self.sampler, self.error = await acquire_sampler(self.sampler_options)
         install_handlers(scheduler, {"pyspy_profile": self.profile, "pyspy_dump": self.dump})
+        add_routes(scheduler, self)
         await scheduler.register_worker_plugin(
             None, dumps(PySpyWorkerPlugin(self.sampler_options)), name=PLUGIN_NAME, idempotent=False
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ def check_writable(path: str | os.PathLike) -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same directory, so a failure leaves no half file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -125,13 +126,22 @@ class Profile:
         path = check_writable(path)
         kind = file_kind(path)
         if kind == "html":
-            from dask_pyspy.report import render_html
-
-            data = render_html(self).encode()
+            data = self.to_html().encode()
         else:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)
         return path
+
+    def to_html(self, title: str = "dask-pyspy report") -> str:
+        """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""
+        from dask_pyspy.report import render_html
+
+        return render_html(self, title=title)
+
+    def _repr_html_(self) -> str:
+        from dask_pyspy.report import render_notebook
+
+        return render_notebook(self)
 
     def __repr__(self) -> str:
         names = ", ".join(p["name"] for p in self.processes)

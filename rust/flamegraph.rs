@@ -30,6 +30,10 @@ pub fn folded(data: &ProfileData, keep: &dyn Fn(&Sample) -> bool) -> Vec<String>
     lines
 }
 
+/// inferno's script records zoom and search in the page URL; a graph embedded in a
+/// report's frame has an opaque origin where that throws, so it is switched off.
+const EMBED_SHIM: &str = "<script type=\"text/ecmascript\"><![CDATA[history.replaceState = function () {};]]></script>";
+
 /// An interactive SVG (click to zoom, search); None when no sample matches.
 pub fn svg(data: &ProfileData, title: &str, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
     let lines = folded(data, keep);
@@ -42,7 +46,8 @@ pub fn svg(data: &ProfileData, title: &str, keep: &dyn Fn(&Sample) -> bool) -> O
     opts.deterministic = true;
     let mut out = Vec::new();
     flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut out).ok()?;
-    String::from_utf8(out).ok()
+    let svg = String::from_utf8(out).ok()?;
+    Some(svg.replacen("<script", &format!("{EMBED_SHIM}<script"), 1))
 }
 
 #[cfg(test)]

@@ -7,10 +7,11 @@ mod model;
 mod sampler;
 mod speedscope;
 mod store;
+mod summary;
 mod tags;
 
 use config::SamplerConfig;
-use model::{ProfileData, Sample};
+use model::{ProfileData, Sample, Tag};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -161,6 +162,25 @@ impl PyProfile {
             return Err(value_error(format!("index must be below {}, got {index}", self.data.processes.len())));
         }
         Ok(PyProfile { data: Arc::new(py.detach(|| self.data.only_process(index))) })
+    }
+
+    /// Totals for reports (see `summary.rs`), as JSON.
+    fn summary_json(&self, py: Python<'_>) -> String {
+        py.detach(|| serde_json::to_string(&summary::summarize(&self.data)).expect("summaries serialise"))
+    }
+
+    /// A copy whose untagged samples inside `(ident, start, stop, key, prefix)` runs carry that task.
+    fn with_intervals(&self, py: Python<'_>, intervals: Vec<(u64, f64, f64, String, String)>) -> Self {
+        let runs: Vec<(u64, u64, u64, Tag)> = intervals
+            .into_iter()
+            .map(|(ident, start, stop, key, prefix)| (ident, secs_to_ns(start), secs_to_ns(stop), Tag { key, prefix }))
+            .collect();
+        let data = py.detach(|| {
+            let mut data = (*self.data).clone();
+            data.tag_intervals(&runs);
+            data
+        });
+        PyProfile { data: Arc::new(data) }
     }
 
     fn metadata_json(&self) -> String {

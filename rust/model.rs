@@ -298,6 +298,32 @@ impl ProfileData {
         out.finish(processes, metadata)
     }
 
+    /// Tags untagged samples of thread `ident` that fall inside a task's run,
+    /// for schedulers that report which thread ran a task only after it ran.
+    pub fn tag_intervals(&mut self, intervals: &[(u64, u64, u64, Tag)]) {
+        let mut tags: Interner<Tag> = Interner::default();
+        for t in &self.tags {
+            tags.intern(t.clone());
+        }
+        let mut by_thread: HashMap<u64, Vec<(u64, u64, u32)>> = HashMap::new();
+        for (ident, start, stop, tag) in intervals {
+            by_thread.entry(*ident).or_default().push((*start, *stop, tags.intern(tag.clone())));
+        }
+        for runs in by_thread.values_mut() {
+            runs.sort_unstable();
+        }
+        for s in self.samples.iter_mut().filter(|s| s.tag.is_none()) {
+            let Some(runs) = by_thread.get(&self.threads[s.thread as usize].ident) else { continue };
+            let i = runs.partition_point(|r| r.0 <= s.time_ns);
+            if let Some(&(_, stop, tag)) = i.checked_sub(1).map(|i| &runs[i]) {
+                if s.time_ns <= stop {
+                    s.tag = Some(tag);
+                }
+            }
+        }
+        self.tags = tags.into_items();
+    }
+
     /// The samples of one process only.
     pub fn only_process(&self, process: u32) -> ProfileData {
         let mut out = Builder::default();
@@ -407,6 +433,16 @@ pub mod tests {
         let names: Vec<_> = p.samples.iter().map(|s| p.threads[s.thread as usize].name.clone().unwrap()).collect();
         assert_eq!(names, ["late", "late", "given"]);
         assert_eq!(p.threads.len(), 2);
+    }
+
+    #[test]
+    fn intervals_tag_the_samples_inside_them() {
+        let mut p = profile("w", &[(1, &["a"], None), (1, &["a"], None), (1, &["a"], None), (2, &["a"], None)]);
+        // Samples are at 1000, 1001, 1002 (thread 1) and 1003 (thread 2).
+        let tag = |k: &str| Tag { key: k.into(), prefix: k.into() };
+        p.tag_intervals(&[(1, 1001, 1002, tag("x")), (2, 0, 1002, tag("y"))]);
+        let keys: Vec<_> = p.samples.iter().map(|s| s.tag.map(|t| p.tags[t as usize].key.clone())).collect();
+        assert_eq!(keys, [None, Some("x".into()), Some("x".into()), None]);
     }
 
     #[test]

@@ -1,0 +1,50 @@
+"""Headless Chromium (Debian's chromium + chromium-driver) through selenium."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--window-size=1400,1000",
+]
+
+
+def start_chromium() -> webdriver.Chrome:
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for flag in FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def console_errors(driver: webdriver.Chrome) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def screenshot(driver: webdriver.Chrome, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    driver.save_screenshot(str(path))
+    return path
+
+
+def search_first_flame_graph(driver: webdriver.Chrome, term: str) -> str:
+    """Runs the flame graph's own search in its iframe; returns its 'Matched: N%' text."""
+    frame = driver.find_element("css selector", "iframe.flame")
+    driver.switch_to.frame(frame)
+    try:
+        assert driver.find_elements("css selector", "svg"), "the flame graph SVG is present"
+        driver.execute_script("search(arguments[0]);", term)
+        return driver.execute_script("return document.getElementById('matched').textContent;")
+    finally:
+        driver.switch_to.default_content()
