@@ -24,10 +24,8 @@ NO_PLUGIN = (
 async def _call(client: Client, op: str, **kwargs: Any) -> Any:
     try:
         reply = await getattr(client.scheduler, op)(**kwargs)
-    except (KeyError, ValueError) as e:
-        if op in str(e) and "handler" in str(e).lower():
-            raise RuntimeError(NO_PLUGIN) from e
-        raise
+    except OSError as e:  # includes distributed's CommClosedError
+        raise OSError(f"lost the connection to the scheduler during {op}: {e}") from e
     if reply is None:  # distributed answers an unknown op with nothing
         raise RuntimeError(NO_PLUGIN)
     return reply
@@ -69,12 +67,15 @@ def get_profile(
     return client.sync(_get_profile, client, by, **kwargs)
 
 
+SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz"}
+
+
 def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:
     """Save; if that fails, keep the profile in a temporary file and say where."""
     try:
         profile.save(path)
     except Exception as e:
-        fd, kept = tempfile.mkstemp(prefix="dask-pyspy-", suffix="." + file_kind(path).replace("speedscope", "json").replace(".gz", ".json.gz"))
+        fd, kept = tempfile.mkstemp(prefix="dask-pyspy-", suffix=SUFFIXES[file_kind(path)])
         os.close(fd)
         profile.save(kept)
         logger.error("dask-pyspy: could not save the profile to %s (%s); kept it at %s", path, e, kept)

@@ -4,11 +4,18 @@ use crate::model::{Frame, ProfileData, Sample};
 use inferno::flamegraph::{self, Options};
 use std::collections::HashMap;
 
+/// Characters XML 1.0 forbids (a NUL would make the browser reject the whole SVG).
+fn xml_safe(text: &str) -> String {
+    text.chars()
+        .map(|c| if (c < ' ' && c != '\t') || c == '\u{FFFE}' || c == '\u{FFFF}' { '\u{FFFD}' } else { c })
+        .collect()
+}
+
 /// `name (file.py:12)`, with the characters that delimit folded stacks replaced.
 fn label(f: &Frame) -> String {
     let file = f.file.rsplit('/').next().unwrap_or(&f.file);
     let text = if f.line > 0 { format!("{} ({}:{})", f.name, file, f.line) } else { format!("{} ({})", f.name, file) };
-    text.replace([';', '\n', '\r'], " ")
+    xml_safe(&text.replace([';', '\n', '\r'], " "))
 }
 
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack.
@@ -41,7 +48,7 @@ pub fn svg(data: &ProfileData, title: &str, keep: &dyn Fn(&Sample) -> bool) -> O
         return None;
     }
     let mut opts = Options::default();
-    opts.title = title.to_string();
+    opts.title = xml_safe(title);
     opts.count_name = "μs".into();
     opts.deterministic = true;
     let mut out = Vec::new();

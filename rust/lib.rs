@@ -10,11 +10,14 @@ mod store;
 mod summary;
 mod tags;
 
+#[cfg(test)]
+mod hostile_tests;
+
 use config::SamplerConfig;
 use model::{ProfileData, Sample, Tag};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyString};
 use serde_json::{Map, Value};
 use speedscope::By;
 use std::sync::Arc;
@@ -71,16 +74,17 @@ impl PySampler {
         py.detach(|| self.inner.dump().to_string())
     }
 
-    fn set_thread_tag(&self, ident: u64, key: String, prefix: String) {
-        self.inner.tags().set_tag(ident, key, prefix)
+    /// Lossy: a key with lone surrogates must not fail the task that is starting.
+    fn set_thread_tag(&self, ident: u64, key: &Bound<'_, PyString>, prefix: &Bound<'_, PyString>) {
+        self.inner.tags().set_tag(ident, key.to_string_lossy().into_owned(), prefix.to_string_lossy().into_owned())
     }
 
     fn clear_thread_tag(&self, ident: u64) {
         self.inner.tags().clear_tag(ident)
     }
 
-    fn set_thread_name(&self, ident: u64, name: String) {
-        self.inner.tags().set_name(ident, name)
+    fn set_thread_name(&self, ident: u64, name: &Bound<'_, PyString>) {
+        self.inner.tags().set_name(ident, name.to_string_lossy().into_owned())
     }
 
     /// The samples captured between `start` and `stop` (Unix seconds).

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.support.ui import WebDriverWait
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
@@ -44,6 +45,8 @@ def search_first_flame_graph(driver: webdriver.Chrome, term: str) -> str:
     driver.switch_to.frame(frame)
     try:
         assert driver.find_elements("css selector", "svg"), "the flame graph SVG is present"
+        # The graph's own init() runs on load; searching before it would find no frames.
+        WebDriverWait(driver, 20).until(lambda d: d.execute_script("return typeof frames !== 'undefined' && !!frames;"))
         driver.execute_script("search(arguments[0]);", term)
         return driver.execute_script("return document.getElementById('matched').textContent;")
     finally:

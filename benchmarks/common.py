@@ -1,0 +1,73 @@
+"""Interleaved runs, statistics and the results file."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import dask
+import distributed
+
+import dask_pyspy
+
+
+@dataclass
+class Section:
+    title: str
+    intro: str = ""
+    tables: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        parts = [f"## {self.title}", self.intro, *self.tables, *(f"- {n}" for n in self.notes)]
+        return "\n\n".join(p for p in parts if p)
+
+
+def interleave(contenders: dict[str, Callable[[], dict[str, float]]], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Runs A B C A B C ...; each call returns named measurements."""
+    out: dict[str, dict[str, list[float]]] = {name: {} for name in contenders}
+    for r in range(rounds):
+        for name, run in contenders.items():
+            print(f"  round {r + 1}/{rounds}: {name}", flush=True)
+            for metric, value in run().items():
+                out[name].setdefault(metric, []).append(value)
+    return out
+
+
+def spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    """median (min-max)"""
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        pyspy = subprocess.run([os.path.join(os.path.dirname(sys.executable), "py-spy"), "--version"],
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pyspy = "py-spy CLI not installed"
+    return table(["what", "value"], [
+        ["date", datetime.datetime.now().isoformat(timespec="seconds")],
+        ["machine", f"{os.cpu_count()} cores, {cpu}, {platform.platform()}"],
+        ["python", sys.version.split()[0]],
+        ["dask / distributed", f"{dask.__version__} / {distributed.__version__}"],
+        ["dask-pyspy", dask_pyspy.__version__],
+        ["py-spy CLI", pyspy],
+    ])

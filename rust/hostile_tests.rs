@@ -1,0 +1,42 @@
+//! Property tests: any text in frame names, files, task keys or thread names
+//! survives the exporters (valid JSON, exact round trip) and never becomes markup.
+
+use crate::model::{tests::profile, Frame, Tag};
+use crate::speedscope::{self, By};
+use crate::{flamegraph, summary};
+use proptest::prelude::*;
+
+fn hostile() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("<script>alert(1)</script>".to_string()),
+        Just("\"';\n\r\0&amp;</svg>]]>".to_string()),
+        Just("x".repeat(100_000)),
+        any::<String>(),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn exporters_survive_any_names(name in hostile(), file in hostile(), key in hostile(), thread in hostile()) {
+        let mut data = profile("w", &[(1, &["main", "f"], Some("k")), (1, &["main", "g"], None)]);
+        data.frames[1] = Frame { name: name.clone(), file: file.clone(), line: 3 };
+        data.tags[0] = Tag { key: key.clone(), prefix: key.clone() };
+        data.threads[0].name = Some(thread.clone());
+        for by in [By::Thread, By::Task, By::Prefix] {
+            let doc: serde_json::Value = serde_json::from_slice(&speedscope::write(&data, by, "t")).unwrap();
+            let frames = doc["shared"]["frames"].as_array().unwrap();
+            prop_assert!(frames.iter().any(|f| f["name"] == name.as_str() && f["file"] == file.as_str()));
+            if by == By::Task {
+                prop_assert!(frames.iter().any(|f| f["name"] == key.as_str()));
+            }
+            prop_assert!(doc["profiles"][0]["name"].as_str().unwrap().contains(thread.as_str()));
+        }
+        let svg = flamegraph::svg(&data, &key, &|_| true).unwrap();
+        prop_assert_eq!(svg.matches("<script").count(), 2, "only the graph's own scripts");
+        prop_assert!(!svg.chars().any(|c| c < ' ' && !matches!(c, '\t' | '\n' | '\r')), "valid XML text");
+        let s = summary::summarize(&data);
+        prop_assert_eq!(&s.prefixes[0].prefix, &key);
+    }
+}
