@@ -4,10 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Headless Chromium for the HTML report and dashboard tests.
-if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+# Debian packages: headless Chromium (report and dashboard tests), strace (syscall
+# fault injection) and Debian's python3 (runs a test as an unprivileged user).
+need=()
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
+command -v strace >/dev/null || need+=(strace)
+command -v setpriv >/dev/null || need+=(util-linux)
+[ -x /usr/bin/python3 ] || need+=(python3)
+if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 python3 -m venv .venv

@@ -55,6 +55,9 @@ class Sampler:
 
     def start(self) -> None:
         """Start sampling; raises RuntimeError if this interpreter cannot be read."""
+        if os.environ.get("DASK_PYSPY_TEST_UNREADABLE"):
+            # Test switch: fail as a process whose memory py-spy cannot read would.
+            raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TEST_UNREADABLE")
         if sysconfig.get_config_var("Py_GIL_DISABLED"):
             raise RuntimeError(
                 "dask-pyspy cannot sample a free-threaded (no-GIL) CPython build: "

@@ -1,0 +1,79 @@
+"""Sampling needs no root, no capabilities and no ptrace; interpreters it cannot read are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import dask_pyspy
+from dask_pyspy import Sampler
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = sysconfig.get_paths()["purelib"]
+
+CHILD = """
+import json, threading, time
+from dask_pyspy import Sampler
+
+def spin_unprivileged(stop):
+    while not stop.is_set():
+        sum(range(100))
+
+with open("/proc/self/status") as f:
+    status = dict(line.split(":", 1) for line in f)
+stop = threading.Event()
+t = threading.Thread(target=spin_unprivileged, args=(stop,), name="spinner")
+t.start()
+s = Sampler(rate=200, cpu_budget=1.0)
+s.start()
+time.sleep(1)
+s.stop()
+stop.set()
+t.join()
+names = {f["name"] for f in s.profile().speedscope()["shared"]["frames"]}
+print(json.dumps({"uid": status["Uid"].split()[0], "caps": status["CapEff"].strip(),
+                  "found": "spin_unprivileged" in names, "ticks": s.stats()["ticks"]}))
+"""
+
+
+def run_child(prefix: list[str], python: str) -> dict:
+    env = {"PYTHONPATH": f"{ROOT}:{SITE}", "HOME": "/tmp", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([*prefix, python, "-c", CHILD], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs util-linux setpriv")
+def test_unprivileged_user_without_capabilities():
+    # Debian's python3 (same minor version as the venv), reachable by an unprivileged user.
+    python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    if not Path(python).exists():
+        pytest.fail(f"{python} is needed to run as another user (ci/test.sh installs it)")
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs"]
+    result = run_child(drop, python)
+    assert result["uid"] == "65534" and int(result["caps"], 16) == 0
+    assert result["found"] and result["ticks"] > 100
+
+
+@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+def test_blocked_process_vm_readv_falls_back_to_proc_mem():
+    """As under a seccomp profile that forbids process_vm_readv: py-spy reads /proc/self/mem instead."""
+    block = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=process_vm_readv",
+             "-e", "inject=process_vm_readv:error=EPERM"]
+    result = run_child(block, sys.executable)
+    assert result["found"] and result["ticks"] > 100
+
+
+def test_free_threaded_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(dask_pyspy.sampler.sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else None)
+    s = Sampler()
+    with pytest.raises(RuntimeError, match="free-threaded .* py-spy does not support it"):
+        s.start()
+    assert not s.is_running
