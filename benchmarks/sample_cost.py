@@ -59,6 +59,7 @@ def measure(threads: int, depth: int, lines: bool, seconds: float) -> dict[str, 
         "us_per_tick": 1e6 * per_tick,
         "us_per_frame": 1e6 * per_tick / max(frames, 1),
         "system_share": system / max(user + system, 1e-9),
+        "ticks": stats["ticks"],
     }
 
 
@@ -67,7 +68,7 @@ import threading, time, sys
 sys.path.insert(0, {root!r})
 from benchmarks.sample_cost import measure
 r = measure({threads}, {depth}, True, 2.0)
-print("FRAMES", r["frames"])
+print("FRAMES", r["frames"], "TICKS", r["ticks"])
 """
 
 
@@ -84,12 +85,12 @@ def readv_calls_per_frame(threads: int, depth: int) -> str:
             capture_output=True, text=True, timeout=120,
         )
         report = open(out.name).read()
-    frames = re.search(r"FRAMES (\d+)", done.stdout)
+    counted = re.search(r"FRAMES (\d+) TICKS (\d+)", done.stdout)
     calls = re.search(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?process_vm_readv", report, re.M)
-    ticks = 2.0 * 200
-    if not (frames and calls):
+    if not (counted and calls):
         return f"not measured: {done.stderr[-200:]!r}"
-    return f"{int(calls.group(1)) / ticks / int(frames.group(1)):.1f}"
+    frames, ticks = int(counted.group(1)), int(counted.group(2))
+    return f"{int(calls.group(1)) / ticks / frames:.1f}"
 
 
 def run(quick: bool) -> Section:

@@ -11,6 +11,7 @@ from typing import Any
 from distributed import Client, default_client
 
 from dask_pyspy import config, options
+from dask_pyspy._loop import off_loop
 from dask_pyspy.profile import Profile, check_writable, file_kind
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,30 @@ async def _call(client: Client, op: str, **kwargs: Any) -> Any:
 
 async def _get_profile(client: Client, by: str, **kwargs: Any) -> Profile:
     data = await _call(client, "pyspy_profile", **kwargs)
-    return Profile.from_wire(data, by=by)
+    return await off_loop(lambda: Profile.from_wire(data, by=by))
+
+
+def _request(
+    workers: int | list[str] | None = None,
+    scheduler: bool = True,
+    start: float | None = None,
+    stop: float | None = None,
+    last: float | None = None,
+    by: str | None = None,
+    timeout: float | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """Checks a profile request; returns the grouping and the scheduler's arguments."""
+    by = options.by(config.get("by") if by is None else by)
+    options.workers(workers)
+    seconds = options.last(last)
+    if seconds is not None:
+        if start is not None or stop is not None:
+            raise ValueError("give either last or start/stop, not both")
+        stop = time.time()
+        start = stop - seconds
+    start, stop = options.window(start, stop)
+    timeout = None if timeout is None else options.number("timeout", timeout)
+    return by, dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
 
 
 def get_profile(
@@ -51,19 +75,11 @@ def get_profile(
     workers: None (all), a number of workers picked at random, or addresses.
     start, stop: Unix seconds; or `last`: the last so many seconds.
     by: default grouping of exports, "thread", "task" or "prefix".
+    timeout: seconds to wait for each worker (default: config `pyspy.timeout`).
     Workers that fail or time out are named in `profile.metadata["missing"]`.
     """
     client = client or default_client()
-    by = options.by(config.get("by") if by is None else by)
-    options.workers(workers)
-    seconds = options.last(last)
-    if seconds is not None:
-        if start is not None or stop is not None:
-            raise ValueError("give either last or start/stop, not both")
-        stop = time.time()
-        start = stop - seconds
-    start, stop = options.window(start, stop)
-    kwargs = dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
+    by, kwargs = _request(workers, scheduler, start, stop, last, by, timeout)
     return client.sync(_get_profile, client, by, **kwargs)
 
 
@@ -96,6 +112,7 @@ class profile:
     def __init__(self, path: str | os.PathLike | None = None, client: Client | None = None, **kwargs: Any) -> None:
         if "start" in kwargs or "stop" in kwargs or "last" in kwargs:
             raise ValueError("profile() records the block's own window: start, stop and last are not allowed")
+        _request(**kwargs)  # bad options fail now, not after the workload
         self.path = path
         self.client = client
         self.kwargs = kwargs
@@ -110,20 +127,21 @@ class profile:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop = time.time()
-        self.profile = get_profile(self.client, start=self.start, stop=self.stop, **self.kwargs)
-        if self.path is not None:
-            save_or_keep(self.profile, self.path)
+        by, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
+        self._finish(self.client.sync(_get_profile, self.client, by, **kwargs))
 
     async def __aenter__(self) -> profile:
         return self.__enter__()
 
     async def __aexit__(self, *exc: Any) -> None:
         self.stop = time.time()
-        by = options.by(config.get("by") if self.kwargs.get("by") is None else self.kwargs["by"])
-        rest = {k: v for k, v in self.kwargs.items() if k != "by"}
-        self.profile = await _get_profile(self.client, by, start=self.start, stop=self.stop, **rest)
+        by, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
+        self._finish(await _get_profile(self.client, by, **kwargs))
+
+    def _finish(self, prof: Profile) -> None:
+        self.profile = prof
         if self.path is not None:
-            save_or_keep(self.profile, self.path)
+            save_or_keep(prof, self.path)
 
 
 class pyspy_report(profile):

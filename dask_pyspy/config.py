@@ -9,6 +9,8 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
+from dask_pyspy import options
+
 SAMPLER_OPTIONS = ("rate", "idle", "gil_only", "cpu_budget", "max_memory", "lines", "function")
 
 with open(os.path.join(os.path.dirname(__file__), "pyspy.yaml")) as f:
@@ -32,5 +34,6 @@ def sampler_options(**given: Any) -> dict[str, Any]:
     return out
 
 
-def timeout() -> float:
-    return parse_timedelta(get("timeout"))
+def timeout(given: Any = None) -> float:
+    """Seconds to wait for each worker: `given`, else config `pyspy.timeout`."""
+    return parse_timedelta(get("timeout")) if given is None else options.number("timeout", given)

@@ -32,6 +32,7 @@ class PySpyProfiler(Callback):
         self._options = config.sampler_options(**sampler_options)
         Sampler(**self._options)  # bad options fail here
         self._sampler: Sampler | None = None
+        self._result: Profile | None = None
         self._lock = threading.Lock()
         self._submitted: dict[Any, float] = {}
         self._runs: list[tuple[int, float, float, str, str]] = []
@@ -66,17 +67,20 @@ class PySpyProfiler(Callback):
         """Stop sampling (it stops by itself when the `with` block ends)."""
         with self._lock:
             if self._sampler is not None:
-                self._last = self.profile
+                self._result = self._collect(self._sampler)
                 self._sampler = None
                 process_sampler.release()
+
+    def _collect(self, sampler: Sampler) -> Profile:
+        raw = sampler.profile(self.start, self.stop or time.time(), by="prefix")
+        return raw.with_task_runs(list(self._runs))
 
     @property
     def profile(self) -> Profile:
         """The samples from the first compute's start to the last one's end, tagged with tasks."""
         sampler = self._sampler
-        if sampler is None:
-            if hasattr(self, "_last"):
-                return self._last
+        if sampler is not None:
+            return self._collect(sampler)
+        if self._result is None:
             raise RuntimeError("nothing was computed under this PySpyProfiler yet")
-        raw = sampler.profile(self.start, self.stop or time.time())
-        return Profile(raw._native.with_intervals(list(self._runs)), by="prefix")
+        return self._result

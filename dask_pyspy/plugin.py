@@ -77,17 +77,23 @@ class TaskTagger(dict):
         self._sampler.clear_thread_tag(ident)
 
 
+RUNNING = ("executing", "long-running")  # a seceded task is still running
+
+
 class TaskLog:
-    """Start and stop times of executed tasks, bounded, for the profile's metadata."""
+    """Start and stop times of executed tasks, bounded, for the profile's metadata.
+
+    Fed by the worker's `transition` hook on the event loop; summarised off it.
+    """
 
     def __init__(self, maxlen: int) -> None:
         self._started: dict[Any, float] = {}
         self._done: deque[tuple[str, float, float]] = deque(maxlen=maxlen)
 
     def transition(self, key: Any, start: str, finish: str) -> None:
-        if finish == "executing":
-            self._started[key] = time.time()
-        elif start == "executing":
+        if finish in RUNNING:
+            self._started.setdefault(key, time.time())
+        elif start in RUNNING:
             began = self._started.pop(key, None)
             if began is not None:
                 self._done.append((key_split(key), began, time.time()))
@@ -96,7 +102,7 @@ class TaskLog:
         """Per task prefix: tasks that overlap the window, and their wall seconds inside it."""
         lo, hi = start or 0.0, stop or time.time()
         out: dict[str, dict[str, float]] = {}
-        for prefix, began, ended in list(self._done):
+        for prefix, began, ended in list(self._done):  # one C-level copy: safe from another thread
             inside = min(ended, hi) - max(began, lo)
             if inside >= 0:
                 entry = out.setdefault(prefix, {"count": 0, "seconds": 0.0})
@@ -140,9 +146,9 @@ class PySpyWorkerPlugin(WorkerPlugin):
 
     async def profile(self, start: float | None = None, stop: float | None = None) -> bytes:
         sampler = self._check()
-        tasks = {self.worker.address: self.tasks.summary(start, stop)}
 
         def export() -> bytes:
+            tasks = {self.worker.address: self.tasks.summary(start, stop)}
             p = sampler.profile(start, stop, name=self.worker.address)
             return p.with_metadata(tasks=tasks).to_wire()
 
@@ -221,7 +227,7 @@ class PySpyPlugin(SchedulerPlugin):
             elif isinstance(reply, BaseException):
                 missing[addr] = f"{type(reply).__name__}: {reply}"
             elif reply is None:
-                missing[addr] = "the worker has no pyspy_profile handler (plugin not set up there)"
+                missing[addr] = f"the worker has no {op} handler (the plugin is not set up there)"
             else:
                 ok[addr] = reply
         return ok, missing
@@ -243,7 +249,7 @@ class PySpyPlugin(SchedulerPlugin):
         start, stop = options.window(start, stop)
         stop = max(time.time(), start or 0.0) if stop is None else stop
         addresses = self.select_workers(workers)
-        timeout = config.timeout() if timeout is None else options.number("timeout", timeout)
+        timeout = config.timeout(timeout)
         replies, missing = await self._ask_workers(addresses, "pyspy_profile", timeout, start=start, stop=stop)
         if scheduler and self.sampler is None:
             missing["scheduler"] = f"sampling is off on the scheduler: {self.error}"
@@ -258,7 +264,7 @@ class PySpyPlugin(SchedulerPlugin):
 
     async def dump(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:
         addresses = self.select_workers(workers)
-        timeout = config.timeout() if timeout is None else options.number("timeout", timeout)
+        timeout = config.timeout(timeout)
         replies, missing = await self._ask_workers(addresses, "pyspy_dump", timeout)
         if scheduler and self.sampler is not None:
             replies["scheduler"] = {"process": f"scheduler {self.scheduler.address}", "pid": os.getpid(), **await off_loop(self.sampler.dump)}

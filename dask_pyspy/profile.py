@@ -105,6 +105,18 @@ class Profile:
         meta = json.dumps({"tasks": tasks, **metadata}, default=str)
         return cls(_native.Profile.merge([p._native for p in profiles], meta), by=by)
 
+    def summary(self) -> dict[str, Any]:
+        """Totals: per process, per task prefix (with top functions), per thread state."""
+        return json.loads(self._native.summary_json())
+
+    def flamegraph_svg(self, title: str, prefix: str | None = None, process: int | None = None) -> str | None:
+        """An interactive flame graph of all samples, or of one task prefix / process; None if empty."""
+        return self._native.flamegraph_svg(title, prefix=prefix, process=process)
+
+    def with_task_runs(self, runs: list[tuple[int, float, float, str, str]]) -> Profile:
+        """Tags untagged samples of thread `ident` inside `(ident, start, stop, key, prefix)` runs."""
+        return Profile(self._native.with_intervals(runs), by=self.by)
+
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
         return Profile(self._native.only_process(index), by=self.by)

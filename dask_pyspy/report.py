@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import json
 import os
 import re
 from html import escape
@@ -145,8 +144,7 @@ def _states_section(summary: dict[str, Any], idle_sampled: bool) -> Iterator[str
 
 def render_html(profile: Profile, title: str = "dask-pyspy report", header: str = "") -> str:
     """The whole report as one HTML page that needs no network; `header` is trusted HTML."""
-    summary = json.loads(profile._native.summary_json())
-    native = profile._native
+    summary = profile.summary()
     idle_sampled = any(p["stats"]["config"]["idle"] for p in profile.processes)
     speedscope = base64.b64encode(profile.to_bytes(compress=True)).decode()
     parts = [
@@ -156,15 +154,15 @@ def render_html(profile: Profile, title: str = "dask-pyspy report", header: str 
         '<p><button id="download">Download the speedscope profile</button> '
         "open it at speedscope.app or with the <code>speedscope</code> command, both work offline.</p>",
         "<h2>Summary</h2>", *_summary_section(profile, summary),
-        "<h2>Whole cluster</h2>", flame_iframe(native.flamegraph_svg("All processes"), "All processes"),
+        "<h2>Whole cluster</h2>", flame_iframe(profile.flamegraph_svg("All processes"), "All processes"),
         "<h2>Task prefixes</h2>", *_prefix_section(summary, profile.metadata.get("tasks") or {}),
     ]
     for p in summary["prefixes"][:TOP_PREFIXES]:
-        svg = native.flamegraph_svg(f"Task prefix {p['prefix']}", prefix=p["prefix"])
+        svg = profile.flamegraph_svg(f"Task prefix {p['prefix']}", prefix=p["prefix"])
         parts.append(flame_details(svg, p["prefix"], f"Flame graph of {p['prefix']} ({p['seconds']:.2f} s)"))
     parts.append("<h2>Processes</h2>")
     for i, proc in enumerate(profile.processes):
-        svg = native.flamegraph_svg(f"Process {proc['name']}", process=i)
+        svg = profile.flamegraph_svg(f"Process {proc['name']}", process=i)
         parts.append(flame_details(svg, proc["name"], f"Flame graph of {proc['name']}"))
     parts += [
         "<h2>GIL and idle</h2>", *_states_section(summary, idle_sampled),
@@ -187,8 +185,8 @@ def render_dashboard(profile: Profile, last: float, stacks: str) -> str:
 
 def render_notebook(profile: Profile) -> str:
     """A compact view for Jupyter: the headline numbers and the whole-cluster flame graph."""
-    summary = json.loads(profile._native.summary_json())
+    summary = profile.summary()
     head = _table(["processes", "samples", "sampled thread-seconds", "top task prefix"],
                   [[len(profile.processes), summary["samples"], float(summary["seconds"]),
                     summary["prefixes"][0]["prefix"] if summary["prefixes"] else "-"]])
-    return head + flame_iframe(profile._native.flamegraph_svg("dask-pyspy"), "dask-pyspy")
+    return head + flame_iframe(profile.flamegraph_svg("dask-pyspy"), "dask-pyspy")

@@ -261,7 +261,8 @@ impl<'a> Loop<'a> {
 
     fn run(&mut self) {
         let started = Instant::now();
-        let mut next = started;
+        // The first tick comes one interval in, so ticks / elapsed is the rate.
+        let mut next = started + self.base;
         let mut last_tick: Option<Instant> = None;
         while !self.wait_until(next) {
             let now = Instant::now();
@@ -286,6 +287,7 @@ impl<'a> Loop<'a> {
                 next = now;
             }
         }
+        self.shared.stats.lock().wall_ns = started.elapsed().as_nanos() as u64;
     }
 
     /// Sleeps until `deadline`; true when asked to stop.

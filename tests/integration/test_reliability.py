@@ -180,3 +180,4 @@ def test_unreadable_worker_reports_its_error_and_the_cluster_runs():
         prof = client.pyspy_profile(last=10)
         assert "py-spy cannot read this Python process" in prof.metadata["missing"][worker]
         assert [p["name"] for p in prof.processes] == [f"scheduler {client.scheduler.address}"]
+

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import dask
 import pytest
@@ -26,7 +25,7 @@ def test_tasks_tagged_on_local_schedulers(scheduler):
     work = [run_alpha(i) for i in range(60)] + [run_beta(i) for i in range(60)]
     with PySpyProfiler(rate=200, cpu_budget=0.3) as prof:
         dask.compute(work, scheduler=scheduler, num_workers=2)
-    summary = json.loads(prof.profile._native.summary_json())
+    summary = prof.profile.summary()
     prefixes = {p["prefix"]: p for p in summary["prefixes"]}
     assert {"run_alpha", "run_beta"} <= set(prefixes)
     doc = prof.profile.speedscope(by="prefix")
