@@ -14,6 +14,7 @@ mod tags;
 mod hostile_tests;
 
 use config::SamplerConfig;
+use flate2::Compression;
 use model::{ProfileData, Sample, Tag};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -116,14 +117,15 @@ impl PyProfile {
     fn from_wire(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
         let parsed = py.detach(|| -> Result<ProfileData, String> {
             let raw = compress::gunzip(data).map_err(|e| e.to_string())?;
-            serde_json::from_slice(&raw).map_err(|e| e.to_string())
+            let data: ProfileData = serde_json::from_slice(&raw).map_err(|e| e.to_string())?;
+            data.validate().map(|()| data)
         });
         let data = parsed.map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
         Ok(PyProfile { data: Arc::new(data) })
     }
 
     fn to_wire<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let bytes = py.detach(|| compress::gzip(&serde_json::to_vec(&*self.data).expect("profiles serialise")));
+        let bytes = py.detach(|| compress::gzip(&serde_json::to_vec(&*self.data).expect("profiles serialise"), Compression::fast()));
         PyBytes::new(py, &bytes)
     }
 
@@ -144,7 +146,7 @@ impl PyProfile {
         let by: By = by.parse().map_err(value_error)?;
         let bytes = py.detach(|| {
             let doc = speedscope::write(&self.data, by, name);
-            if compress { compress::gzip(&doc) } else { doc }
+            if compress { compress::gzip(&doc, Compression::default()) } else { doc }
         });
         Ok(PyBytes::new(py, &bytes))
     }

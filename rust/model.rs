@@ -43,8 +43,7 @@ pub struct Process {
 pub const FLAG_ACTIVE: u8 = 1;
 pub const FLAG_GIL: u8 = 2;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(from = "SampleRow", into = "SampleRow")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
     /// Capture time, nanoseconds since the Unix epoch.
     pub time_ns: u64,
@@ -56,19 +55,64 @@ pub struct Sample {
     pub flags: u8,
 }
 
-/// Samples travel as compact arrays rather than objects with repeated field names.
-#[derive(Serialize, Deserialize)]
-struct SampleRow(u64, u32, u32, Option<u32>, u32, u8);
+/// Samples travel as columns, times as differences: most samples of a tick share
+/// its time, so the wire carries a 0 instead of a 19-digit timestamp.
+mod sample_columns {
+    use super::Sample;
+    use serde::{de::Error, Deserialize, Deserializer, Serialize, Serializer};
 
-impl From<SampleRow> for Sample {
-    fn from(r: SampleRow) -> Self {
-        Sample { time_ns: r.0, thread: r.1, stack: r.2, tag: r.3, weight_us: r.4, flags: r.5 }
+    #[derive(Serialize, Deserialize)]
+    struct Columns {
+        time_delta_ns: Vec<i64>,
+        thread: Vec<u32>,
+        stack: Vec<u32>,
+        /// -1: no task.
+        tag: Vec<i64>,
+        weight_us: Vec<u32>,
+        flags: Vec<u8>,
     }
-}
 
-impl From<Sample> for SampleRow {
-    fn from(s: Sample) -> Self {
-        SampleRow(s.time_ns, s.thread, s.stack, s.tag, s.weight_us, s.flags)
+    pub fn serialize<S: Serializer>(samples: &[Sample], s: S) -> Result<S::Ok, S::Error> {
+        let mut last = 0i64;
+        let columns = Columns {
+            time_delta_ns: samples
+                .iter()
+                .map(|x| {
+                    let t = x.time_ns as i64;
+                    let d = t - last;
+                    last = t;
+                    d
+                })
+                .collect(),
+            thread: samples.iter().map(|x| x.thread).collect(),
+            stack: samples.iter().map(|x| x.stack).collect(),
+            tag: samples.iter().map(|x| x.tag.map_or(-1, i64::from)).collect(),
+            weight_us: samples.iter().map(|x| x.weight_us).collect(),
+            flags: samples.iter().map(|x| x.flags).collect(),
+        };
+        columns.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Sample>, D::Error> {
+        let c = Columns::deserialize(d)?;
+        let n = c.time_delta_ns.len();
+        if [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.flags.len()].iter().any(|&l| l != n) {
+            return Err(D::Error::custom("sample columns differ in length"));
+        }
+        let mut time = 0i64;
+        Ok((0..n)
+            .map(|i| {
+                time += c.time_delta_ns[i];
+                Sample {
+                    time_ns: time as u64,
+                    thread: c.thread[i],
+                    stack: c.stack[i],
+                    tag: u32::try_from(c.tag[i]).ok(),
+                    weight_us: c.weight_us[i],
+                    flags: c.flags[i],
+                }
+            })
+            .collect())
     }
 }
 
@@ -81,6 +125,7 @@ pub struct ProfileData {
     pub tags: Vec<Tag>,
     pub threads: Vec<Thread>,
     pub processes: Vec<Process>,
+    #[serde(with = "sample_columns")]
     pub samples: Vec<Sample>,
     pub metadata: Map<String, Value>,
 }
@@ -360,6 +405,23 @@ impl ProfileData {
         self.threads = ids.into_items();
     }
 
+    /// Every id points into its table, so exporters can index without checks.
+    pub fn validate(&self) -> Result<(), String> {
+        let frames = self.frames.len() as u32;
+        if self.stacks.iter().flatten().any(|&f| f >= frames) {
+            return Err("a stack names a frame that does not exist".into());
+        }
+        let processes = self.processes.len() as u32;
+        if self.threads.iter().any(|t| t.process >= processes) {
+            return Err("a thread names a process that does not exist".into());
+        }
+        let (threads, stacks, tags) = (self.threads.len() as u32, self.stacks.len() as u32, self.tags.len() as u32);
+        if self.samples.iter().any(|s| s.thread >= threads || s.stack >= stacks || s.tag.is_some_and(|t| t >= tags)) {
+            return Err("a sample names a thread, stack or tag that does not exist".into());
+        }
+        Ok(())
+    }
+
     /// Total sampled time in seconds.
     pub fn total_seconds(&self) -> f64 {
         self.samples.iter().map(|s| s.weight_us as f64).sum::<f64>() / 1e6
@@ -449,7 +511,14 @@ pub mod tests {
     fn wire_round_trip() {
         let a = profile("w1", &[(1, &["main", "f"], Some("f-1"))]);
         let json = serde_json::to_string(&a).unwrap();
-        assert!(json.contains("[1000,0,0,0,10000,1]"));
-        assert_eq!(serde_json::from_str::<ProfileData>(&json).unwrap(), a);
+        assert!(json.contains(r#""time_delta_ns":[1000]"#), "{json}");
+        let back: ProfileData = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, a);
+        assert!(back.validate().is_ok());
+        let mut broken = a.clone();
+        broken.samples[0].stack = 9;
+        assert!(broken.validate().unwrap_err().contains("stack"));
+        let uneven = json.replace(r#""flags":[1]"#, r#""flags":[1,1]"#);
+        assert!(serde_json::from_str::<ProfileData>(&uneven).is_err());
     }
 }
