@@ -3,7 +3,7 @@
 //! the tables themselves grow (thread churn, many task keys), compacting them to
 //! what the remaining samples still use.
 
-use crate::model::{Builder, Frame, Process, ProfileData, Remap, Sample, Tables, Tag, Thread};
+use crate::model::{Builder, Frame, Process, ProfileData, Remap, Sample, Tag, Thread};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
@@ -121,28 +121,11 @@ impl Store {
     }
 }
 
-impl Tables for Store {
-    fn frame(&self, id: u32) -> &Frame {
-        self.tables.frame(id)
-    }
-    fn stack(&self, id: u32) -> &[u32] {
-        self.tables.stack(id)
-    }
-    fn tag(&self, id: u32) -> &Tag {
-        self.tables.tag(id)
-    }
-    fn thread(&self, id: u32) -> &Thread {
-        self.tables.thread(id)
-    }
-    fn counts(&self) -> [usize; 4] {
-        self.tables.counts()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::tests::frame;
+    use crate::model::Tables;
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
@@ -159,7 +142,7 @@ mod tests {
         for t in 0..100 {
             push(&mut s, t, &["main", "work"], Some("k"));
         }
-        assert_eq!(s.counts(), [2, 1, 1, 1]);
+        assert_eq!(s.tables.counts(), [2, 1, 1, 1]);
         assert_eq!(s.stats().samples_held, 100);
     }
 
@@ -189,7 +172,7 @@ mod tests {
         assert!(st.bytes <= cap);
         assert!(st.compactions > 0);
         // Tables only hold what live samples use.
-        assert_eq!(s.counts()[2], st.samples_held);
+        assert_eq!(s.tables.counts()[2], st.samples_held);
         let w = s.window(0, u64::MAX, proc(), Map::new());
         assert_eq!(w.samples.len(), st.samples_held);
         assert!(w.tags.iter().all(|t| t.key.starts_with("task-")));

@@ -17,6 +17,15 @@ def start_cluster(processes: bool, n_workers: int = 2) -> tuple[LocalCluster, Cl
     return cluster, client
 
 
+@pytest.fixture
+def fresh():
+    """A cluster of its own, for tests that break or reshape it."""
+    cluster, client = start_cluster(processes=True)
+    yield cluster, client
+    client.close()
+    cluster.close()
+
+
 @pytest.fixture(scope="module")
 def client():
     cluster, client = start_cluster(processes=True)

@@ -11,7 +11,7 @@ from distributed import Client, LocalCluster
 import dask_pyspy
 from tests.conftest import frame_names
 from tests.integration.conftest import start_cluster
-from tests.integration.workload import alpha, beta, gamma, sleeper
+from tests.integration.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper
 
 
 def run_mixed_workload(client: Client) -> None:
@@ -95,6 +95,16 @@ def test_task_keys_of_every_type(client):
     assert {"gamma-strkey", "('gamma-tuple', 7)", "12345"} <= roots, roots
     prefixes = {p for p, _, _ in tagged_samples(client.pyspy_profile(start=start, by="prefix").speedscope())}
     assert {key_split("gamma-strkey"), key_split(("gamma-tuple", 7)), key_split(12345)} <= prefixes
+
+
+def test_actors_are_tagged_and_coroutine_tasks_do_not_break_anything(client):
+    counter = client.submit(Counter, actor=True, key="counter-actor").result()
+    start = time.time()
+    assert counter.work(0.5).result() == 1
+    assert client.submit(coroutine_task, 0.2, key="coroutine-task").result() == 0.2
+    doc = client.pyspy_profile(start=start, by="task").speedscope()
+    actor_samples = [names for key, names, _ in tagged_samples(doc) if key == "counter-actor.work"]
+    assert actor_samples and all("Counter.work" in names for names in actor_samples if "spin" in names)
 
 
 def test_worker_selection_and_window(client):

@@ -7,22 +7,11 @@ import signal
 import threading
 import time
 
-import pytest
-
-from tests.integration.conftest import start_cluster
 from tests.integration.workload import alpha
 
 
-@pytest.fixture
-def cluster_client():
-    cluster, client = start_cluster(processes=True)
-    yield cluster, client
-    client.close()
-    cluster.close()
-
-
-def test_worker_killed_during_collection(cluster_client):
-    cluster, client = cluster_client
+def test_worker_killed_during_collection(fresh):
+    cluster, client = fresh
     client.gather(client.map(alpha, range(100)))
     pids = client.run(os.getpid)
     victim, survivor = sorted(pids)
@@ -46,8 +35,8 @@ def test_worker_killed_during_collection(cluster_client):
     assert client.submit(alpha, 1, key="after-kill").result(timeout=30) == 1
 
 
-def test_hung_worker_times_out_and_the_rest_is_returned(cluster_client):
-    cluster, client = cluster_client
+def test_hung_worker_times_out_and_the_rest_is_returned(fresh):
+    cluster, client = fresh
     pids = client.run(os.getpid)
     victim, survivor = sorted(pids)
     os.kill(pids[victim], signal.SIGSTOP)
@@ -61,8 +50,8 @@ def test_hung_worker_times_out_and_the_rest_is_returned(cluster_client):
         os.kill(pids[victim], signal.SIGCONT)
 
 
-def test_worker_joining_during_the_window(cluster_client):
-    cluster, client = cluster_client
+def test_worker_joining_during_the_window(fresh):
+    cluster, client = fresh
     start = time.time()
     cluster.scale(3)
     client.wait_for_workers(3, timeout=60)

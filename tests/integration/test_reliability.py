@@ -15,14 +15,6 @@ from tests.integration.conftest import start_cluster
 from tests.integration.workload import alpha, beta, gamma
 
 
-@pytest.fixture
-def fresh():
-    cluster, client = start_cluster(processes=True)
-    yield cluster, client
-    client.close()
-    cluster.close()
-
-
 def test_restart_and_retire_while_sampling(fresh):
     cluster, client = fresh
     client.gather(client.map(alpha, range(50)))

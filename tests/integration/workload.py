@@ -29,3 +29,18 @@ def gamma(i: int, seconds: float = 0.3) -> int:
 def sleeper(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+class Counter:
+    """An actor: its method calls run in the worker's actor thread."""
+
+    def work(self, seconds: float) -> int:
+        spin(seconds)
+        return 1
+
+
+async def coroutine_task(seconds: float) -> float:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return seconds
