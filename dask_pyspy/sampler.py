@@ -126,10 +126,11 @@ class ProcessSampler:
 
     def acquire(self, opts: dict[str, Any]) -> Sampler:
         with self._lock:
+            wanted = Sampler(**opts)  # checks and normalises the options
             current = self._sampler
-            if current is None or (not current.is_running and current.options != Sampler(**opts).options):
-                current = self._sampler = Sampler(**opts)
-            elif current.options != Sampler(**opts).options:
+            if current is None or (not current.is_running and current.options != wanted.options):
+                current = self._sampler = wanted
+            elif current.options != wanted.options:
                 logger.warning("dask-pyspy: this process already samples with %s; keeping those options", current.options)
             if not current.is_running:
                 current.start()
