@@ -137,9 +137,12 @@ def test_budget_throttles_costly_ticks():
     assert stats["cpu_fraction"] < 0.05 * 1.5, stats
     # Stretched intervals are compensated: a busy thread's weights still add up to its run time.
     doc = s.profile().speedscope()
-    # The threads share the GIL: together they stand for about the 3 s they ran.
-    total = sum(sum(p["weights"]) for p in profiles_named(doc, " deep"))
-    assert 1.5 < total < 7
+    # Stretched intervals are weighted in full: the busy threads together stand for at
+    # least most of the 3 s they ran, and no thread for more time than the run lasted.
+    # (How many count as running at once depends on GIL hand-offs on 2 cores.)
+    per_thread = [sum(p["weights"]) for p in profiles_named(doc, " deep")]
+    assert sum(per_thread) > 1.5
+    assert max(per_thread) < 3.5
     assert s.profile().metadata["processes"][0]["stats"]["throttled_ticks"] == stats["throttled_ticks"]
 
 
