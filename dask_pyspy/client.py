@@ -163,7 +163,7 @@ class StackDump(dict):
     def __str__(self) -> str:
         lines: list[str] = []
         for proc in self["processes"].values():
-            lines.append(f"Process {proc['process']} (pid {proc['pid']})")
+            lines.append(f"Process {proc['process']} (pid {proc['pid']}, {proc.get('reader') or 'no'} reader)")
             for th in proc["threads"]:
                 state = "active" if th["active"] else "idle"
                 state += "+gil" if th["owns_gil"] else ""

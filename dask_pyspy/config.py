@@ -11,7 +11,7 @@ from dask.utils import parse_bytes, parse_timedelta
 
 from dask_pyspy import options
 
-SAMPLER_OPTIONS = ("rate", "idle", "gil_only", "cpu_budget", "max_memory", "lines", "function")
+SAMPLER_OPTIONS = ("rate", "idle", "gil_only", "cpu_budget", "max_memory", "lines", "function", "reader")
 
 with open(os.path.join(os.path.dirname(__file__), "pyspy.yaml")) as f:
     defaults = yaml.safe_load(f)

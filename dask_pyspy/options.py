@@ -6,6 +6,7 @@ import numbers
 from typing import Any
 
 BY_CHOICES = ("thread", "task", "prefix")
+READER_CHOICES = ("auto", "fast", "pyspy")
 
 
 def number(name: str, value: Any) -> float:
@@ -29,6 +30,12 @@ def flag(name: str, value: Any) -> bool:
 def by(value: Any) -> str:
     if value not in BY_CHOICES:
         raise ValueError(f"by must be one of {', '.join(map(repr, BY_CHOICES))}, got {value!r}")
+    return value
+
+
+def reader(value: Any) -> str:
+    if value not in READER_CHOICES:
+        raise ValueError(f"reader must be one of {', '.join(map(repr, READER_CHOICES))}, got {value!r}")
     return value
 
 

@@ -178,10 +178,11 @@ class PySpyPlugin(SchedulerPlugin):
         max_memory: int | str | None = None,
         lines: bool | None = None,
         function: bool | None = None,
+        reader: str | None = None,
     ) -> None:
         self.sampler_options = config.sampler_options(
             rate=rate, idle=idle, gil_only=gil_only, cpu_budget=cpu_budget,
-            max_memory=max_memory, lines=lines, function=function,
+            max_memory=max_memory, lines=lines, function=function, reader=reader,
         )
         Sampler(**self.sampler_options)  # bad options fail here, in the caller's process
 

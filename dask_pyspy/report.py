@@ -102,10 +102,13 @@ def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]
     for proc, totals in zip(profile.processes, summary["processes"]):
         s = proc["stats"]
         errors = "; ".join(str(e) for e in (s.get("panic"), s.get("last_error")) if e)
-        rows.append([proc["name"], proc["pid"], totals["threads"], totals["samples"], float(s["requested_rate"]),
+        reader = s.get("reader") or "-"
+        fallback = (s.get("reader_stats") or {}).get("fallback_reason")
+        reader += f" (fast reader not used: {fallback})" if fallback else ""
+        rows.append([proc["name"], proc["pid"], reader, totals["threads"], totals["samples"], float(s["requested_rate"]),
                      float(s["achieved_rate"]), float(100 * s["cpu_fraction"]), s["throttled_ticks"], s["failed_ticks"],
                      s["store"]["samples_evicted"], errors])
-    yield _table(["process", "pid", "threads", "samples", "requested Hz", "achieved Hz", "sampler CPU %",
+    yield _table(["process", "pid", "reader", "threads", "samples", "requested Hz", "achieved Hz", "sampler CPU %",
                   "throttled ticks", "failed ticks", "evicted samples", "errors"], rows)
     missing = meta.get("missing") or {}
     if missing:

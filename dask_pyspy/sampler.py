@@ -9,12 +9,34 @@ import socket
 import sysconfig
 import threading
 import time
+import weakref
 from typing import Any
 
 from dask_pyspy import _native, options
 from dask_pyspy.profile import Profile
 
 logger = logging.getLogger(__name__)
+
+_running: weakref.WeakSet[Sampler] = weakref.WeakSet()
+
+
+class _ActiveThreads(dict):
+    """`threading._active` that also names each thread in the running samplers as it starts.
+
+    The fast reader reads no thread names, and a thread may end before anyone asks
+    for a profile; `threading` records every thread here, under its own lock.
+    """
+
+    def __setitem__(self, ident: int, thread: threading.Thread) -> None:
+        super().__setitem__(ident, thread)
+        for sampler in list(_running):
+            sampler._native.set_thread_name(ident, thread.name)
+
+
+def _watch_thread_starts() -> None:
+    with threading._active_limbo_lock:  # type: ignore[attr-defined]
+        if not isinstance(threading._active, _ActiveThreads):  # type: ignore[attr-defined]
+            threading._active = _ActiveThreads(threading._active)  # type: ignore[attr-defined]
 
 
 class Sampler:
@@ -30,6 +52,10 @@ class Sampler:
     max_memory: cap on the sample store in bytes (at least 1 MiB); the oldest samples go first.
     lines: record line numbers; off gives function-level profiles at ~25% less cost.
     function: aggregate by each function's first line (``py-spy record --function``).
+    reader: ``"auto"`` (the fast reader where its self-check at start passes, else
+        py-spy's), ``"fast"`` (our own reader; RuntimeError where it cannot work) or
+        ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
+        says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
     """
 
     def __init__(
@@ -37,10 +63,11 @@ class Sampler:
         rate: float = 100,
         idle: bool = False,
         gil_only: bool = False,
-        cpu_budget: float = 0.02,
+        cpu_budget: float = 0.01,
         max_memory: int = 64 * 2**20,
         lines: bool = True,
         function: bool = False,
+        reader: str = "auto",
     ) -> None:
         self.options = dict(
             rate=options.number("rate", rate),
@@ -50,6 +77,7 @@ class Sampler:
             max_memory=options.integer("max_memory", max_memory),
             lines=options.flag("lines", lines),
             function=options.flag("function", function),
+            reader=options.reader(reader),
         )
         self._native = _native.Sampler(**self.options)
 
@@ -61,11 +89,19 @@ class Sampler:
         if sysconfig.get_config_var("Py_GIL_DISABLED"):
             raise RuntimeError(
                 "dask-pyspy cannot sample a free-threaded (no-GIL) CPython build: "
-                "py-spy does not support it; use a standard CPython 3.9-3.14"
+                "neither its reader nor py-spy's reads one; use a standard CPython 3.9-3.15"
             )
         self._native.start()
+        _running.add(self)
+        _watch_thread_starts()
+        self.name_threads()
+
+    def name_threads(self) -> None:
+        """Name live threads in profiles; the fast reader reads no names itself."""
+        self._native.name_threads([(t.ident, t.name) for t in threading.enumerate() if t.ident is not None])
 
     def stop(self) -> None:
+        _running.discard(self)
         self._native.stop()
 
     @property
@@ -99,6 +135,7 @@ class Sampler:
         options.by(by)
         if not self._native.has_started:
             raise RuntimeError("the sampler was never started: call start() before profile()")
+        self.name_threads()
         native = self._native.profile(
             0.0 if start is None else start,
             time.time() if stop is None else stop,
@@ -108,7 +145,8 @@ class Sampler:
         return Profile(native, by=by)
 
     def dump(self) -> dict[str, Any]:
-        """Every thread's stack at the last tick (leaf first), with its task and state."""
+        """Every thread's stack now (leaf first), with its task and state."""
+        self.name_threads()
         return json.loads(self._native.dump_json())
 
 

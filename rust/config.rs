@@ -1,6 +1,6 @@
-//! Sampler options, checked once, and their translation to py-spy's `Config`.
+//! Sampler options, checked once.
 
-use py_spy::config::{LineNo, LockingStrategy};
+use crate::reader::{LineMode, ReaderChoice};
 use serde::Serialize;
 
 pub const MAX_RATE: f64 = 10_000.0;
@@ -22,6 +22,8 @@ pub struct SamplerConfig {
     pub lines: bool,
     /// Aggregate by the first line of each function, like `py-spy record --function`.
     pub function: bool,
+    /// Which stack reader to use; `auto` prefers the fast one where its self-check passes.
+    pub reader: ReaderChoice,
 }
 
 impl Default for SamplerConfig {
@@ -30,10 +32,11 @@ impl Default for SamplerConfig {
             rate: 100.0,
             idle: false,
             gil_only: false,
-            cpu_budget: 0.02,
+            cpu_budget: 0.01,
             max_memory: 64 << 20,
             lines: true,
             function: false,
+            reader: ReaderChoice::Auto,
         }
     }
 }
@@ -62,20 +65,11 @@ impl SamplerConfig {
         1.0 / self.rate
     }
 
-    pub fn pyspy(&self) -> py_spy::Config {
-        py_spy::Config {
-            // Locking our own process would suspend the sampling thread too.
-            blocking: LockingStrategy::NonBlocking,
-            gil_only: self.gil_only,
-            include_idle: self.idle,
-            // Cached by py-spy; looked up again only for new threads, at most once a second.
-            collect_thread_names: true,
-            lineno: match (self.lines, self.function) {
-                (_, true) => LineNo::First,
-                (true, false) => LineNo::LastInstruction,
-                (false, false) => LineNo::NoLine,
-            },
-            ..py_spy::Config::default()
+    pub fn line_mode(&self) -> LineMode {
+        match (self.lines, self.function) {
+            (_, true) => LineMode::First,
+            (true, false) => LineMode::Current,
+            (false, false) => LineMode::None,
         }
     }
 }
@@ -103,10 +97,9 @@ mod tests {
 
     #[test]
     fn line_modes() {
-        let cfg = SamplerConfig { lines: false, ..Default::default() };
-        assert_eq!(cfg.pyspy().lineno, LineNo::NoLine);
-        assert_eq!(cfg.pyspy().blocking, LockingStrategy::NonBlocking);
-        let cfg = SamplerConfig { function: true, ..Default::default() };
-        assert_eq!(cfg.pyspy().lineno, LineNo::First);
+        assert_eq!(SamplerConfig::default().line_mode(), LineMode::Current);
+        assert_eq!(SamplerConfig { lines: false, ..Default::default() }.line_mode(), LineMode::None);
+        assert_eq!(SamplerConfig { function: true, ..Default::default() }.line_mode(), LineMode::First);
+        assert!("nope".parse::<ReaderChoice>().unwrap_err().starts_with("reader must be one of 'auto', 'fast', 'pyspy'"));
     }
 }

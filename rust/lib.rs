@@ -4,6 +4,7 @@ mod compress;
 mod config;
 mod flamegraph;
 mod model;
+mod reader;
 mod sampler;
 mod speedscope;
 mod store;
@@ -43,14 +44,22 @@ struct PySampler {
 #[pymethods]
 impl PySampler {
     #[new]
-    #[pyo3(signature = (rate=100.0, idle=false, gil_only=false, cpu_budget=0.02, max_memory=64 << 20, lines=true, function=false))]
-    fn new(rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool) -> PyResult<Self> {
-        let config = SamplerConfig { rate, idle, gil_only, cpu_budget, max_memory, lines, function };
+    #[pyo3(signature = (rate=100.0, idle=false, gil_only=false, cpu_budget=0.01, max_memory=64 << 20, lines=true, function=false, reader="auto"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool, reader: &str) -> PyResult<Self> {
+        let reader = reader.parse().map_err(value_error)?;
+        let config = SamplerConfig { rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader };
         Ok(PySampler { inner: sampler::Sampler::new(config).map_err(value_error)? })
     }
 
+    /// Opens the stack reader (its self-check needs the GIL), then samples without it.
     fn start(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.start()).map_err(PyRuntimeError::new_err)
+        if self.inner.is_running() {
+            return Err(PyRuntimeError::new_err("the sampler is already running: call stop() before start()"));
+        }
+        let config = self.inner.config();
+        let chosen = reader::choose(py, config.reader, config.line_mode()).map_err(PyRuntimeError::new_err)?;
+        py.detach(|| self.inner.start(chosen)).map_err(PyRuntimeError::new_err)
     }
 
     fn stop(&self, py: Python<'_>) {
@@ -86,6 +95,13 @@ impl PySampler {
 
     fn set_thread_name(&self, ident: u64, name: &Bound<'_, PyString>) {
         self.inner.tags().set_name(ident, name.to_string_lossy().into_owned())
+    }
+
+    /// Names threads that nothing named yet (the fast reader reads no names).
+    fn name_threads(&self, names: Vec<(u64, Bound<'_, PyString>)>) {
+        for (ident, name) in names {
+            self.inner.tags().set_name_if_unnamed(ident, name.to_string_lossy().into_owned())
+        }
     }
 
     /// The samples captured between `start` and `stop` (Unix seconds).

@@ -52,6 +52,8 @@ pub struct Sample {
     pub tag: Option<u32>,
     /// The wall time this sample stands for.
     pub weight_us: u32,
+    /// CPU time the thread used since the previous tick (0 where not measured).
+    pub cpu_us: u32,
     pub flags: u8,
 }
 
@@ -69,6 +71,7 @@ mod sample_columns {
         /// -1: no task.
         tag: Vec<i64>,
         weight_us: Vec<u32>,
+        cpu_us: Vec<u32>,
         flags: Vec<u8>,
     }
 
@@ -88,6 +91,7 @@ mod sample_columns {
             stack: samples.iter().map(|x| x.stack).collect(),
             tag: samples.iter().map(|x| x.tag.map_or(-1, i64::from)).collect(),
             weight_us: samples.iter().map(|x| x.weight_us).collect(),
+            cpu_us: samples.iter().map(|x| x.cpu_us).collect(),
             flags: samples.iter().map(|x| x.flags).collect(),
         };
         columns.serialize(s)
@@ -96,7 +100,7 @@ mod sample_columns {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Sample>, D::Error> {
         let c = Columns::deserialize(d)?;
         let n = c.time_delta_ns.len();
-        if [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.flags.len()].iter().any(|&l| l != n) {
+        if [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()].iter().any(|&l| l != n) {
             return Err(D::Error::custom("sample columns differ in length"));
         }
         let mut time = 0i64;
@@ -109,6 +113,7 @@ mod sample_columns {
                     stack: c.stack[i],
                     tag: u32::try_from(c.tag[i]).ok(),
                     weight_us: c.weight_us[i],
+                    cpu_us: c.cpu_us[i],
                     flags: c.flags[i],
                 }
             })
@@ -192,6 +197,10 @@ impl<T: Clone + Eq + Hash + Footprint> Interner<T> {
         self.bytes
     }
 
+    pub fn find(&self, item: &T) -> Option<u32> {
+        self.index.get(item).copied()
+    }
+
     pub fn get(&self, id: u32) -> &T {
         &self.items[id as usize]
     }
@@ -202,6 +211,16 @@ impl<T: Clone + Eq + Hash + Footprint> Interner<T> {
 
     pub fn into_items(self) -> Vec<T> {
         self.items
+    }
+}
+
+impl Interner<Vec<u32>> {
+    /// Interns a stack without allocating when it is already known.
+    pub fn intern_slice(&mut self, stack: &[u32]) -> u32 {
+        match self.index.get(stack) {
+            Some(&id) => id,
+            None => self.intern(stack.to_vec()),
+        }
     }
 }
 
@@ -379,9 +398,10 @@ impl ProfileData {
         out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone())
     }
 
-    /// Names set from Python win; a thread py-spy had not named yet (its first
-    /// second) takes the name seen later for its ident, unless that ident was reused
-    /// under several names. Then equal threads merge.
+    /// Names recorded with the samples win, so a reused ident keeps each thread's
+    /// own name; a thread recorded without one takes the name Python gives now, or
+    /// else the one seen later for its ident, unless that ident was reused under
+    /// several names. Then equal threads merge.
     pub fn resolve_thread_names(&mut self, given: impl Fn(u64) -> Option<String>) {
         let mut names: HashMap<(u32, u64), Option<String>> = HashMap::new();
         for t in self.threads.iter().filter(|t| t.name.is_some()) {
@@ -395,7 +415,7 @@ impl ProfileData {
             .threads
             .iter()
             .map(|t| {
-                let name = given(t.ident).or_else(|| t.name.clone()).or_else(|| names.get(&(t.process, t.ident)).cloned().flatten());
+                let name = t.name.clone().or_else(|| given(t.ident)).or_else(|| names.get(&(t.process, t.ident)).cloned().flatten());
                 ids.intern(Thread { name, ..t.clone() })
             })
             .collect();
@@ -455,7 +475,7 @@ pub mod tests {
             let stack = b.stacks.intern(stack);
             let tag = tag.map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into() }));
             let thread = b.threads.intern(Thread { process: 0, ident: *ident, name: Some(format!("T{ident}")) });
-            b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, flags: FLAG_ACTIVE });
+            b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, cpu_us: 0, flags: FLAG_ACTIVE });
         }
         let proc = Process { name: token.into(), pid: 1, host: "h".into(), token: token.into(), stats: Value::Null };
         b.finish(vec![proc], Map::new())
@@ -491,10 +511,14 @@ pub mod tests {
         p.threads[0].name = None; // py-spy had not named thread 1 yet
         p.threads.push(Thread { process: 0, ident: 1, name: Some("late".into()) });
         p.samples[1].thread = 2;
+        p.samples.push(Sample { thread: 1, ..p.samples[2] });
+        p.threads.push(Thread { process: 0, ident: 2, name: None });
+        p.samples[3].thread = 3;
         p.resolve_thread_names(|ident| (ident == 2).then(|| "given".to_string()));
         let names: Vec<_> = p.samples.iter().map(|s| p.threads[s.thread as usize].name.clone().unwrap()).collect();
-        assert_eq!(names, ["late", "late", "given"]);
-        assert_eq!(p.threads.len(), 2);
+        // Recorded names win (ident 2 was recorded as T2 once); the given one fills a gap.
+        assert_eq!(names, ["late", "late", "T2", "given"]);
+        assert_eq!(p.threads.len(), 3);
     }
 
     #[test]

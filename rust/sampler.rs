@@ -1,19 +1,19 @@
-//! The sampling thread: reads this process's Python stacks with py-spy at a steady
-//! rate, tags each sample with the task its thread runs, and stretches its interval
-//! so its own CPU use stays within budget.
+//! The sampling thread: reads this process's Python stacks at a steady rate, tags
+//! each sample with the task its thread runs, and stretches its interval so its own
+//! CPU use stays within budget.
 //!
-//! It never touches the GIL: py-spy reads interpreter memory directly.
+//! It never touches the GIL: the readers read interpreter memory directly.
 
 use crate::config::SamplerConfig;
 use crate::model::{Frame, Process, ProfileData, FLAG_ACTIVE, FLAG_GIL};
-use crate::store::Store;
-use crate::tags::{ThreadTag, ThreadTags};
+use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
+use crate::store::{Recorded, Store};
+use crate::tags::ThreadTags;
 use nix::time::{clock_gettime, ClockId};
 use parking_lot::{Condvar, Mutex};
-use py_spy::{PythonSpy, StackTrace};
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -22,6 +22,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Smoothing of the per-tick cost estimate that drives the budget.
 const COST_SMOOTHING: f64 = 0.2;
+/// Ticks between refreshes of the reader's counters in the stats.
+const READER_STATS_EVERY: u64 = 50;
+/// How long a live dump waits for the sampling thread to read every thread.
+const DUMP_WAIT: Duration = Duration::from_secs(2);
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RunStats {
@@ -37,13 +41,20 @@ pub struct RunStats {
     pub interval_s: f64,
     pub last_error: Option<String>,
     pub panic: Option<String>,
+    pub reader: Option<&'static str>,
+    pub reader_stats: Value,
 }
 
-/// The last tick's raw stacks, kept for live dumps.
+/// One thread of a live dump.
+struct DumpThread {
+    stack: ThreadStack,
+    frames: Vec<Frame>,
+}
+
+/// Every thread's stack at the last tick that read them all, for live dumps.
 struct LastTick {
     time_ns: u64,
-    traces: Vec<StackTrace>,
-    tags: HashMap<u64, ThreadTag>,
+    threads: Vec<DumpThread>,
 }
 
 struct Shared {
@@ -52,6 +63,9 @@ struct Shared {
     store: Mutex<Store>,
     stats: Mutex<RunStats>,
     last: Mutex<Option<LastTick>>,
+    dumped: Condvar,
+    /// A dump asks the next tick to read every thread, idle ones too.
+    want_all: AtomicBool,
     stop: Mutex<bool>,
     wake: Condvar,
     inject_panic: AtomicBool,
@@ -95,6 +109,8 @@ impl Sampler {
             store: Mutex::new(store),
             stats: Mutex::new(RunStats::default()),
             last: Mutex::new(None),
+            dumped: Condvar::new(),
+            want_all: AtomicBool::new(false),
             stop: Mutex::new(false),
             wake: Condvar::new(),
             inject_panic: AtomicBool::new(false),
@@ -106,8 +122,12 @@ impl Sampler {
         &self.shared.tags
     }
 
-    /// Starts the sampling thread; returns once py-spy has attached (or failed to).
-    pub fn start(&self) -> Result<(), String> {
+    pub fn config(&self) -> &SamplerConfig {
+        &self.shared.config
+    }
+
+    /// Starts the sampling thread with `reader`; returns once it reads (or failed to).
+    pub fn start(&self, reader: Chosen) -> Result<(), String> {
         let mut handle = self.thread.lock();
         if self.is_running() {
             return Err("the sampler is already running: call stop() before start()".into());
@@ -121,7 +141,7 @@ impl Sampler {
         let shared = self.shared.clone();
         let thread = std::thread::Builder::new()
             .name("dask-pyspy-sampler".into())
-            .spawn(move || run(shared, ready_tx))
+            .spawn(move || run(shared, reader, ready_tx))
             .map_err(|e| format!("could not start the sampling thread: {e}"))?;
         let ready = ready_rx.recv();
         *handle = Some(thread);
@@ -174,6 +194,8 @@ impl Sampler {
             "cpu_fraction": per_sec(run.cpu_ns) / 1e9,
             "last_error": run.last_error,
             "panic": run.panic,
+            "reader": run.reader,
+            "reader_stats": run.reader_stats,
             "store": store,
             "config": self.shared.config,
         })
@@ -193,26 +215,38 @@ impl Sampler {
         data
     }
 
-    /// Every thread's stack at the last tick (leaf first), with its task and state.
+    /// Every thread's stack (leaf first), with its task and state: asks the sampling
+    /// thread for a tick that reads them all, and waits for it a little.
     pub fn dump(&self) -> Value {
-        let last = self.shared.last.lock();
-        let Some(last) = last.as_ref() else { return json!({"time": null, "threads": []}) };
+        let asked = now_ns();
+        let mut last = self.shared.last.lock();
+        if self.is_running() {
+            self.shared.want_all.store(true, Ordering::SeqCst);
+            self.shared.wake.notify_all();
+            let deadline = Instant::now() + DUMP_WAIT;
+            while last.as_ref().is_none_or(|l| l.time_ns < asked) && self.is_running() {
+                if self.shared.dumped.wait_until(&mut last, deadline).timed_out() {
+                    break;
+                }
+            }
+        }
+        let Some(last) = last.as_ref() else { return json!({"time": null, "reader": null, "threads": []}) };
         let threads: Vec<Value> = last
-            .traces
+            .threads
             .iter()
             .map(|t| {
-                let tag = last.tags.get(&t.thread_id).and_then(|e| e.tag.clone());
+                let s = &t.stack;
                 json!({
-                    "ident": t.thread_id,
-                    "name": self.shared.tags.name(t.thread_id).or_else(|| t.thread_name.clone()),
-                    "active": t.active,
-                    "owns_gil": t.owns_gil,
-                    "task": tag.as_ref().map(|t| &t.key),
-                    "frames": t.frames.iter().map(|f| json!({"name": f.name, "file": f.filename, "line": f.line})).collect::<Vec<_>>(),
+                    "ident": s.ident,
+                    "name": self.shared.tags.name(s.ident).or_else(|| s.name.clone()),
+                    "active": s.active,
+                    "owns_gil": s.holds_gil,
+                    "task": s.tag.as_ref().ok().and_then(|t| t.as_ref()).map(|t| &t.key),
+                    "frames": t.frames.iter().map(|f| json!({"name": f.name, "file": f.file, "line": f.line})).collect::<Vec<_>>(),
                 })
             })
             .collect();
-        json!({"time": last.time_ns as f64 / 1e9, "threads": threads})
+        json!({"time": last.time_ns as f64 / 1e9, "reader": self.shared.stats.lock().reader, "threads": threads})
     }
 }
 
@@ -222,41 +256,57 @@ impl Drop for Sampler {
     }
 }
 
-fn run(shared: Arc<Shared>, ready: mpsc::Sender<Result<(), String>>) {
+fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<Result<(), String>>) {
     shared.stats.lock().running = true;
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let pid = std::process::id() as py_spy::Pid;
-        match PythonSpy::retry_new(pid, &shared.config.pyspy(), 3) {
-            Ok(spy) => {
-                let _ = ready.send(Ok(()));
-                Loop::new(&shared, spy).run();
-            }
-            Err(e) => {
-                let _ = ready.send(Err(format!("py-spy cannot read this Python process: {e:#}")));
-            }
-        }
+        let reader: Box<dyn StackReader> = match chosen {
+            Chosen::Fast(fast) => fast,
+            Chosen::PySpy { reason } => match PySpyReader::new(shared.config.lines, shared.config.function, reason) {
+                Ok(spy) => Box::new(spy),
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            },
+        };
+        shared.stats.lock().reader = Some(reader.name());
+        let _ = ready.send(Ok(()));
+        Loop::new(&shared, reader).run();
     }));
     let mut stats = shared.stats.lock();
     if let Err(panic) = outcome {
         stats.panic = Some(format!("the sampling thread panicked and stopped: {}", panic_message(&*panic)));
     }
     stats.running = false;
+    drop(stats);
+    shared.dumped.notify_all();
 }
 
 struct Loop<'a> {
     shared: &'a Shared,
-    spy: PythonSpy,
+    reader: Box<dyn StackReader>,
     base: Duration,
     interval: Duration,
     cost_s: Option<f64>,
-    /// OS thread id last seen behind each Python thread ident, to notice ident reuse.
-    os_tids: HashMap<u64, Option<u64>>,
+    stacks: Vec<ThreadStack>,
+    /// Reader frame id -> store frame id, valid for `ids_valid_for` (reader epoch, store generation).
+    store_ids: FxHashMap<u64, u32>,
+    ids_valid_for: (u64, u64),
 }
 
 impl<'a> Loop<'a> {
-    fn new(shared: &'a Shared, spy: PythonSpy) -> Self {
+    fn new(shared: &'a Shared, reader: Box<dyn StackReader>) -> Self {
         let base = Duration::from_secs_f64(shared.config.interval_secs());
-        Loop { shared, spy, base, interval: base, cost_s: None, os_tids: HashMap::new() }
+        Loop {
+            shared,
+            reader,
+            base,
+            interval: base,
+            cost_s: None,
+            stacks: Vec::new(),
+            store_ids: FxHashMap::default(),
+            ids_valid_for: (0, 0),
+        }
     }
 
     fn run(&mut self) {
@@ -279,6 +329,9 @@ impl<'a> Loop<'a> {
             stats.wall_ns = started.elapsed().as_nanos() as u64;
             stats.interval_s = self.interval.as_secs_f64();
             stats.throttled_ticks += (self.interval > self.base) as u64;
+            if stats.ticks % READER_STATS_EVERY == 1 {
+                stats.reader_stats = self.reader.stats();
+            }
             drop(stats);
             next += self.interval;
             // After a stall, resume the rhythm instead of firing a burst of ticks.
@@ -287,18 +340,20 @@ impl<'a> Loop<'a> {
                 next = now;
             }
         }
-        self.shared.stats.lock().wall_ns = started.elapsed().as_nanos() as u64;
+        let mut stats = self.shared.stats.lock();
+        stats.wall_ns = started.elapsed().as_nanos() as u64;
+        stats.reader_stats = self.reader.stats();
     }
 
-    /// Sleeps until `deadline`; true when asked to stop.
+    /// Sleeps until `deadline` or until a dump asks for a tick; true when asked to stop.
     fn wait_until(&self, deadline: Instant) -> bool {
         let mut stop = self.shared.stop.lock();
-        while !*stop {
+        while !*stop && !self.shared.want_all.load(Ordering::SeqCst) {
             if self.shared.wake.wait_until(&mut stop, deadline).timed_out() {
                 return false;
             }
         }
-        true
+        *stop
     }
 
     /// Stretches the interval so that (cost per tick / interval) stays within the budget.
@@ -314,58 +369,75 @@ impl<'a> Loop<'a> {
         if self.shared.inject_panic.swap(false, Ordering::SeqCst) {
             panic!("injected by the test switch");
         }
-        let before = self.shared.tags.snapshot();
+        let all = self.shared.want_all.swap(false, Ordering::SeqCst);
+        let config = &self.shared.config;
+        let want = Want { idle: config.idle || all, gil_only: config.gil_only && !all };
         let time_ns = now_ns();
-        match self.spy.get_stack_traces() {
-            Ok(mut traces) => {
-                self.forget_reused_names(&mut traces);
-                self.record(&traces, &before, time_ns, weight);
-                *self.shared.last.lock() = Some(LastTick { time_ns, traces, tags: before });
+        match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
+            Ok(()) => {
+                self.record(time_ns, weight);
+                if all {
+                    self.keep_for_dump(time_ns);
+                }
             }
             Err(e) => {
                 // Torn reads of a live process happen; one bad tick is skipped, not fatal.
                 let mut stats = self.shared.stats.lock();
                 stats.failed_ticks += 1;
-                stats.last_error = Some(format!("{e:#}"));
+                stats.last_error = Some(e);
             }
         }
         self.shared.stats.lock().ticks += 1;
     }
 
-    /// A new thread can get a dead one's ident; py-spy would keep the old name for it.
-    fn forget_reused_names(&mut self, traces: &mut [StackTrace]) {
-        if self.os_tids.len() > 4 * traces.len() + 64 {
-            let live: std::collections::HashSet<u64> = traces.iter().map(|t| t.thread_id).collect();
-            self.os_tids.retain(|ident, _| live.contains(ident));
-        }
-        for t in traces {
-            let previous = self.os_tids.insert(t.thread_id, t.os_thread_id);
-            if previous.is_some_and(|p| p != t.os_thread_id) {
-                self.spy.python_thread_names.remove(&t.thread_id);
-                t.thread_name = None;
-            }
-        }
-    }
-
-    fn record(&self, traces: &[StackTrace], before: &HashMap<u64, ThreadTag>, time_ns: u64, weight: Duration) {
+    fn record(&mut self, time_ns: u64, weight: Duration) {
         let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
+        let config = &self.shared.config;
         let mut boundary = 0;
         let mut store = self.shared.store.lock();
-        for t in traces {
-            // py-spy's `active` means on a CPU; a thread holding the GIL is working too.
-            let active = t.active || t.owns_gil;
-            if (!active && !self.shared.config.idle) || t.frames.is_empty() {
+        let mut ids = Vec::new();
+        for t in &self.stacks {
+            if !(t.active || config.idle) || (config.gil_only && !t.holds_gil) || t.frames.is_empty() {
                 continue;
             }
-            let tag = self.shared.tags.stable_tag(before, t.thread_id).unwrap_or_else(|()| {
+            let tag = t.tag.clone().unwrap_or_else(|()| {
                 boundary += 1;
                 None
             });
-            let flags = if active { FLAG_ACTIVE } else { 0 } | if t.owns_gil { FLAG_GIL } else { 0 };
-            let frames = t.frames.iter().rev().map(|f| Frame { name: f.name.clone(), file: f.filename.clone(), line: f.line });
-            store.record(time_ns, t.thread_id, t.thread_name.clone(), frames, tag.as_deref(), weight_us, flags);
+            let valid_for = (self.reader.epoch(), store.generation());
+            if valid_for != self.ids_valid_for {
+                self.store_ids.clear();
+                self.ids_valid_for = valid_for;
+            }
+            ids.clear();
+            for &f in t.frames.iter().rev() {
+                let reader = &self.reader;
+                ids.push(*self.store_ids.entry(f).or_insert_with(|| store.frame_id(reader.frame(f))));
+            }
+            let flags = if t.active { FLAG_ACTIVE } else { 0 } | if t.holds_gil { FLAG_GIL } else { 0 };
+            let cpu_us = (t.cpu_ns / 1000).min(u32::MAX as u64) as u32;
+            store.record_ids(Recorded {
+                time_ns,
+                ident: t.ident,
+                name: self.shared.tags.name(t.ident).or_else(|| t.name.clone()),
+                frames: &ids,
+                tag: tag.as_deref(),
+                weight_us,
+                cpu_us,
+                flags,
+            });
         }
         drop(store);
         self.shared.stats.lock().boundary_samples += boundary;
+    }
+
+    fn keep_for_dump(&self, time_ns: u64) {
+        let threads = self
+            .stacks
+            .iter()
+            .map(|s| DumpThread { stack: s.clone(), frames: s.frames.iter().map(|&f| self.reader.frame(f)).collect() })
+            .collect();
+        *self.shared.last.lock() = Some(LastTick { time_ns, threads });
+        self.shared.dumped.notify_all();
     }
 }

@@ -21,6 +21,18 @@ pub struct StoreStats {
     pub oldest_ns: Option<u64>,
 }
 
+/// One sample to record, its frames already interned (root first).
+pub struct Recorded<'a> {
+    pub time_ns: u64,
+    pub ident: u64,
+    pub name: Option<String>,
+    pub frames: &'a [u32],
+    pub tag: Option<&'a Tag>,
+    pub weight_us: u32,
+    pub cpu_us: u32,
+    pub flags: u8,
+}
+
 pub struct Store {
     tables: Builder,
     ring: VecDeque<Sample>,
@@ -36,22 +48,34 @@ impl Store {
     }
 
     /// Records one thread's stack (frames root first).
-    pub fn record(
-        &mut self,
-        time_ns: u64,
-        ident: u64,
-        name: Option<String>,
-        frames: impl Iterator<Item = Frame>,
-        tag: Option<&Tag>,
-        weight_us: u32,
-        flags: u8,
-    ) {
+    #[cfg(test)]
+    pub fn record(&mut self, time_ns: u64, ident: u64, frames: impl Iterator<Item = Frame>, tag: Option<&Tag>, weight_us: u32, flags: u8) {
+        let ids: Vec<u32> = frames.map(|f| self.frame_id(f)).collect();
+        self.record_ids(Recorded { time_ns, ident, name: None, frames: &ids, tag, weight_us, cpu_us: 0, flags });
+    }
+
+    /// The id of `frame` in the tables; valid until `generation` changes.
+    pub fn frame_id(&mut self, frame: Frame) -> u32 {
+        match self.tables.frames.find(&frame) {
+            Some(id) => id,
+            None => self.tables.frames.intern(frame),
+        }
+    }
+
+    /// Changes whenever compaction renumbers the tables.
+    pub fn generation(&self) -> u64 {
+        self.compactions
+    }
+
+    /// Records one sample whose frames are ids from `frame_id`.
+    pub fn record_ids(&mut self, r: Recorded<'_>) {
         let t = &mut self.tables;
-        let stack = frames.map(|f| t.frames.intern(f)).collect();
-        let stack = t.stacks.intern(stack);
-        let tag = tag.map(|tag| t.tags.intern(tag.clone()));
-        let thread = t.threads.intern(Thread { process: 0, ident, name });
-        self.ring.push_back(Sample { time_ns, thread, stack, tag, weight_us, flags });
+        let stack = t.stacks.intern_slice(r.frames);
+        let tag = r.tag.map(|tag| t.tags.find(tag).unwrap_or_else(|| t.tags.intern(tag.clone())));
+        let thread = Thread { process: 0, ident: r.ident, name: r.name };
+        let thread = t.threads.find(&thread).unwrap_or_else(|| t.threads.intern(thread));
+        let (time_ns, weight_us, cpu_us, flags) = (r.time_ns, r.weight_us, r.cpu_us, r.flags);
+        self.ring.push_back(Sample { time_ns, thread, stack, tag, weight_us, cpu_us, flags });
         self.recorded += 1;
         self.enforce_cap();
     }
@@ -133,7 +157,7 @@ mod tests {
 
     fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {
         let tag = key.map(|k| Tag { key: k.into(), prefix: k.into() });
-        store.record(t, 1, None, names.iter().map(|n| frame(n)), tag.as_ref(), 10_000, 1);
+        store.record(t, 1, names.iter().map(|n| frame(n)), tag.as_ref(), 10_000, 1);
     }
 
     #[test]

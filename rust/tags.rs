@@ -42,23 +42,42 @@ impl ThreadTags {
         self.tags.lock().clone()
     }
 
-    /// The thread's tag if it did not change since `before` was taken; `Err(())` if it did.
-    pub fn stable_tag(&self, before: &HashMap<u64, ThreadTag>, ident: u64) -> Result<Option<Arc<Tag>>, ()> {
-        let old = before.get(&ident);
+    /// The tags of `idents`, taken right before their stacks are read.
+    pub fn versions(&self, idents: &[u64]) -> Vec<Option<ThreadTag>> {
         let tags = self.tags.lock();
-        match (old, tags.get(&ident)) {
-            (None, None) => Ok(None),
-            (Some(a), Some(b)) if a.version == b.version => Ok(a.tag.clone()),
-            _ => Err(()),
-        }
+        idents.iter().map(|i| tags.get(i).cloned()).collect()
+    }
+
+    /// The thread's tag if it did not change since `before` was taken; `Err(())` if it did.
+    pub fn stable_tag(&self, before: Option<&ThreadTag>, ident: u64) -> Result<Option<Arc<Tag>>, ()> {
+        unchanged(before, self.tags.lock().get(&ident))
+    }
+
+    /// `stable_tag` for each of `idents`, under one lock.
+    pub fn stable_tags(&self, before: &[Option<ThreadTag>], idents: &[u64]) -> Vec<Result<Option<Arc<Tag>>, ()>> {
+        let tags = self.tags.lock();
+        before.iter().zip(idents).map(|(b, i)| unchanged(b.as_ref(), tags.get(i))).collect()
     }
 
     pub fn set_name(&self, ident: u64, name: String) {
         self.names.lock().insert(ident, name.into());
     }
 
+    /// Names a thread unless something named it already (a worker plugin, say).
+    pub fn set_name_if_unnamed(&self, ident: u64, name: String) {
+        self.names.lock().entry(ident).or_insert_with(|| name.into());
+    }
+
     pub fn name(&self, ident: u64) -> Option<String> {
         self.names.lock().get(&ident).map(|n| n.to_string())
+    }
+}
+
+fn unchanged(before: Option<&ThreadTag>, now: Option<&ThreadTag>) -> Result<Option<Arc<Tag>>, ()> {
+    match (before, now) {
+        (None, None) => Ok(None),
+        (Some(a), Some(b)) if a.version == b.version => Ok(a.tag.clone()),
+        _ => Err(()),
     }
 }
 
@@ -69,15 +88,15 @@ mod tests {
     #[test]
     fn tag_set_clear_and_versions() {
         let t = ThreadTags::default();
-        let before = t.snapshot();
-        assert_eq!(t.stable_tag(&before, 7), Ok(None));
+        let before = t.versions(&[7]);
+        assert_eq!(t.stable_tags(&before, &[7]), [Ok(None)]);
         t.set_tag(7, "('f', 1)".into(), "f".into());
-        assert!(t.stable_tag(&before, 7).is_err(), "a tag set during the read is not trusted");
+        assert!(t.stable_tags(&before, &[7])[0].is_err(), "a tag set during the read is not trusted");
         let during = t.snapshot();
-        assert_eq!(t.stable_tag(&during, 7).unwrap().unwrap().prefix, "f");
+        assert_eq!(t.stable_tag(during.get(&7), 7).unwrap().unwrap().prefix, "f");
         t.clear_tag(7);
-        assert!(t.stable_tag(&during, 7).is_err());
-        assert_eq!(t.stable_tag(&t.snapshot(), 7), Ok(None));
+        assert!(t.stable_tag(during.get(&7), 7).is_err());
+        assert_eq!(t.stable_tag(t.snapshot().get(&7), 7), Ok(None));
     }
 
     #[test]

@@ -185,7 +185,7 @@ def test_config_defaults_and_overrides():
     import dask
 
     assert dask.config.get("pyspy.rate") == 100
-    assert dask.config.get("pyspy.cpu_budget") == 0.02
+    assert dask.config.get("pyspy.cpu_budget") == 0.01
     with dask.config.set({"pyspy.rate": 250, "pyspy.max-memory": "8MiB"}):
         plugin = dask_pyspy.PySpyPlugin()
         assert plugin.sampler_options["rate"] == 250

@@ -1,0 +1,311 @@
+//! Code objects, cached by address: name, file, first line and line table are
+//! copied once, then only checked each tick against address reuse.
+//!
+//! A code object can be freed and another allocated at its address, often with
+//! its strings and line table at their predecessors' addresses too (the allocator
+//! reuses freed blocks first). So the check compares the object's string and
+//! table pointers and the start of its qualified name (its hash and first bytes).
+
+use super::layout::{Layout, OB_SIZE, OB_TYPE};
+use super::linetable::line_at;
+use super::memory::{u32_at, u64_at, Batch, Memory};
+use crate::model::Frame;
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::sync::Arc;
+
+/// Bytes read at first for the qualified name, file name and line table; longer
+/// ones are read again. Most names fit, as do most site-packages paths.
+const GUESSES: [usize; 3] = [128, 256, 320];
+/// Enough of a string or bytes object to know its length.
+const OBJECT_HEAD: usize = 80;
+/// Past these, a length is taken for a torn read.
+const MAX_STRING: usize = 64 << 10;
+const MAX_TABLE: usize = 4 << 20;
+/// Bytes of the qualified name compared each tick: hash, state and first characters.
+const NAME_PROBE_FROM: u64 = 24;
+const NAME_PROBE_LEN: usize = 40;
+/// Tables are emptied past these sizes (many short-lived code objects).
+const MAX_CODES: usize = 50_000;
+const MAX_FRAMES: usize = 500_000;
+
+/// What a frame shows: its line's meaning depends on the sampler's line mode.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LineMode {
+    Current,
+    First,
+    None,
+}
+
+struct Code {
+    serial: u64,
+    name: Arc<str>,
+    file: Arc<str>,
+    first_line: i32,
+    bytecode_len: i64,
+    linetable: Vec<u8>,
+    identity: Vec<u8>,
+    name_probe_at: u64,
+    name_probe: Vec<u8>,
+    lines: FxHashMap<i64, u64>,
+    last_seen: u64,
+}
+
+/// A code object being fetched.
+struct Fetch {
+    addr: u64,
+    header: Vec<u8>,
+}
+
+pub struct CodeCache {
+    code_type: u64,
+    codes: FxHashMap<u64, Code>,
+    /// Addresses seen this tick that are not code objects (e.g. entry frames' None).
+    not_code: FxHashSet<u64>,
+    frames: Vec<Frame>,
+    frame_ids: FxHashMap<(u64, i32), u64>,
+    serial: u64,
+    tick: u64,
+    /// Bumped whenever frame ids are forgotten, so users of them forget theirs.
+    pub epoch: u64,
+    pub reused: u64,
+    pub unreadable: u64,
+}
+
+impl CodeCache {
+    pub fn new(code_type: u64) -> CodeCache {
+        CodeCache {
+            code_type,
+            codes: FxHashMap::default(),
+            not_code: FxHashSet::default(),
+            frames: Vec::new(),
+            frame_ids: FxHashMap::default(),
+            serial: 0,
+            tick: 0,
+            epoch: 0,
+            reused: 0,
+            unreadable: 0,
+        }
+    }
+
+    /// Makes every address of `addrs` either a checked cache entry or a known non-code.
+    pub fn refresh(&mut self, addrs: &FxHashSet<u64>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+        self.tick += 1;
+        self.not_code.clear();
+        self.trim();
+        let (span_at, span_len) = layout.code_identity_span();
+        let header_len = layout.code_header_len() as usize;
+        batch.clear();
+        let mut checks = Vec::new();
+        let mut fetches = Vec::new();
+        for &addr in addrs {
+            match self.codes.get(&addr) {
+                Some(c) => {
+                    let identity = batch.push(addr + span_at, span_len as usize);
+                    let probe = batch.push(c.name_probe_at, c.name_probe.len());
+                    checks.push((addr, identity, probe));
+                }
+                None => fetches.push((addr, batch.push(addr, header_len))),
+            }
+        }
+        if batch.len() == 0 {
+            return Ok(());
+        }
+        mem.read(batch)?;
+        for (addr, identity, probe) in checks {
+            let c = &self.codes[&addr];
+            let same = batch.get(identity) == Some(&c.identity[..]) && batch.get(probe) == Some(&c.name_probe[..]);
+            if same {
+                self.codes.get_mut(&addr).unwrap().last_seen = self.tick;
+            } else {
+                self.codes.remove(&addr);
+                self.reused += 1;
+                fetches.push((addr, usize::MAX));
+            }
+        }
+        let mut pending = Vec::new();
+        for (addr, i) in fetches {
+            match batch.get(i) {
+                Some(h) if u64_at(h, OB_TYPE) == self.code_type => pending.push(Fetch { addr, header: h.to_vec() }),
+                Some(_) => {
+                    self.not_code.insert(addr);
+                }
+                None if i == usize::MAX => pending.push(Fetch { addr, header: Vec::new() }),
+                None => {}
+            }
+        }
+        if !pending.is_empty() {
+            self.fetch(pending, layout, mem, batch)?;
+        }
+        Ok(())
+    }
+
+    /// Reads new code objects: headers (if missing), then strings and line tables
+    /// at a guessed length, then again at their full length where the guess fell short.
+    fn fetch(&mut self, mut pending: Vec<Fetch>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+        if pending.iter().any(|f| f.header.is_empty()) {
+            batch.clear();
+            let idx: Vec<_> = pending.iter().map(|f| batch.push(f.addr, layout.code_header_len() as usize)).collect();
+            mem.read(batch)?;
+            for (f, i) in pending.iter_mut().zip(idx) {
+                match batch.get(i) {
+                    Some(h) if u64_at(h, OB_TYPE) == self.code_type => f.header = h.to_vec(),
+                    Some(_) => drop(self.not_code.insert(f.addr)),
+                    None => {}
+                }
+            }
+            pending.retain(|f| !f.header.is_empty());
+        }
+        let fields = [layout.code_qualname, layout.code_filename, layout.code_linetable];
+        let mut parts: Vec<[Option<Vec<u8>>; 3]> = vec![Default::default(); pending.len()];
+        // A guessed length first; then the exact length of what did not fit, after
+        // reading just the object's head where the guess ran into unmapped memory.
+        for pass in 0..3 {
+            batch.clear();
+            let mut reads = Vec::new();
+            for (n, f) in pending.iter().enumerate() {
+                for k in 0..3 {
+                    let len = match &parts[n][k] {
+                        None if pass == 0 => GUESSES[k],
+                        None if pass == 1 => OBJECT_HEAD,
+                        None => continue,
+                        Some(got) => match needed(got, k, layout) {
+                            Some(need) if need > got.len() => need,
+                            _ => continue,
+                        },
+                    };
+                    reads.push((n, k, batch.push(u64_at(&f.header, fields[k]), len)));
+                }
+            }
+            if reads.is_empty() {
+                break;
+            }
+            mem.read(batch)?;
+            for (n, k, i) in reads {
+                parts[n][k] = batch.get(i).map(<[u8]>::to_vec);
+            }
+        }
+        for (f, parts) in pending.iter().zip(parts) {
+            match self.decode(f, &parts, layout) {
+                Some(code) => {
+                    self.codes.insert(f.addr, code);
+                }
+                None => self.unreadable += 1,
+            }
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self, f: &Fetch, parts: &[Option<Vec<u8>>; 3], layout: &Layout) -> Option<Code> {
+        let [name, file, table] = parts;
+        let (name, file, table) = (name.as_deref()?, file.as_deref()?, table.as_deref()?);
+        let table_len = u64_at(table, layout.bytes_size) as usize;
+        let linetable = table.get(layout.bytes_data as usize..layout.bytes_data as usize + table_len)?.to_vec();
+        let (span_at, span_len) = layout.code_identity_span();
+        let identity = f.header.get(span_at as usize..(span_at + span_len) as usize)?.to_vec();
+        // Only bytes of the string itself: what lies past it may change at any time.
+        let probe_end = needed(name, 0, layout)?.min(NAME_PROBE_FROM as usize + NAME_PROBE_LEN);
+        let name_probe = name.get(NAME_PROBE_FROM as usize..probe_end)?.to_vec();
+        self.serial += 1;
+        Some(Code {
+            serial: self.serial,
+            name: decode_string(name, layout)?.into(),
+            file: decode_string(file, layout)?.into(),
+            first_line: u32_at(&f.header, layout.code_firstlineno) as i32,
+            bytecode_len: 2 * u64_at(&f.header, OB_SIZE) as i64,
+            linetable,
+            identity,
+            name_probe_at: u64_at(&f.header, layout.code_qualname) + NAME_PROBE_FROM,
+            name_probe,
+            lines: FxHashMap::default(),
+            last_seen: self.tick,
+        })
+    }
+
+    /// What `refresh` found at `addr`: Some(true) a code object, Some(false) something
+    /// else (a frame to skip), None unreadable.
+    pub fn kind(&self, addr: u64) -> Option<bool> {
+        if self.codes.contains_key(&addr) {
+            Some(true)
+        } else if self.not_code.contains(&addr) {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// The frame id of `code` at byte offset `offset` into its bytecode; None when
+    /// the offset lies outside it (a torn read or a stale frame).
+    pub fn frame_id(&mut self, code: u64, offset: i64, mode: LineMode) -> Option<u64> {
+        let c = self.codes.get_mut(&code)?;
+        if offset >= c.bytecode_len {
+            return None;
+        }
+        if let Some(&id) = c.lines.get(&offset) {
+            return Some(id);
+        }
+        let line = match mode {
+            LineMode::Current => line_at(&c.linetable, c.first_line, offset.max(0) as u32).unwrap_or(c.first_line),
+            LineMode::First => c.first_line,
+            LineMode::None => 0,
+        };
+        let next = self.frames.len() as u64;
+        let id = *self.frame_ids.entry((c.serial, line)).or_insert(next);
+        if id == next {
+            self.frames.push(Frame { name: c.name.to_string(), file: c.file.to_string(), line });
+        }
+        c.lines.insert(offset, id);
+        Some(id)
+    }
+
+    pub fn frame(&self, id: u64) -> &Frame {
+        &self.frames[id as usize]
+    }
+
+    /// Keeps the tables bounded: code objects unseen for a while go, and frame ids
+    /// are all forgotten (a new epoch) when too many accumulated.
+    fn trim(&mut self) {
+        if self.codes.len() > MAX_CODES {
+            let horizon = self.tick.saturating_sub(1000);
+            self.codes.retain(|_, c| c.last_seen >= horizon);
+        }
+        if self.frames.len() > MAX_FRAMES || self.codes.len() > MAX_CODES {
+            self.codes.clear();
+            self.frames.clear();
+            self.frame_ids.clear();
+            self.epoch += 1;
+        }
+    }
+}
+
+/// Bytes a string (k 0, 1) or line table (k 2) object needs, from its first bytes.
+fn needed(head: &[u8], k: usize, layout: &Layout) -> Option<usize> {
+    if k == 2 {
+        let len = u64_at(head, layout.bytes_size) as usize;
+        return (len <= MAX_TABLE).then(|| layout.bytes_data as usize + len);
+    }
+    let state = u32_at(head, layout.unicode_state);
+    let (kind, compact, ascii) = ((state >> 2) & 7, state & 0x20 != 0, state & 0x40 != 0);
+    let len = u64_at(head, layout.unicode_length) as usize;
+    if !compact || !matches!(kind, 1 | 2 | 4) || len > MAX_STRING {
+        return None;
+    }
+    let data = if ascii { layout.unicode_ascii_data } else { layout.unicode_compact_data } as usize;
+    Some(data + len * kind as usize)
+}
+
+fn decode_string(bytes: &[u8], layout: &Layout) -> Option<String> {
+    let state = u32_at(bytes, layout.unicode_state);
+    let (kind, ascii) = ((state >> 2) & 7, state & 0x40 != 0);
+    let len = u64_at(bytes, layout.unicode_length) as usize;
+    let data = if ascii { layout.unicode_ascii_data } else { layout.unicode_compact_data } as usize;
+    let raw = bytes.get(data..data + len * kind as usize)?;
+    Some(match kind {
+        1 => raw.iter().map(|&b| char::from(b)).collect(),
+        2 => raw.chunks_exact(2).map(|c| u32::from(u16::from_ne_bytes([c[0], c[1]]))).map(to_char).collect(),
+        _ => raw.chunks_exact(4).map(|c| u32::from_ne_bytes(c.try_into().unwrap())).map(to_char).collect(),
+    })
+}
+
+fn to_char(c: u32) -> char {
+    char::from_u32(c).unwrap_or(char::REPLACEMENT_CHARACTER)
+}

@@ -1,0 +1,136 @@
+//! Stacks: each thread's live datastack chunk is copied in one read and its frames
+//! are walked from the copy. Frames outside it (generator and coroutine frames,
+//! entry frames on the C stack, frames in older chunks) are read on demand, in
+//! rounds: one batch per round for every thread that needs one.
+
+use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
+use super::memory::{u64_at, u8_at, Batch, Memory};
+use super::threads::ThreadState;
+
+/// Deeper than this is taken for a loop in a torn chain.
+const MAX_DEPTH: usize = 5_000;
+const MAX_ROUNDS: usize = 200;
+/// Larger live chunks are taken for a torn read.
+const MAX_CHUNK: u64 = 64 << 20;
+/// Every chunk is at least this large (CPython's `DATA_STACK_CHUNK_SIZE`), so an
+/// older chunk can be copied whole before its header is known.
+const MIN_CHUNK: u64 = 16 << 10;
+
+/// A frame as found: its code object (or other executable) and instruction pointer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RawFrame {
+    pub code: u64,
+    pub instr: u64,
+}
+
+struct Region {
+    start: u64,
+    bytes: Vec<u8>,
+}
+
+struct Walker {
+    regions: Vec<Region>,
+    base_frame: Option<u64>,
+    next: u64,
+    older_chunk: u64,
+    frames: Vec<RawFrame>,
+    torn: bool,
+}
+
+impl Walker {
+    fn find(&self, addr: u64, len: u64) -> Option<&[u8]> {
+        self.regions.iter().find_map(|r| {
+            let off = addr.checked_sub(r.start)?;
+            r.bytes.get(off as usize..(off + len) as usize)
+        })
+    }
+
+    /// Follows the chain from the local copies; stops at the end or at a frame not copied.
+    fn advance(&mut self, layout: &Layout) {
+        while self.next != 0 && !self.torn {
+            if Some(self.next) == self.base_frame {
+                self.next = 0;
+                break;
+            }
+            if self.next % 8 != 0 || self.frames.len() >= MAX_DEPTH {
+                self.torn = true;
+                break;
+            }
+            let Some(f) = self.find(self.next, layout.frame_size) else { break };
+            let (code, instr) = (u64_at(f, layout.frame_code) & !7, u64_at(f, layout.frame_instr));
+            let owner = u8_at(f, layout.frame_owner);
+            let previous = u64_at(f, layout.frame_previous);
+            if Some(owner) != layout.owner_not_python && code != 0 {
+                self.frames.push(RawFrame { code, instr });
+            }
+            self.next = previous;
+        }
+    }
+}
+
+/// The frames of each thread, innermost first; Err for a thread whose chain was torn.
+pub fn read_stacks(threads: &[&ThreadState], layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
+    batch.clear();
+    let mut first = Vec::with_capacity(threads.len());
+    for t in threads {
+        let frame = match layout.current_frame {
+            CurrentFrame::Direct(_) => None,
+            CurrentFrame::ViaCFrame { current_frame, .. } => Some(batch.push(t.frame_ref + current_frame, 8)),
+        };
+        let live = t.top.wrapping_sub(t.chunk);
+        let chunk = (t.chunk != 0 && live > CHUNK_HEADER && live <= MAX_CHUNK).then(|| batch.push(t.chunk, live as usize));
+        first.push((frame, chunk));
+    }
+    mem.read(batch)?;
+    let mut walkers: Vec<Walker> = threads
+        .iter()
+        .zip(first)
+        .map(|(t, (frame, chunk))| {
+            let next = match frame {
+                None => Some(t.frame_ref),
+                Some(i) => batch.get(i).map(|b| u64_at(b, 0)),
+            };
+            let regions: Vec<Region> =
+                chunk.and_then(|i| batch.get(i)).map(|b| Region { start: t.chunk, bytes: b.to_vec() }).into_iter().collect();
+            Walker {
+                older_chunk: regions.first().map_or(0, |r| u64_at(&r.bytes, CHUNK_PREVIOUS)),
+                regions,
+                base_frame: layout.tstate_base_frame.map(|o| t.addr + o),
+                next: next.unwrap_or(0),
+                frames: Vec::new(),
+                torn: next.is_none(),
+            }
+        })
+        .collect();
+    for _ in 0..MAX_ROUNDS {
+        batch.clear();
+        let mut wanted = Vec::new();
+        for (n, w) in walkers.iter_mut().enumerate() {
+            w.advance(layout);
+            if w.next != 0 && !w.torn {
+                let frame = batch.push(w.next, layout.frame_size as usize);
+                let older = (w.older_chunk != 0).then(|| (w.older_chunk, batch.push(w.older_chunk, MIN_CHUNK as usize)));
+                wanted.push((n, frame, older));
+            }
+        }
+        if wanted.is_empty() {
+            break;
+        }
+        mem.read(batch)?;
+        for (n, frame, older) in wanted {
+            let w = &mut walkers[n];
+            if let Some((at, i)) = older {
+                w.older_chunk = 0;
+                if let Some(b) = batch.get(i) {
+                    w.older_chunk = u64_at(b, CHUNK_PREVIOUS);
+                    w.regions.push(Region { start: at, bytes: b.to_vec() });
+                }
+            }
+            match batch.get(frame) {
+                Some(b) => w.regions.push(Region { start: w.next, bytes: b.to_vec() }),
+                None => w.torn = true,
+            }
+        }
+    }
+    Ok(walkers.into_iter().map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(w.frames) }).collect())
+}

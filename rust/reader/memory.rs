@@ -1,0 +1,199 @@
+//! Reads of this process's own memory.
+//!
+//! Every read of a batch goes out in as few `process_vm_readv` calls as possible:
+//! the syscall entry is the price, the pages are cheap. Where the syscall is
+//! forbidden (a seccomp profile, an injected error) reads go through `/proc/self/mem`.
+//! A range that is not mapped (a torn pointer) fails alone; it never faults.
+
+use nix::libc;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+/// Most iovecs one call takes (Linux's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    addr: u64,
+    offset: usize,
+    len: usize,
+    ok: bool,
+}
+
+/// Ranges to read together, copied into one buffer.
+#[derive(Default)]
+pub struct Batch {
+    requests: Vec<Request>,
+    buf: Vec<u8>,
+}
+
+impl Batch {
+    pub fn clear(&mut self) {
+        self.requests.clear();
+        self.buf.clear();
+    }
+
+    /// Queues `len` bytes at `addr`; returns the request's index.
+    pub fn push(&mut self, addr: u64, len: usize) -> usize {
+        let offset = self.buf.len();
+        self.buf.resize(offset + len, 0);
+        self.requests.push(Request { addr, offset, len, ok: false });
+        self.requests.len() - 1
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The bytes of request `i`, or None if that range could not be read.
+    pub fn get(&self, i: usize) -> Option<&[u8]> {
+        let r = self.requests.get(i)?;
+        r.ok.then(|| &self.buf[r.offset..r.offset + r.len])
+    }
+}
+
+pub struct Memory {
+    pid: libc::pid_t,
+    /// Set once `process_vm_readv` is refused; every read then goes through it.
+    proc_mem: Option<File>,
+    pub calls: u64,
+}
+
+impl Memory {
+    pub fn new() -> Memory {
+        Memory { pid: std::process::id() as libc::pid_t, proc_mem: None, calls: 0 }
+    }
+
+    pub fn uses_proc_mem(&self) -> bool {
+        self.proc_mem.is_some()
+    }
+
+    /// Reads every request of `batch`; each one's success is kept in the batch.
+    pub fn read(&mut self, batch: &mut Batch) -> Result<(), String> {
+        let mut next = 0;
+        while next < batch.requests.len() {
+            next = match &self.proc_mem {
+                Some(file) => read_with_file(file, batch, next),
+                None => match self.readv_from(batch, next) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.proc_mem = Some(
+                            File::open("/proc/self/mem")
+                                .map_err(|f| format!("process_vm_readv failed ({e}) and /proc/self/mem cannot be opened: {f}"))?,
+                        );
+                        next
+                    }
+                },
+            };
+        }
+        Ok(())
+    }
+
+    /// One `process_vm_readv` from request `first`; returns the first request not yet tried.
+    fn readv_from(&mut self, batch: &mut Batch, first: usize) -> Result<usize, std::io::Error> {
+        let end = (first + IOV_MAX).min(batch.requests.len());
+        let base = batch.buf.as_mut_ptr();
+        let (local, remote): (Vec<libc::iovec>, Vec<libc::iovec>) = batch.requests[first..end]
+            .iter()
+            .map(|r| {
+                // SAFETY: offset + len lies inside `buf`, which outlives the call below.
+                let local = libc::iovec { iov_base: unsafe { base.add(r.offset) }.cast(), iov_len: r.len };
+                (local, libc::iovec { iov_base: r.addr as *mut libc::c_void, iov_len: r.len })
+            })
+            .unzip();
+        self.calls += 1;
+        // SAFETY: the local iovecs point into our own buffer; the remote ones are only
+        // read by the kernel, which reports unmapped ranges instead of faulting.
+        let n = unsafe {
+            libc::process_vm_readv(self.pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            return match err.raw_os_error() {
+                // The first range is unmapped: fail it alone and go on after it.
+                Some(libc::EFAULT) => {
+                    batch.requests[first].ok = false;
+                    Ok(first + 1)
+                }
+                _ => Err(err),
+            };
+        }
+        // The call stops at the first range it cannot copy whole.
+        let mut copied = n as usize;
+        for i in first..end {
+            let r = &mut batch.requests[i];
+            if copied < r.len {
+                r.ok = false;
+                return Ok(i + 1);
+            }
+            r.ok = true;
+            copied -= r.len;
+        }
+        Ok(end)
+    }
+}
+
+fn read_with_file(file: &File, batch: &mut Batch, first: usize) -> usize {
+    let Batch { requests, buf } = batch;
+    for r in &mut requests[first..] {
+        r.ok = file.read_exact_at(&mut buf[r.offset..r.offset + r.len], r.addr).is_ok();
+    }
+    requests.len()
+}
+
+/// Reads one plain value of our own memory through `mem` (setup paths only).
+pub fn read_u64(mem: &mut Memory, addr: u64) -> Option<u64> {
+    let mut batch = Batch::default();
+    batch.push(addr, 8);
+    mem.read(&mut batch).ok()?;
+    batch.get(0).map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
+}
+
+/// Little helpers to decode fields from copied bytes.
+pub fn u64_at(bytes: &[u8], offset: u64) -> u64 {
+    let o = offset as usize;
+    bytes.get(o..o + 8).map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap()))
+}
+
+pub fn u32_at(bytes: &[u8], offset: u64) -> u32 {
+    let o = offset as usize;
+    bytes.get(o..o + 4).map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()))
+}
+
+pub fn u8_at(bytes: &[u8], offset: u64) -> u8 {
+    bytes.get(offset as usize).copied().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_many_ranges_and_fails_only_the_unmapped_one() {
+        let a = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        let b = 0x1122_3344_5566_7788u64;
+        let mut mem = Memory::new();
+        let mut batch = Batch::default();
+        batch.push(a.as_ptr() as u64, a.len());
+        batch.push(8, 16); // the null page is never mapped
+        batch.push(&b as *const u64 as u64, 8);
+        mem.read(&mut batch).unwrap();
+        assert_eq!(batch.get(0), Some(&a[..]));
+        assert_eq!(batch.get(1), None);
+        assert_eq!(u64_at(batch.get(2).unwrap(), 0), b);
+        assert!(mem.calls <= 3);
+    }
+
+    #[test]
+    fn proc_mem_reads_the_same() {
+        let a = [9u8; 32];
+        let mut mem = Memory::new();
+        mem.proc_mem = Some(File::open("/proc/self/mem").unwrap());
+        let mut batch = Batch::default();
+        batch.push(a.as_ptr() as u64, 32);
+        batch.push(8, 8);
+        mem.read(&mut batch).unwrap();
+        assert_eq!(batch.get(0), Some(&a[..]));
+        assert_eq!(batch.get(1), None);
+    }
+}

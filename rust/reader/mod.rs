@@ -1,0 +1,109 @@
+//! Readers of this process's Python stacks, both working without the GIL.
+//!
+//! `fast` is our own: it copies each thread's live frames in one read and caches
+//! code objects. `pyspy` is py-spy's library reader: ~8 syscalls per frame, but it
+//! knows every CPython it supports; it is the fallback and the tests' oracle.
+
+mod check;
+mod code;
+mod fast;
+mod frames;
+mod layout;
+mod linetable;
+mod memory;
+mod pyspy;
+mod threads;
+
+pub use check::open_fast;
+pub use code::LineMode;
+pub use fast::FastReader;
+pub use pyspy::PySpyReader;
+
+use crate::model::{Frame, Tag};
+use crate::tags::ThreadTags;
+use serde_json::Value;
+use std::sync::Arc;
+
+/// Which threads a tick reads.
+#[derive(Clone, Copy, Debug)]
+pub struct Want {
+    /// Waiting threads too (idle samples, live dumps).
+    pub idle: bool,
+    /// Only the thread holding the GIL.
+    pub gil_only: bool,
+}
+
+/// One thread's stack at one tick.
+#[derive(Clone, Debug)]
+pub struct ThreadStack {
+    pub ident: u64,
+    pub name: Option<String>,
+    /// Frame ids of the reader (see `StackReader::frame`), innermost first.
+    pub frames: Vec<u64>,
+    /// On a CPU or holding the GIL.
+    pub active: bool,
+    pub holds_gil: bool,
+    /// CPU time the thread used since the previous tick.
+    pub cpu_ns: u64,
+    /// The task the thread ran during the read; Err if it changed meanwhile.
+    pub tag: Result<Option<Arc<Tag>>, ()>,
+}
+
+impl ThreadStack {
+    pub fn wanted(&self, want: Want) -> bool {
+        (self.active || want.idle) && (self.holds_gil || !want.gil_only)
+    }
+}
+
+pub trait StackReader {
+    /// "fast" or "pyspy".
+    fn name(&self) -> &'static str;
+    /// Reads the stacks `want` asks for into `out`; Err when the whole tick failed.
+    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String>;
+    /// The frame behind an id this reader handed out.
+    fn frame(&self, id: u64) -> Frame;
+    /// Changes when earlier frame ids may mean other frames.
+    fn epoch(&self) -> u64;
+    /// Counters for the sampler's stats.
+    fn stats(&self) -> Value;
+}
+
+/// The reader a sampler was asked for.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReaderChoice {
+    Auto,
+    Fast,
+    Pyspy,
+}
+
+impl std::str::FromStr for ReaderChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ReaderChoice::Auto),
+            "fast" => Ok(ReaderChoice::Fast),
+            "pyspy" => Ok(ReaderChoice::Pyspy),
+            _ => Err(format!("reader must be one of 'auto', 'fast', 'pyspy', got {s:?}")),
+        }
+    }
+}
+
+/// What `start` settled on, checked with the GIL held; py-spy's reader is made in
+/// the sampling thread (it cannot move between threads).
+pub enum Chosen {
+    Fast(Box<FastReader>),
+    PySpy { reason: Option<String> },
+}
+
+/// The reader for `choice`, opened (and self-checked) with the GIL held.
+pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Result<Chosen, String> {
+    match choice {
+        ReaderChoice::Pyspy => Ok(Chosen::PySpy { reason: None }),
+        ReaderChoice::Fast => open_fast(py, mode).map(|r| Chosen::Fast(Box::new(r))).map_err(|e| format!("reader='fast' cannot be used: {e}")),
+        ReaderChoice::Auto => Ok(match open_fast(py, mode) {
+            Ok(r) => Chosen::Fast(Box::new(r)),
+            Err(e) => Chosen::PySpy { reason: Some(e) },
+        }),
+    }
+}

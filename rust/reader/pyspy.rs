@@ -1,0 +1,136 @@
+//! py-spy's library reader: the fallback for interpreters the fast reader does not
+//! know, and the oracle it is tested against.
+
+use super::threads::thread_cpu_ns;
+use super::{StackReader, ThreadStack, Want};
+use crate::model::Frame;
+use crate::tags::ThreadTags;
+use py_spy::config::{LineNo, LockingStrategy};
+use py_spy::{PythonSpy, StackTrace};
+use rustc_hash::FxHashMap;
+use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
+
+pub struct PySpyReader {
+    spy: PythonSpy,
+    /// OS thread id last seen behind each Python thread ident, to notice ident reuse.
+    os_tids: HashMap<u64, Option<u64>>,
+    /// CPU clock per OS thread at the previous tick.
+    clocks: FxHashMap<u64, u64>,
+    frames: Vec<Frame>,
+    frame_ids: HashMap<Frame, u64>,
+    epoch: u64,
+    reason: Option<String>,
+}
+
+/// Frames interned by the adapter are forgotten past this many.
+const MAX_FRAMES: usize = 500_000;
+
+impl PySpyReader {
+    /// Attaches py-spy to this process; `reason` says why the fast reader is not used.
+    pub fn new(lines: bool, function: bool, reason: Option<String>) -> Result<PySpyReader, String> {
+        let config = py_spy::Config {
+            // Locking our own process would suspend the sampling thread too.
+            blocking: LockingStrategy::NonBlocking,
+            // Cached by py-spy; looked up again only for new threads, at most once a second.
+            collect_thread_names: true,
+            lineno: match (lines, function) {
+                (_, true) => LineNo::First,
+                (true, false) => LineNo::LastInstruction,
+                (false, false) => LineNo::NoLine,
+            },
+            ..py_spy::Config::default()
+        };
+        let pid = std::process::id() as py_spy::Pid;
+        let spy = PythonSpy::retry_new(pid, &config, 3).map_err(|e| format!("py-spy cannot read this Python process: {e:#}"))?;
+        Ok(PySpyReader {
+            spy,
+            os_tids: HashMap::new(),
+            clocks: FxHashMap::default(),
+            frames: Vec::new(),
+            frame_ids: HashMap::new(),
+            epoch: 0,
+            reason,
+        })
+    }
+
+    /// A new thread can get a dead one's ident; py-spy would keep the old name for it.
+    fn forget_reused_names(&mut self, traces: &mut [StackTrace]) {
+        if self.os_tids.len() > 4 * traces.len() + 64 {
+            let live: HashSet<u64> = traces.iter().map(|t| t.thread_id).collect();
+            self.os_tids.retain(|ident, _| live.contains(ident));
+            self.clocks.clear();
+        }
+        for t in traces {
+            let previous = self.os_tids.insert(t.thread_id, t.os_thread_id);
+            if previous.is_some_and(|p| p != t.os_thread_id) {
+                self.spy.python_thread_names.remove(&t.thread_id);
+                t.thread_name = None;
+            }
+        }
+    }
+
+    fn frame_id(&mut self, f: &py_spy::Frame) -> u64 {
+        let frame = Frame { name: f.name.clone(), file: f.filename.clone(), line: f.line };
+        if let Some(&id) = self.frame_ids.get(&frame) {
+            return id;
+        }
+        if self.frames.len() >= MAX_FRAMES {
+            self.frames.clear();
+            self.frame_ids.clear();
+            self.epoch += 1;
+        }
+        let id = self.frames.len() as u64;
+        self.frames.push(frame.clone());
+        self.frame_ids.insert(frame, id);
+        id
+    }
+
+    fn cpu_since_last_tick(&mut self, os_tid: Option<u64>) -> u64 {
+        let Some(tid) = os_tid else { return 0 };
+        let Some(now) = thread_cpu_ns(tid) else { return 0 };
+        self.clocks.insert(tid, now).map_or(0, |before| now.saturating_sub(before))
+    }
+}
+
+impl StackReader for PySpyReader {
+    fn name(&self) -> &'static str {
+        "pyspy"
+    }
+
+    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
+        out.clear();
+        let before = tags.snapshot();
+        let mut traces = self.spy.get_stack_traces().map_err(|e| format!("{e:#}"))?;
+        self.forget_reused_names(&mut traces);
+        for t in &traces {
+            let stack = ThreadStack {
+                ident: t.thread_id,
+                name: t.thread_name.clone(),
+                frames: Vec::new(),
+                // py-spy's `active` means on a CPU; a thread holding the GIL is working too.
+                active: t.active || t.owns_gil,
+                holds_gil: t.owns_gil,
+                cpu_ns: self.cpu_since_last_tick(t.os_thread_id),
+                tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
+            };
+            if stack.wanted(want) && !t.frames.is_empty() {
+                let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
+                out.push(ThreadStack { frames, ..stack });
+            }
+        }
+        Ok(())
+    }
+
+    fn frame(&self, id: u64) -> Frame {
+        self.frames[id as usize].clone()
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn stats(&self) -> Value {
+        json!({"fallback_reason": self.reason})
+    }
+}

@@ -1,0 +1,165 @@
+//! The interpreter's thread states, the GIL, and each thread's CPU clock.
+//!
+//! The thread list is re-read in one batch each tick and walked again only when its
+//! links changed. Whether a thread works comes from the GIL (held now) and its CPU
+//! clock (ran for most of the time since the last tick), never from `/proc`.
+
+use super::layout::{CurrentFrame, GilAt, Layout};
+use super::memory::{u32_at, u64_at, Batch, Memory};
+use nix::libc;
+use rustc_hash::FxHashMap;
+use std::time::Instant;
+
+/// A thread that used at least this share of the wall time since the last tick ran.
+const RUNNING_SHARE: f64 = 0.5;
+/// More thread states than this in one walk means a torn or looping list.
+const MAX_THREADS: usize = 10_000;
+
+#[derive(Clone, Debug)]
+pub struct ThreadState {
+    pub addr: u64,
+    pub ident: u64,
+    /// The innermost frame (3.13+), or the C-stack struct that holds it (3.11, 3.12).
+    pub frame_ref: u64,
+    pub chunk: u64,
+    pub top: u64,
+    pub holds_gil: bool,
+    pub on_cpu: bool,
+    pub cpu_ns: u64,
+}
+
+pub struct Threads {
+    interp: u64,
+    gil_locked: u64,
+    gil_holder: u64,
+    list: Vec<u64>,
+    /// Per native thread: CPU clock and wall time at the last reading.
+    clocks: FxHashMap<u64, (u64, Instant)>,
+    pub walks: u64,
+}
+
+impl Threads {
+    pub fn new(interp: u64, runtime: u64, layout: &Layout, mem: &mut Memory) -> Result<Threads, String> {
+        let (gil_locked, gil_holder) = match layout.gil {
+            GilAt::Runtime { locked, holder } => (runtime + locked, runtime + holder),
+            GilAt::Interp { pointer, locked, holder } => {
+                let gil = super::memory::read_u64(mem, interp + pointer).filter(|&g| g != 0);
+                let gil = gil.ok_or("the interpreter's GIL state cannot be read")?;
+                (gil + locked, gil + holder)
+            }
+        };
+        Ok(Threads { interp, gil_locked, gil_holder, list: Vec::new(), clocks: FxHashMap::default(), walks: 0 })
+    }
+
+    /// Every thread state of the interpreter, with its GIL and CPU state.
+    pub fn read(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<ThreadState>, String> {
+        batch.clear();
+        let head_at = batch.push(self.interp + layout.interp_threads_head, 8);
+        let locked_at = batch.push(self.gil_locked, 4);
+        let holder_at = batch.push(self.gil_holder, 8);
+        let len = layout.tstate_len() as usize;
+        for &t in &self.list {
+            batch.push(t, len);
+        }
+        mem.read(batch)?;
+        let head = batch.get(head_at).map(|b| u64_at(b, 0)).ok_or("the thread list head cannot be read")?;
+        let holder = match (batch.get(locked_at), batch.get(holder_at)) {
+            (Some(l), Some(h)) if u32_at(l, 0) != 0 => u64_at(h, 0),
+            _ => 0,
+        };
+        let cached: Option<Vec<Vec<u8>>> = (0..self.list.len()).map(|i| batch.get(3 + i).map(<[u8]>::to_vec)).collect();
+        let states = match cached.filter(|s| self.links_match(head, s, layout)) {
+            Some(states) => states,
+            None => self.walk(head, layout, mem)?,
+        };
+        let now = Instant::now();
+        let list = self.list.clone();
+        let threads = list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        self.forget_dead_clocks();
+        Ok(threads)
+    }
+
+    /// The cached list still describes the interpreter: same head, same links.
+    fn links_match(&self, head: u64, states: &[Vec<u8>], layout: &Layout) -> bool {
+        let mut expected = head;
+        for (addr, bytes) in self.list.iter().zip(states) {
+            if *addr != expected {
+                return false;
+            }
+            expected = u64_at(bytes, layout.tstate_next);
+        }
+        expected == 0
+    }
+
+    fn walk(&mut self, head: u64, layout: &Layout, mem: &mut Memory) -> Result<Vec<Vec<u8>>, String> {
+        self.walks += 1;
+        self.list.clear();
+        let mut states = Vec::new();
+        let mut next = head;
+        let mut one = Batch::default();
+        while next != 0 {
+            if self.list.len() >= MAX_THREADS {
+                return Err("the thread list does not end (torn read)".into());
+            }
+            one.clear();
+            one.push(next, layout.tstate_len() as usize);
+            mem.read(&mut one)?;
+            let bytes = one.get(0).ok_or("a thread state cannot be read (torn read)")?.to_vec();
+            self.list.push(next);
+            next = u64_at(&bytes, layout.tstate_next);
+            states.push(bytes);
+        }
+        Ok(states)
+    }
+
+    fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
+        let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
+        let (on_cpu, cpu_ns) = self.clock(native_tid, now);
+        let frame_ref = match layout.current_frame {
+            CurrentFrame::Direct(o) | CurrentFrame::ViaCFrame { cframe: o, .. } => u64_at(bytes, o),
+        };
+        ThreadState {
+            addr,
+            ident: u64_at(bytes, layout.tstate_thread_id),
+            frame_ref,
+            chunk: u64_at(bytes, layout.tstate_datastack_chunk),
+            top: u64_at(bytes, layout.tstate_datastack_top),
+            holds_gil: holder == addr,
+            on_cpu,
+            cpu_ns,
+        }
+    }
+
+    /// (ran for most of the time since the last reading, CPU ns used since then).
+    fn clock(&mut self, native_tid: u64, now: Instant) -> (bool, u64) {
+        let Some(cpu) = thread_cpu_ns(native_tid) else { return (false, 0) };
+        match self.clocks.insert(native_tid, (cpu, now)) {
+            Some((before, at)) if cpu >= before => {
+                let used = cpu - before;
+                let wall = now.duration_since(at).as_nanos() as f64;
+                (wall > 0.0 && used as f64 >= RUNNING_SHARE * wall, used)
+            }
+            _ => (false, 0),
+        }
+    }
+
+    fn forget_dead_clocks(&mut self) {
+        if self.clocks.len() > 2 * self.list.len() + 64 {
+            let now = Instant::now();
+            self.clocks.retain(|_, (_, at)| now.duration_since(*at).as_secs() < 10);
+        }
+    }
+}
+
+/// CPU time of another thread of this process, by its native id; None once it exited.
+pub fn thread_cpu_ns(native_tid: u64) -> Option<u64> {
+    if native_tid == 0 || native_tid > i32::MAX as u64 {
+        return None;
+    }
+    // The kernel's per-thread CPU clock id: (~tid << 3) | CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED.
+    let clock = ((!(native_tid as i32)) << 3) | 6;
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid out-pointer; an invalid clock id only returns EINVAL.
+    let rc = unsafe { libc::clock_gettime(clock as libc::clockid_t, &mut ts) };
+    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
