@@ -269,7 +269,10 @@ fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<Result<(), Strin
                 }
             },
         };
-        shared.stats.lock().reader = Some(reader.name());
+        let mut stats = shared.stats.lock();
+        stats.reader = Some(reader.name());
+        stats.reader_stats = reader.stats();
+        drop(stats);
         let _ = ready.send(Ok(()));
         Loop::new(&shared, reader).run();
     }));
