@@ -34,7 +34,14 @@ def test_sampler_panic_on_a_worker_is_contained(fresh):
     client.gather(client.map(alpha, range(50)))
     victim = list(client.scheduler_info()["workers"])[0]
     client.run(lambda: dask_pyspy.sampler.process_sampler.sampler._native._inject_panic(), workers=[victim])
-    time.sleep(0.5)
+
+    def panicked() -> bool:
+        return client.run(lambda: dask_pyspy.sampler.process_sampler.sampler.stats()["panic"], workers=[victim])[victim]
+
+    deadline = time.monotonic() + 60
+    while not panicked():
+        assert time.monotonic() < deadline, "the injected panic never happened"
+        time.sleep(0.1)
     prof = client.pyspy_profile(last=30)
     stats = {p["name"]: p["stats"] for p in prof.processes}
     assert "panicked" in stats[victim]["panic"], "the panic is reported with the profile"

@@ -28,6 +28,19 @@ def sleepy_gamma(stop: threading.Event) -> None:
     stop.wait()
 
 
+def hold_gil(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def deep(n: int, stop: threading.Event) -> None:
     if n:
         return deep(n - 1, stop)
@@ -276,12 +289,19 @@ def test_restart_after_stop_keeps_samples(sampler):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="py-spy in-process sampling is Linux only")
 def test_sampling_holds_no_gil():
-    """A busy loop in Python runs just as fast with the sampler on (no GIL taken per tick)."""
+    """Ticks go on while one thread keeps the GIL for seconds (no GIL taken per tick)."""
     s = Sampler(rate=1000, cpu_budget=1.0)
     s.start()
+    switch = sys.getswitchinterval()
     try:
-        with Threads(("alpha", busy_alpha, ())):
-            time.sleep(1)
-        assert s.stats()["ticks"] > 500
+        wait_for(lambda: s.stats()["ticks"] > 0)
+        before = s.stats()["ticks"]
+        sys.setswitchinterval(100)  # the busy thread keeps the GIL until it ends
+        hog = threading.Thread(target=hold_gil, args=(2.0,))
+        hog.start()
+        hog.join()
+        sys.setswitchinterval(switch)
+        assert s.stats()["ticks"] - before > 20
     finally:
+        sys.setswitchinterval(switch)
         s.stop()
