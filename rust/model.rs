@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 use std::hash::Hash;
 
@@ -139,13 +140,13 @@ pub struct ProfileData {
 #[derive(Debug)]
 pub struct Interner<T> {
     items: Vec<T>,
-    index: HashMap<T, u32>,
+    index: FxHashMap<T, u32>,
     bytes: usize,
 }
 
 impl<T> Default for Interner<T> {
     fn default() -> Self {
-        Interner { items: Vec::new(), index: HashMap::new(), bytes: 0 }
+        Interner { items: Vec::new(), index: FxHashMap::default(), bytes: 0 }
     }
 }
 

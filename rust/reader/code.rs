@@ -36,6 +36,15 @@ pub enum LineMode {
     None,
 }
 
+/// What a frame's executable turned out to be.
+pub enum Found {
+    Frame(u64),
+    /// Not a code object (entry frames hold None): not a Python call, skipped.
+    NotCode,
+    /// Unreadable, or an instruction outside the code: a torn read or a stale frame.
+    Torn,
+}
+
 struct Code {
     serial: u64,
     name: Arc<str>,
@@ -221,27 +230,16 @@ impl CodeCache {
         })
     }
 
-    /// What `refresh` found at `addr`: Some(true) a code object, Some(false) something
-    /// else (a frame to skip), None unreadable.
-    pub fn kind(&self, addr: u64) -> Option<bool> {
-        if self.codes.contains_key(&addr) {
-            Some(true)
-        } else if self.not_code.contains(&addr) {
-            Some(false)
-        } else {
-            None
-        }
-    }
-
-    /// The frame id of `code` at byte offset `offset` into its bytecode; None when
-    /// the offset lies outside it (a torn read or a stale frame).
-    pub fn frame_id(&mut self, code: u64, offset: i64, mode: LineMode) -> Option<u64> {
-        let c = self.codes.get_mut(&code)?;
+    /// The frame id of `code` at byte offset `offset` into its bytecode.
+    pub fn frame_id(&mut self, code: u64, offset: i64, mode: LineMode) -> Found {
+        let Some(c) = self.codes.get_mut(&code) else {
+            return if self.not_code.contains(&code) { Found::NotCode } else { Found::Torn };
+        };
         if offset >= c.bytecode_len {
-            return None;
+            return Found::Torn;
         }
         if let Some(&id) = c.lines.get(&offset) {
-            return Some(id);
+            return Found::Frame(id);
         }
         let line = match mode {
             LineMode::Current => line_at(&c.linetable, c.first_line, offset.max(0) as u32).unwrap_or(c.first_line),
@@ -254,7 +252,7 @@ impl CodeCache {
             self.frames.push(Frame { name: c.name.to_string(), file: c.file.to_string(), line });
         }
         c.lines.insert(offset, id);
-        Some(id)
+        Found::Frame(id)
     }
 
     pub fn frame(&self, id: u64) -> &Frame {

@@ -2,7 +2,7 @@
 //! every sampled thread's live frames, one to check the cached code objects; more
 //! only for frames outside the live chunks and for code objects not seen before.
 
-use super::code::{CodeCache, LineMode};
+use super::code::{CodeCache, Found, LineMode};
 use super::frames::{read_stacks, RawFrame};
 use super::layout::Layout;
 use super::memory::{Batch, Memory};
@@ -25,6 +25,7 @@ pub struct FastReader {
     layout: Layout,
     mem: Memory,
     batch: Batch,
+    round: Batch,
     threads: Threads,
     codes: CodeCache,
     mode: LineMode,
@@ -39,6 +40,7 @@ impl FastReader {
             layout,
             mem,
             batch: Batch::default(),
+            round: Batch::default(),
             threads,
             codes: CodeCache::new(code_type),
             mode,
@@ -65,7 +67,7 @@ impl FastReader {
         }
         let idents: Vec<u64> = chosen.iter().map(|t| t.ident).collect();
         let before = tags.versions(&idents);
-        let stacks = read_stacks(&chosen, &self.layout, &mut self.mem, &mut self.batch)?;
+        let stacks = read_stacks(&chosen, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
         let after = tags.stable_tags(&before, &idents);
         let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();
         self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)?;
@@ -84,20 +86,14 @@ impl FastReader {
     fn frame_ids(&mut self, raw: &[RawFrame]) -> Result<Vec<u64>, ()> {
         let mut ids = Vec::with_capacity(raw.len());
         for f in raw {
-            match self.codes.kind(f.code) {
-                Some(true) => {}
-                Some(false) => continue, // an entry frame's executable: not a Python call
-                None => return Err(()),
-            }
             let offset = f.instr as i64 - (f.code + self.layout.code_bytecode) as i64;
-            if offset < 0 {
-                // 3.11 and 3.12 start a frame one code unit before its code: not yet running.
-                if offset == -2 && self.layout.version < (3, 13) {
-                    continue;
-                }
-                return Err(());
+            // 3.11 and 3.12 start a frame one code unit before its code: not yet running.
+            let not_started = offset == -2 && self.layout.version < (3, 13);
+            match self.codes.frame_id(f.code, offset, self.mode) {
+                Found::Frame(id) if !not_started => ids.push(id),
+                Found::Frame(_) | Found::NotCode => {} // NotCode: an entry frame's executable
+                Found::Torn => return Err(()),
             }
-            ids.push(self.codes.frame_id(f.code, offset, self.mode).ok_or(())?);
         }
         Ok(ids)
     }

@@ -23,12 +23,16 @@ pub struct RawFrame {
     pub instr: u64,
 }
 
+/// Memory copied for one thread: its live chunk stays in the first batch; frames
+/// and older chunks read on demand are kept here.
 struct Region {
     start: u64,
     bytes: Vec<u8>,
 }
 
 struct Walker {
+    /// Index of the live chunk's copy in the first batch.
+    chunk: Option<(u64, usize)>,
     regions: Vec<Region>,
     base_frame: Option<u64>,
     next: u64,
@@ -37,16 +41,19 @@ struct Walker {
     torn: bool,
 }
 
+fn slice_at(start: u64, bytes: &[u8], addr: u64, len: u64) -> Option<&[u8]> {
+    let off = addr.checked_sub(start)?;
+    bytes.get(off as usize..(off + len) as usize)
+}
+
 impl Walker {
-    fn find(&self, addr: u64, len: u64) -> Option<&[u8]> {
-        self.regions.iter().find_map(|r| {
-            let off = addr.checked_sub(r.start)?;
-            r.bytes.get(off as usize..(off + len) as usize)
-        })
+    fn find<'a>(&'a self, chunks: &'a Batch, addr: u64, len: u64) -> Option<&'a [u8]> {
+        let live = self.chunk.and_then(|(start, i)| slice_at(start, chunks.get(i)?, addr, len));
+        live.or_else(|| self.regions.iter().find_map(|r| slice_at(r.start, &r.bytes, addr, len)))
     }
 
     /// Follows the chain from the local copies; stops at the end or at a frame not copied.
-    fn advance(&mut self, layout: &Layout) {
+    fn advance(&mut self, layout: &Layout, chunks: &Batch) {
         while self.next != 0 && !self.torn {
             if Some(self.next) == self.base_frame {
                 self.next = 0;
@@ -56,7 +63,7 @@ impl Walker {
                 self.torn = true;
                 break;
             }
-            let Some(f) = self.find(self.next, layout.frame_size) else { break };
+            let Some(f) = self.find(chunks, self.next, layout.frame_size) else { break };
             let (code, instr) = (u64_at(f, layout.frame_code) & !7, u64_at(f, layout.frame_instr));
             let owner = u8_at(f, layout.frame_owner);
             let previous = u64_at(f, layout.frame_previous);
@@ -69,7 +76,14 @@ impl Walker {
 }
 
 /// The frames of each thread, innermost first; Err for a thread whose chain was torn.
-pub fn read_stacks(threads: &[&ThreadState], layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
+/// `batch` receives the live chunks, `round` the reads made on demand.
+pub fn read_stacks(
+    threads: &[&ThreadState],
+    layout: &Layout,
+    mem: &mut Memory,
+    batch: &mut Batch,
+    round: &mut Batch,
+) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
     batch.clear();
     let mut first = Vec::with_capacity(threads.len());
     for t in threads {
@@ -90,11 +104,11 @@ pub fn read_stacks(threads: &[&ThreadState], layout: &Layout, mem: &mut Memory, 
                 None => Some(t.frame_ref),
                 Some(i) => batch.get(i).map(|b| u64_at(b, 0)),
             };
-            let regions: Vec<Region> =
-                chunk.and_then(|i| batch.get(i)).map(|b| Region { start: t.chunk, bytes: b.to_vec() }).into_iter().collect();
+            let chunk = chunk.filter(|&i| batch.get(i).is_some()).map(|i| (t.chunk, i));
             Walker {
-                older_chunk: regions.first().map_or(0, |r| u64_at(&r.bytes, CHUNK_PREVIOUS)),
-                regions,
+                older_chunk: chunk.and_then(|(_, i)| batch.get(i)).map_or(0, |b| u64_at(b, CHUNK_PREVIOUS)),
+                chunk,
+                regions: Vec::new(),
                 base_frame: layout.tstate_base_frame.map(|o| t.addr + o),
                 next: next.unwrap_or(0),
                 frames: Vec::new(),
@@ -103,30 +117,30 @@ pub fn read_stacks(threads: &[&ThreadState], layout: &Layout, mem: &mut Memory, 
         })
         .collect();
     for _ in 0..MAX_ROUNDS {
-        batch.clear();
+        round.clear();
         let mut wanted = Vec::new();
         for (n, w) in walkers.iter_mut().enumerate() {
-            w.advance(layout);
+            w.advance(layout, batch);
             if w.next != 0 && !w.torn {
-                let frame = batch.push(w.next, layout.frame_size as usize);
-                let older = (w.older_chunk != 0).then(|| (w.older_chunk, batch.push(w.older_chunk, MIN_CHUNK as usize)));
+                let frame = round.push(w.next, layout.frame_size as usize);
+                let older = (w.older_chunk != 0).then(|| (w.older_chunk, round.push(w.older_chunk, MIN_CHUNK as usize)));
                 wanted.push((n, frame, older));
             }
         }
         if wanted.is_empty() {
             break;
         }
-        mem.read(batch)?;
+        mem.read(round)?;
         for (n, frame, older) in wanted {
             let w = &mut walkers[n];
             if let Some((at, i)) = older {
                 w.older_chunk = 0;
-                if let Some(b) = batch.get(i) {
+                if let Some(b) = round.get(i) {
                     w.older_chunk = u64_at(b, CHUNK_PREVIOUS);
                     w.regions.push(Region { start: at, bytes: b.to_vec() });
                 }
             }
-            match batch.get(frame) {
+            match round.get(frame) {
                 Some(b) => w.regions.push(Region { start: w.next, bytes: b.to_vec() }),
                 None => w.torn = true,
             }
