@@ -34,7 +34,10 @@ class _ActiveThreads(dict):
 
 
 def _watch_thread_starts() -> None:
-    with threading._active_limbo_lock:  # type: ignore[attr-defined]
+    lock = getattr(threading, "_active_limbo_lock", None)
+    if lock is None or not isinstance(getattr(threading, "_active", None), dict):
+        return  # another threading: names then come from profile() and dump() only
+    with lock:
         if not isinstance(threading._active, _ActiveThreads):  # type: ignore[attr-defined]
             threading._active = _ActiveThreads(threading._active)  # type: ignore[attr-defined]
 

@@ -20,8 +20,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Smoothing of the per-tick cost estimate that drives the budget.
-const COST_SMOOTHING: f64 = 0.2;
+/// Time over which the per-tick cost is averaged for the budget: long enough that
+/// an occasional costly tick does not cost rate, short enough to follow real change.
+const COST_HORIZON_S: f64 = 0.25;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 50;
 /// How long a live dump waits for the sampling thread to read every thread.
@@ -326,7 +327,7 @@ impl<'a> Loop<'a> {
             let cpu0 = thread_cpu_ns();
             self.tick(weight);
             let cost = thread_cpu_ns().saturating_sub(cpu0);
-            self.adapt(cost);
+            self.adapt(cost, weight);
             let mut stats = self.shared.stats.lock();
             stats.cpu_ns += cost;
             stats.wall_ns = started.elapsed().as_nanos() as u64;
@@ -359,10 +360,14 @@ impl<'a> Loop<'a> {
         *stop
     }
 
-    /// Stretches the interval so that (cost per tick / interval) stays within the budget.
-    fn adapt(&mut self, cost_ns: u64) {
+    /// Stretches the interval so that (average cost per tick / interval) stays within
+    /// the budget. The average weighs each tick by the time it stands for; it starts
+    /// at the first (cold, costliest) tick, so a process too costly to read is never
+    /// read at full rate first.
+    fn adapt(&mut self, cost_ns: u64, weight: Duration) {
         let cost = cost_ns as f64 / 1e9;
-        let smoothed = self.cost_s.map_or(cost, |c| c + COST_SMOOTHING * (cost - c));
+        let alpha = 1.0 - (-weight.as_secs_f64() / COST_HORIZON_S).exp();
+        let smoothed = self.cost_s.map_or(cost, |c| c + alpha * (cost - c));
         self.cost_s = Some(smoothed);
         let needed = Duration::from_secs_f64(smoothed / self.shared.config.cpu_budget);
         self.interval = needed.max(self.base);

@@ -96,8 +96,9 @@ impl CodeCache {
         }
     }
 
-    /// Makes every address of `addrs` either a checked cache entry or a known non-code.
-    pub fn refresh(&mut self, addrs: &FxHashSet<u64>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+    /// Makes every address of `addrs` either a checked cache entry or a known non-code;
+    /// returns whether any was read anew (new, or another object at a known address).
+    pub fn refresh(&mut self, addrs: &FxHashSet<u64>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<bool, String> {
         self.tick += 1;
         self.not_code.clear();
         self.trim();
@@ -117,7 +118,7 @@ impl CodeCache {
             }
         }
         if batch.len() == 0 {
-            return Ok(());
+            return Ok(false);
         }
         mem.read(batch)?;
         for (addr, identity, probe) in checks {
@@ -142,10 +143,11 @@ impl CodeCache {
                 None => {}
             }
         }
-        if !pending.is_empty() {
+        let fresh = !pending.is_empty();
+        if fresh {
             self.fetch(pending, layout, mem, batch)?;
         }
-        Ok(())
+        Ok(fresh)
     }
 
     /// Reads new code objects: headers (if missing), then strings and line tables

@@ -10,7 +10,7 @@ use super::threads::{ThreadState, Threads};
 use super::{StackReader, ThreadStack, Want};
 use crate::model::{Frame, Tag};
 use crate::tags::ThreadTags;
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -21,12 +21,22 @@ pub struct ReadThread {
     pub tag: Result<Option<Arc<Tag>>, ()>,
 }
 
+struct Kept {
+    frame_ref: u64,
+    chunk: u64,
+    top: u64,
+    ids: Vec<u64>,
+    epoch: u64,
+}
+
 pub struct FastReader {
     layout: Layout,
     mem: Memory,
     batch: Batch,
     round: Batch,
     threads: Threads,
+    /// Per thread state: what it looked like at its last read, and the frame ids read.
+    last: FxHashMap<u64, Kept>,
     codes: CodeCache,
     mode: LineMode,
     thread_reads: u64,
@@ -42,6 +52,7 @@ impl FastReader {
             batch: Batch::default(),
             round: Batch::default(),
             threads,
+            last: FxHashMap::default(),
             codes: CodeCache::new(code_type),
             mode,
             thread_reads: 0,
@@ -61,25 +72,54 @@ impl FastReader {
     /// one read that copies their frames.
     pub fn read_where(&mut self, select: impl Fn(&ThreadState) -> bool, tags: &ThreadTags) -> Result<Vec<ReadThread>, String> {
         let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch)?;
+        for t in states.iter().filter(|t| !t.still) {
+            self.last.remove(&t.addr); // it ran: what it held may be gone, read or not
+        }
         let chosen: Vec<&ThreadState> = states.iter().filter(|t| select(t)).collect();
         if chosen.is_empty() {
             return Ok(Vec::new());
         }
         let idents: Vec<u64> = chosen.iter().map(|t| t.ident).collect();
+        // A thread that did not run keeps its frames: its ids from last time still hold.
+        let kept: Vec<Option<Vec<u64>>> = chosen.iter().map(|t| self.unchanged(t)).collect();
+        let to_read: Vec<&ThreadState> = chosen.iter().zip(&kept).filter(|(_, k)| k.is_none()).map(|(t, _)| *t).collect();
+        let still: Vec<bool> = to_read.iter().map(|t| t.still).collect();
         let before = tags.versions(&idents);
-        let stacks = read_stacks(&chosen, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
-        let after = tags.stable_tags(&before, &idents);
+        let stacks = read_stacks(&to_read, &still, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
+        let mut after = tags.stable_tags(&before, &idents);
         let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();
-        self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)?;
+        if self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)? {
+            // A code object read after the stacks may belong to a call that began after
+            // them: the task must not have changed until then either.
+            after = tags.stable_tags(&before, &idents);
+        }
         self.thread_reads += chosen.len() as u64;
-        let out: Vec<ReadThread> = chosen
-            .into_iter()
-            .zip(stacks)
-            .zip(after)
-            .map(|((state, raw), tag)| ReadThread { state: state.clone(), frames: raw.and_then(|r| self.frame_ids(&r)), tag })
-            .collect();
+        let mut stacks = stacks.into_iter();
+        let mut out = Vec::with_capacity(chosen.len());
+        for ((state, tag), kept) in chosen.into_iter().zip(after).zip(kept) {
+            let frames = match kept {
+                Some(ids) => Ok(ids),
+                None => stacks.next().expect("one stack per thread read").and_then(|raw| self.frame_ids(&raw)),
+            };
+            if let Ok(ids) = &frames {
+                let epoch = self.codes.epoch;
+                self.last.insert(state.addr, Kept { frame_ref: state.frame_ref, chunk: state.chunk, top: state.top, ids: ids.clone(), epoch });
+            }
+            out.push(ReadThread { state: state.clone(), frames, tag });
+        }
         self.torn_reads += out.iter().filter(|r| r.frames.is_err()).count() as u64;
+        if self.last.len() > 2 * states.len() + 64 {
+            let live: FxHashSet<u64> = states.iter().map(|t| t.addr).collect();
+            self.last.retain(|addr, _| live.contains(addr));
+        }
         Ok(out)
+    }
+
+    /// The frame ids read last time, if `t` did not run since and still has the same frames.
+    fn unchanged(&self, t: &ThreadState) -> Option<Vec<u64>> {
+        let k = self.last.get(&t.addr)?;
+        let same = (k.frame_ref, k.chunk, k.top, k.epoch) == (t.frame_ref, t.chunk, t.top, self.codes.epoch);
+        (t.still && same).then(|| k.ids.clone())
     }
 
     /// Frame ids of a raw stack; Err if any frame does not hold together.

@@ -2,6 +2,10 @@
 //! are walked from the copy. Frames outside it (generator and coroutine frames,
 //! entry frames on the C stack, frames in older chunks) are read on demand, in
 //! rounds: one batch per round for every thread that needs one.
+//!
+//! A thread that runs while its chunk is copied can leave a copy that mixes two
+//! call chains. So the live chunks of threads that may run are copied twice, and a
+//! chain whose frames differ between the copies is torn.
 
 use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
 use super::memory::{u64_at, u8_at, Batch, Memory};
@@ -38,6 +42,8 @@ struct Walker {
     next: u64,
     older_chunk: u64,
     frames: Vec<RawFrame>,
+    /// Addresses of the frames walked in the live chunk, innermost first.
+    live: Vec<u64>,
     torn: bool,
 }
 
@@ -63,10 +69,14 @@ impl Walker {
                 self.torn = true;
                 break;
             }
+            let in_live = self.chunk.and_then(|(start, i)| slice_at(start, chunks.get(i)?, self.next, layout.frame_size)).is_some();
             let Some(f) = self.find(chunks, self.next, layout.frame_size) else { break };
             let (code, instr) = (u64_at(f, layout.frame_code) & !7, u64_at(f, layout.frame_instr));
             let owner = u8_at(f, layout.frame_owner);
             let previous = u64_at(f, layout.frame_previous);
+            if in_live {
+                self.live.push(self.next);
+            }
             if Some(owner) != layout.owner_not_python && code != 0 {
                 self.frames.push(RawFrame { code, instr });
             }
@@ -76,9 +86,11 @@ impl Walker {
 }
 
 /// The frames of each thread, innermost first; Err for a thread whose chain was torn.
-/// `batch` receives the live chunks, `round` the reads made on demand.
+/// `batch` receives the live chunks, `round` the reads made on demand; `still[i]`
+/// says thread i cannot have run since its stack was last read.
 pub fn read_stacks(
     threads: &[&ThreadState],
+    still: &[bool],
     layout: &Layout,
     mem: &mut Memory,
     batch: &mut Batch,
@@ -112,6 +124,7 @@ pub fn read_stacks(
                 base_frame: layout.tstate_base_frame.map(|o| t.addr + o),
                 next: next.unwrap_or(0),
                 frames: Vec::new(),
+                live: Vec::new(),
                 torn: next.is_none(),
             }
         })
@@ -146,5 +159,42 @@ pub fn read_stacks(
             }
         }
     }
+    recheck(&mut walkers, still, layout, mem, batch, round)?;
     Ok(walkers.into_iter().map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(w.frames) }).collect())
+}
+
+/// Copies the live chunks of threads that may run again and tears every chain
+/// whose frames changed: code and caller everywhere, the instruction below the leaf
+/// (the leaf's own instruction moves on as it runs).
+fn recheck(
+    walkers: &mut [Walker],
+    still: &[bool],
+    layout: &Layout,
+    mem: &mut Memory,
+    first: &Batch,
+    again: &mut Batch,
+) -> Result<(), String> {
+    again.clear();
+    let mut checks = Vec::new();
+    for (n, w) in walkers.iter().enumerate() {
+        if let (false, false, Some((start, i))) = (w.torn, still[n], w.chunk) {
+            checks.push((n, start, i, again.push(start, first.get(i).map_or(0, <[u8]>::len))));
+        }
+    }
+    if checks.is_empty() {
+        return Ok(());
+    }
+    mem.read(again)?;
+    for (n, start, i, j) in checks {
+        let w = &mut walkers[n];
+        let (Some(a), Some(b)) = (first.get(i), again.get(j)) else {
+            w.torn = true;
+            continue;
+        };
+        let fields = |leaf: bool| [layout.frame_code, layout.frame_previous].into_iter().chain((!leaf).then_some(layout.frame_instr));
+        w.torn = w.live.iter().enumerate().any(|(depth, &addr)| {
+            fields(depth == 0).any(|f| u64_at(a, addr - start + f) != u64_at(b, addr - start + f))
+        });
+    }
+    Ok(())
 }

@@ -26,6 +26,8 @@ pub struct ThreadState {
     pub holds_gil: bool,
     pub on_cpu: bool,
     pub cpu_ns: u64,
+    /// Used no CPU since the last tick and holds no GIL: its frames cannot have changed.
+    pub still: bool,
 }
 
 pub struct Threads {
@@ -114,7 +116,8 @@ impl Threads {
 
     fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
-        let (on_cpu, cpu_ns) = self.clock(native_tid, now);
+        let clock = self.clock(native_tid, now);
+        let (on_cpu, cpu_ns) = clock.unwrap_or((false, 0));
         let frame_ref = match layout.current_frame {
             CurrentFrame::Direct(o) | CurrentFrame::ViaCFrame { cframe: o, .. } => u64_at(bytes, o),
         };
@@ -127,19 +130,21 @@ impl Threads {
             holds_gil: holder == addr,
             on_cpu,
             cpu_ns,
+            still: holder != addr && clock == Some((false, 0)),
         }
     }
 
-    /// (ran for most of the time since the last reading, CPU ns used since then).
-    fn clock(&mut self, native_tid: u64, now: Instant) -> (bool, u64) {
-        let Some(cpu) = thread_cpu_ns(native_tid) else { return (false, 0) };
+    /// (ran for most of the time since the last reading, CPU ns used since then);
+    /// None for a thread read for the first time or gone.
+    fn clock(&mut self, native_tid: u64, now: Instant) -> Option<(bool, u64)> {
+        let cpu = thread_cpu_ns(native_tid)?;
         match self.clocks.insert(native_tid, (cpu, now)) {
             Some((before, at)) if cpu >= before => {
                 let used = cpu - before;
                 let wall = now.duration_since(at).as_nanos() as f64;
-                (wall > 0.0 && used as f64 >= RUNNING_SHARE * wall, used)
+                Some((wall > 0.0 && used as f64 >= RUNNING_SHARE * wall, used))
             }
-            _ => (false, 0),
+            _ => None,
         }
     }
 
