@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests need on a fresh machine, builds the extension,
-# then runs every test: Rust unit tests and the Python suite.
+# then runs every test: Rust unit tests, the Python suite, and a subset of it on
+# CPython 3.13, 3.14, 3.15 and 3.9 (ci/matrix.sh, with the manylinux2014 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,3 +25,4 @@ maturin develop --release --extras test
 
 cargo test --lib --quiet
 python -m pytest -q -p no:cacheprovider tests
+bash ci/matrix.sh

@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# Runs a subset of the suite against the installed wheel on other CPythons, each in a
+# Debian root: 3.13, 3.14, 3.15 from sid; 3.9 from bullseye (glibc 2.31) with the
+# oldest dask/distributed pyproject.toml allows.
+#   bash ci/matrix.sh [WHEEL]     # as root; without WHEEL it runs ci/wheel.sh
+# Roots and venvs stay in $DASK_PYSPY_ROOTS (default below) for the next run; logs in its logs/.
+set -euo pipefail
+
+MATRIX_TESTS="tests/unit/test_sampler.py tests/unit/test_reader.py
+    tests/integration/test_cluster.py::test_task_attribution tests/integration/test_report.py"
+PYTHONS="3.13:sid 3.14:sid 3.15:sid 3.9:bullseye"
+EXTRA_PACKAGES_sid="chromium chromium-driver" # bullseye runs only the report tests without a browser
+OLDEST_DASK_ON=3.9
+ROOTS=${DASK_PYSPY_ROOTS:-/var/cache/dask-pyspy-roots}
+LOGS=$ROOTS/logs
+# The archive the host's own apt uses: the only one known to be reachable.
+MIRROR=$(awk '$1 == "URIs:" { print $2; exit }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+CA=/etc/dask-pyspy-ca.crt
+
+in_root() { # ROOT COMMAND...: a clean environment, so the host's PIP_FIND_LINKS and PATH stay out
+    local root=$1; shift
+    chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 ${PIP_CERT:+PIP_CERT=$CA} "$@"
+}
+
+ready_root() { # ROOT: mounts (idempotent), name resolution, the host's CA bundle for pip
+    local root=$1 m
+    mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
+    # /dev/shm: multiprocessing's semaphores (LocalCluster worker processes).
+    for m in /dev /dev/pts /dev/shm /sys; do mountpoint -q "$root$m" || mount --bind "$m" "$root$m"; done
+    cp /etc/resolv.conf "$root/etc/resolv.conf"
+    # A file of our own: Debian's ca-certificates rewrites the bundle it owns on every apt install.
+    if [[ -n ${PIP_CERT:-} ]]; then cp "$PIP_CERT" "$root$CA"; fi
+}
+
+unmount_under() { # DIR: stop what still runs in a root (chromedriver, stray workers), then unmount, deepest first
+    local p
+    for p in /proc/[0-9]*; do
+        case $(readlink "$p/root" 2>/dev/null) in "$1" | "$1"/*) kill -9 "${p#/proc/}" 2>/dev/null || true ;; esac
+    done
+    findmnt -rn -o TARGET | { grep "^$1/" || true; } | sort -r |
+        while read -r m; do umount "$m" 2>/dev/null || umount -l "$m"; done
+}
+
+build_root() { # SUITE PACKAGE...
+    local suite=$1 root=$ROOTS/$1; shift
+    local want="$suite $*"
+    if [[ $(cat "$root.ok" 2>/dev/null) == "$want" ]]; then
+        echo "reusing $root"; ready_root "$root"; return
+    fi
+    if [[ ! -e $root/.debootstrap-ok ]]; then # a root left half-built is started over
+        unmount_under "$root"
+        rm -rf --one-file-system "$root"
+        debootstrap --variant=minbase "$suite" "$root" "$MIRROR"
+        touch "$root/.debootstrap-ok"
+    fi
+    ready_root "$root"
+    # sid's Release file reads as expired on this archive.
+    in_root "$root" apt-get -qq -o Acquire::Check-Valid-Until=false update
+    in_root "$root" apt-get -qq -y --no-install-recommends install "$@"
+    echo "$want" >"$root.ok"
+}
+
+make_venv() { # ROOT PYTHON [REQUIREMENT...]: reused while the wheel's requirements are unchanged
+    local root=$1 py=$2; shift 2
+    local venv=/opt/venv-$py whl=/opt/wheels/${WHEEL##*/}
+    local deps; deps=$(printf '%s\n' "$REQUIRES" "$@" | sha256sum)
+    if [[ $(cat "$root$venv/.deps" 2>/dev/null) != "$deps" ]]; then
+        rm -rf --one-file-system "${root:?}$venv"
+        in_root "$root" "python$py" -m venv "$venv"
+        in_root "$root" "$venv/bin/pip" install -q "$whl[test]" "$@"
+        echo "$deps" >"$root$venv/.deps"
+    elif [[ $(cat "$root$venv/.wheel" 2>/dev/null) != "$WHEEL_SHA" ]]; then
+        in_root "$root" "$venv/bin/pip" install -q --no-deps --force-reinstall "$whl"
+    fi
+    echo "$WHEEL_SHA" >"$root$venv/.wheel"
+    in_root "$root" "$venv/bin/pip" list 2>/dev/null | grep -E '^(dask|distributed|pandas|numpy) '
+}
+
+run_tests() { # ROOT PYTHON
+    local root=$1 py=$2
+    # Run from /opt/t, where no dask_pyspy/ lies: prove the installed one is what is tested.
+    in_root "$root" /usr/bin/env -C /opt/t "/opt/venv-$py/bin/python" -c \
+        'import dask_pyspy, sys; f = dask_pyspy.__file__; print(sys.version, f); assert "/opt/venv-" in f' &&
+    in_root "$root" /usr/bin/env -C /opt/t "/opt/venv-$py/bin/python" -m pytest -q -rfEs -p no:cacheprovider \
+        -p matrix_plugin "${TESTS[@]}"
+}
+
+build_wheel() { bash ci/wheel.sh >"$LOGS/wheel.path"; }
+
+declare -A running status secs
+job() { # NAME COMMAND...: in the background; output in $LOGS/NAME.log
+    local name=$1; shift
+    set -m # its own process group, so cleanup can stop debootstrap and pip with it
+    (s=$SECONDS; "$@"; echo $((SECONDS - s)) >"$LOGS/$name.secs") >"$LOGS/$name.log" 2>&1 &
+    running[$name]=$!
+    set +m
+}
+wait_jobs() {
+    local name
+    for name in "${!running[@]}"; do
+        if wait "${running[$name]}"; then
+            status[$name]=ok; secs[$name]=$(cat "$LOGS/$name.secs")
+            echo "  $name: ${secs[$name]} s"
+        else
+            status[$name]=failed
+            echo "  $name: FAILED; end of $LOGS/$name.log:"; tail -n 30 "$LOGS/$name.log" | sed 's/^/    /'
+        fi
+    done
+    running=()
+}
+
+cleanup() {
+    local pid
+    for pid in "${running[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+    wait || true
+    unmount_under "$ROOTS"
+}
+
+cd "$(dirname "$0")/.."
+[[ $EUID -eq 0 ]] || { echo "matrix.sh: needs root (debootstrap, mount, chroot)" >&2; exit 1; }
+mkdir -p "$LOGS"
+trap cleanup EXIT
+if ! command -v debootstrap >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+fi
+
+TESTS=()
+for t in $MATRIX_TESTS; do
+    if [[ -e ${t%%::*} ]]; then TESTS+=("$t"); else echo "matrix: skipping $t: ${t%%::*} does not exist yet"; fi
+done
+
+echo "matrix: wheel and roots"
+WHEEL=${1:-}
+[[ -n $WHEEL ]] || job wheel build_wheel
+SUITES=$(for e in $PYTHONS; do echo "${e#*:}"; done | sort -u)
+for suite in $SUITES; do
+    pkgs=$(for e in $PYTHONS; do if [[ ${e#*:} == "$suite" ]]; then echo "python${e%:*} python${e%:*}-venv"; fi; done)
+    extra=EXTRA_PACKAGES_$suite
+    job "root $suite" build_root "$suite" $pkgs ${!extra:-}
+done
+wait_jobs
+[[ -n $WHEEL ]] || WHEEL=$(cat "$LOGS/wheel.path")
+[[ -f $WHEEL ]] || { echo "matrix: no wheel; FAILED on every interpreter" >&2; exit 1; }
+WHEEL=$(realpath "$WHEEL")
+WHEEL_SHA=$(sha256sum "$WHEEL" | cut -d' ' -f1)
+REQUIRES=$(python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1]); meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+print("\n".join(l[15:] for l in z.read(meta).decode().splitlines() if l.startswith("Requires-Dist: ")))' "$WHEEL")
+# The oldest versions claimed: "dask>=2024.8" becomes "dask==2024.8".
+OLDEST=$(sed -nE 's/^(dask|distributed) *>= *([^ ;,]+)$/\1==\2/p' <<<"$REQUIRES")
+
+echo "matrix: venvs ($WHEEL)"
+for suite in $SUITES; do
+    [[ ${status[root $suite]} == ok ]] || continue
+    root=$ROOTS/$suite
+    mkdir -p "$root/opt/wheels" && cp "$WHEEL" "$root/opt/wheels/"
+    rm -rf --one-file-system "$root/opt/t" && mkdir -p "$root/opt/t"
+    tar -c --exclude=__pycache__ tests benchmarks pyproject.toml | tar -x -C "$root/opt/t"
+    cat >"$root/opt/t/matrix_plugin.py" <<'EOF'
+# Without a browser in the root, deselect the tests that need one instead of failing them.
+import os
+
+def pytest_collection_modifyitems(config, items):
+    if os.path.exists("/usr/bin/chromium"):
+        return
+    drop = [i for i in items if "chromium" in getattr(i, "fixturenames", ())]
+    config.hook.pytest_deselected(items=drop)
+    items[:] = [i for i in items if i not in drop]
+EOF
+    for e in $PYTHONS; do
+        [[ ${e#*:} == "$suite" ]] || continue
+        pins=(); if [[ ${e%:*} == "$OLDEST_DASK_ON" ]]; then pins=($OLDEST); fi
+        job "venv ${e%:*}" make_venv "$root" "${e%:*}" "${pins[@]}"
+    done
+done
+wait_jobs
+
+# One at a time: the tests measure rates and deadlines on a 2-core machine.
+failed=()
+for e in $PYTHONS; do
+    py=${e%:*} suite=${e#*:} name="CPython ${e%:*} (${e#*:})"
+    if [[ ${status[venv $py]:-} != ok ]]; then failed+=("$name: no root or venv"); continue; fi
+    echo "matrix: tests on $name"
+    s=$SECONDS
+    if run_tests "$ROOTS/$suite" "$py" 2>&1 | tee "$LOGS/tests $py.log"; then status[tests $py]=ok
+    else status[tests $py]=failed; failed+=("$name: tests failed, see $LOGS/tests $py.log"); fi
+    secs[tests $py]=$((SECONDS - s))
+    unmount_under "$ROOTS/$suite"; ready_root "$ROOTS/$suite" # nothing lingers into the next run
+done
+
+echo "matrix: seconds per step (roots, wheel and venvs are built concurrently)"
+printf '  %-22s %6s %6s %6s  %s\n' interpreter root venv tests result
+for e in $PYTHONS; do
+    py=${e%:*}
+    printf '  %-22s %6s %6s %6s  %s\n' "CPython $py (${e#*:})" "${secs[root ${e#*:}]:--}" \
+        "${secs[venv $py]:--}" "${secs[tests $py]:--}" "${status[tests $py]:-not run}"
+done
+if [[ -n ${secs[wheel]:-} ]]; then echo "  wheel: ${secs[wheel]} s"; fi
+if ((${#failed[@]})); then
+    printf 'FAILED on %s\n' "${failed[@]}" >&2
+    exit 1
+fi
+echo "matrix: all passed"
