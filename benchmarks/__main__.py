@@ -9,7 +9,7 @@ import time
 
 from benchmarks.common import machine
 
-SECTIONS = ["overhead", "sample_cost", "attribution", "rate", "memory", "collection"]
+SECTIONS = ["overhead", "sample_cost", "oracle", "attribution", "rate", "idle", "memory", "collection"]
 
 
 def main() -> None:
@@ -27,7 +27,9 @@ def main() -> None:
         print(f"== {name}", flush=True)
         began = time.time()
         section = importlib.import_module(f"benchmarks.{name}").run(args.quick)
-        section.notes.append(f"Section took {time.time() - began:.0f} s.")
+        # The machine may be shared: the load says how much the figures are worth.
+        section.notes.append(f"Section took {time.time() - began:.0f} s; 1-minute load average at its end "
+                             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
         parts.append(section.markdown())
         print(section.markdown(), flush=True)
     with open(args.output, "w") as f:

@@ -16,6 +16,8 @@ import distributed
 
 import dask_pyspy
 
+READERS = ("fast", "pyspy")
+
 
 @dataclass
 class Section:
@@ -51,6 +53,10 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+def verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
 def machine() -> str:
     cpu = "?"
     try:
@@ -66,6 +72,7 @@ def machine() -> str:
     return table(["what", "value"], [
         ["date", datetime.datetime.now().isoformat(timespec="seconds")],
         ["machine", f"{os.cpu_count()} cores, {cpu}, {platform.platform()}"],
+        ["load average at start (1, 5, 15 min)", ", ".join(f"{x:.1f}" for x in os.getloadavg())],
         ["python", sys.version.split()[0]],
         ["dask / distributed", f"{dask.__version__} / {distributed.__version__}"],
         ["dask-pyspy", dask_pyspy.__version__],

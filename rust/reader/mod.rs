@@ -14,7 +14,7 @@ mod memory;
 mod pyspy;
 mod threads;
 
-pub use check::open_fast;
+use check::open_fast;
 pub use code::LineMode;
 pub use fast::FastReader;
 pub use pyspy::PySpyReader;
