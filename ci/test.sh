@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the tests need on a fresh machine, builds the extension,
-# then runs every test: Rust unit tests, the Python suite, and a subset of it on
-# CPython 3.13, 3.14, 3.15 and 3.9 (ci/matrix.sh, with the manylinux2014 wheel).
+# then runs every test: Rust unit tests, the Python suite, its unit tests again on a
+# loaded machine, and a subset on CPython 3.13, 3.14, 3.15 and 3.9 (ci/matrix.sh,
+# with the manylinux2014 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,7 @@ command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
 command -v strace >/dev/null || need+=(strace)
 command -v setpriv >/dev/null || need+=(util-linux)
+command -v stress-ng >/dev/null || need+=(stress-ng)
 [ -x /usr/bin/python3 ] || need+=(python3)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
@@ -25,4 +27,15 @@ maturin develop --release --extras test
 
 cargo test --lib --quiet
 python -m pytest -q -p no:cacheprovider tests
+
+# The unit tests again with both cores kept busy: they wait for conditions, never for
+# a rate in a fixed time, so a loaded machine must not fail them.
+stress-ng --cpu 2 --timeout 900s --quiet &
+stress=$!
+trap 'kill $stress 2>/dev/null || true' EXIT
+python -m pytest -q -p no:cacheprovider tests/unit --deselect tests/unit/test_soak.py::test_soak_under_thread_churn
+kill $stress 2>/dev/null || true
+wait $stress 2>/dev/null || true
+trap - EXIT
+
 bash ci/matrix.sh

@@ -18,9 +18,14 @@ use std::sync::Arc;
 const GUESSES: [usize; 3] = [128, 256, 320];
 /// Enough of a string or bytes object to know its length.
 const OBJECT_HEAD: usize = 80;
-/// Past these, a length is taken for a torn read.
-const MAX_STRING: usize = 64 << 10;
-const MAX_TABLE: usize = 4 << 20;
+/// Past these, a length is taken for a torn read (a stale frame can point at a freed
+/// code object whose fields point at memory reused since).
+const MAX_STRING: usize = 4 << 10;
+const MAX_CODE_UNITS: u64 = 1 << 20;
+/// A location table entry takes at most ~12 bytes per code unit it covers.
+const TABLE_BYTES_PER_UNIT: usize = 16;
+/// Heap the cache may hold (strings, tables) before it starts over.
+const MAX_BYTES: usize = 64 << 20;
 /// Bytes of the qualified name compared each tick: hash, state and first characters.
 const NAME_PROBE_FROM: u64 = 24;
 const NAME_PROBE_LEN: usize = 40;
@@ -59,6 +64,12 @@ struct Code {
     last_seen: u64,
 }
 
+impl Code {
+    fn heap_bytes(&self) -> usize {
+        self.name.len() + self.file.len() + self.linetable.len() + self.identity.len() + self.name_probe.len()
+    }
+}
+
 /// A code object being fetched.
 struct Fetch {
     addr: u64,
@@ -76,6 +87,9 @@ pub struct CodeCache {
     tick: u64,
     /// Bumped whenever frame ids are forgotten, so users of them forget theirs.
     pub epoch: u64,
+    /// Heap bytes held by the cached strings and tables, and by the frames.
+    bytes: usize,
+    frame_bytes: usize,
     pub reused: u64,
     pub unreadable: u64,
 }
@@ -91,6 +105,8 @@ impl CodeCache {
             serial: 0,
             tick: 0,
             epoch: 0,
+            bytes: 0,
+            frame_bytes: 0,
             reused: 0,
             unreadable: 0,
         }
@@ -127,7 +143,8 @@ impl CodeCache {
             if same {
                 self.codes.get_mut(&addr).unwrap().last_seen = self.tick;
             } else {
-                self.codes.remove(&addr);
+                let old = self.codes.remove(&addr).expect("checked above");
+                self.bytes -= old.heap_bytes();
                 self.reused += 1;
                 fetches.push((addr, usize::MAX));
             }
@@ -135,7 +152,7 @@ impl CodeCache {
         let mut pending = Vec::new();
         for (addr, i) in fetches {
             match batch.get(i) {
-                Some(h) if u64_at(h, OB_TYPE) == self.code_type => pending.push(Fetch { addr, header: h.to_vec() }),
+                Some(h) if self.plausible(h) => pending.push(Fetch { addr, header: h.to_vec() }),
                 Some(_) => {
                     self.not_code.insert(addr);
                 }
@@ -159,7 +176,7 @@ impl CodeCache {
             mem.read(batch)?;
             for (f, i) in pending.iter_mut().zip(idx) {
                 match batch.get(i) {
-                    Some(h) if u64_at(h, OB_TYPE) == self.code_type => f.header = h.to_vec(),
+                    Some(h) if self.plausible(h) => f.header = h.to_vec(),
                     Some(_) => drop(self.not_code.insert(f.addr)),
                     None => {}
                 }
@@ -179,7 +196,7 @@ impl CodeCache {
                         None if pass == 0 => GUESSES[k],
                         None if pass == 1 => OBJECT_HEAD,
                         None => continue,
-                        Some(got) => match needed(got, k, layout) {
+                        Some(got) => match needed(got, k, code_units(&f.header), layout) {
                             Some(need) if need > got.len() => need,
                             _ => continue,
                         },
@@ -198,7 +215,10 @@ impl CodeCache {
         for (f, parts) in pending.iter().zip(parts) {
             match self.decode(f, &parts, layout) {
                 Some(code) => {
-                    self.codes.insert(f.addr, code);
+                    self.bytes += code.heap_bytes();
+                    if let Some(old) = self.codes.insert(f.addr, code) {
+                        self.bytes -= old.heap_bytes();
+                    }
                 }
                 None => self.unreadable += 1,
             }
@@ -214,7 +234,7 @@ impl CodeCache {
         let (span_at, span_len) = layout.code_identity_span();
         let identity = f.header.get(span_at as usize..(span_at + span_len) as usize)?.to_vec();
         // Only bytes of the string itself: what lies past it may change at any time.
-        let probe_end = needed(name, 0, layout)?.min(NAME_PROBE_FROM as usize + NAME_PROBE_LEN);
+        let probe_end = needed(name, 0, 0, layout)?.min(NAME_PROBE_FROM as usize + NAME_PROBE_LEN);
         let name_probe = name.get(NAME_PROBE_FROM as usize..probe_end)?.to_vec();
         self.serial += 1;
         Some(Code {
@@ -230,6 +250,11 @@ impl CodeCache {
             lines: FxHashMap::default(),
             last_seen: self.tick,
         })
+    }
+
+    /// A code object's header, with a size a real one can have.
+    fn plausible(&self, header: &[u8]) -> bool {
+        u64_at(header, OB_TYPE) == self.code_type && code_units(header) <= MAX_CODE_UNITS
     }
 
     /// The frame id of `code` at byte offset `offset` into its bytecode.
@@ -251,6 +276,7 @@ impl CodeCache {
         let next = self.frames.len() as u64;
         let id = *self.frame_ids.entry((c.serial, line)).or_insert(next);
         if id == next {
+            self.frame_bytes += c.name.len() + c.file.len();
             self.frames.push(Frame { name: c.name.to_string(), file: c.file.to_string(), line });
         }
         c.lines.insert(offset, id);
@@ -264,11 +290,14 @@ impl CodeCache {
     /// Keeps the tables bounded: code objects unseen for a while go, and frame ids
     /// are all forgotten (a new epoch) when too many accumulated.
     fn trim(&mut self) {
-        if self.codes.len() > MAX_CODES {
+        if self.codes.len() > MAX_CODES || self.bytes > MAX_BYTES {
             let horizon = self.tick.saturating_sub(1000);
             self.codes.retain(|_, c| c.last_seen >= horizon);
+            self.bytes = self.codes.values().map(Code::heap_bytes).sum();
         }
-        if self.frames.len() > MAX_FRAMES || self.codes.len() > MAX_CODES {
+        if self.frames.len() > MAX_FRAMES || self.codes.len() > MAX_CODES || self.bytes + self.frame_bytes > MAX_BYTES {
+            self.bytes = 0;
+            self.frame_bytes = 0;
             self.codes.clear();
             self.frames.clear();
             self.frame_ids.clear();
@@ -277,11 +306,16 @@ impl CodeCache {
     }
 }
 
-/// Bytes a string (k 0, 1) or line table (k 2) object needs, from its first bytes.
-fn needed(head: &[u8], k: usize, layout: &Layout) -> Option<usize> {
+fn code_units(header: &[u8]) -> u64 {
+    u64_at(header, OB_SIZE)
+}
+
+/// Bytes a string (k 0, 1) or line table (k 2, of a code of `units` code units)
+/// object needs, from its first bytes; None for an implausible length.
+fn needed(head: &[u8], k: usize, units: u64, layout: &Layout) -> Option<usize> {
     if k == 2 {
         let len = u64_at(head, layout.bytes_size) as usize;
-        return (len <= MAX_TABLE).then(|| layout.bytes_data as usize + len);
+        return (len <= TABLE_BYTES_PER_UNIT * units as usize + 64).then(|| layout.bytes_data as usize + len);
     }
     let state = u32_at(head, layout.unicode_state);
     let (kind, compact, ascii) = ((state >> 2) & 7, state & 0x20 != 0, state & 0x40 != 0);
