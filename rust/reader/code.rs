@@ -20,7 +20,7 @@ const GUESSES: [usize; 3] = [128, 256, 320];
 const OBJECT_HEAD: usize = 80;
 /// Past these, a length is taken for a torn read (a stale frame can point at a freed
 /// code object whose fields point at memory reused since).
-const MAX_STRING: usize = 4 << 10;
+const MAX_STRING: usize = 64 << 10;
 const MAX_CODE_UNITS: u64 = 1 << 20;
 /// A location table entry takes at most ~12 bytes per code unit it covers.
 const TABLE_BYTES_PER_UNIT: usize = 16;

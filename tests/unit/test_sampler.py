@@ -157,7 +157,7 @@ def test_budget_throttles_costly_ticks():
     # (How many count as running at once depends on GIL hand-offs on 2 cores.)
     per_thread = [sum(p["weights"]) for p in profiles_named(doc, " deep")]
     assert sum(per_thread) > 1.5
-    assert max(per_thread) < 3.5
+    assert max(per_thread) < stats["duration_s"] + 0.1
     assert s.profile().metadata["processes"][0]["stats"]["throttled_ticks"] == stats["throttled_ticks"]
 
 
