@@ -55,7 +55,7 @@ impl PySampler {
     /// Opens the stack reader (its self-check needs the GIL), then samples without it.
     fn start(&self, py: Python<'_>) -> PyResult<()> {
         if self.inner.is_running() {
-            return Err(PyRuntimeError::new_err("the sampler is already running: call stop() before start()"));
+            return Err(PyRuntimeError::new_err(sampler::ALREADY_RUNNING));
         }
         let config = self.inner.config();
         let chosen = reader::choose(py, config.reader, config.line_mode()).map_err(PyRuntimeError::new_err)?;

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const COST_HORIZON_S: f64 = 0.25;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 50;
+pub const ALREADY_RUNNING: &str = "the sampler is already running: call stop() before start()";
 /// How long a live dump waits for the sampling thread to read every thread.
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 
@@ -131,7 +132,7 @@ impl Sampler {
     pub fn start(&self, reader: Chosen) -> Result<(), String> {
         let mut handle = self.thread.lock();
         if self.is_running() {
-            return Err("the sampler is already running: call stop() before start()".into());
+            return Err(ALREADY_RUNNING.into());
         }
         if let Some(old) = handle.take() {
             let _ = old.join();
@@ -401,11 +402,12 @@ impl<'a> Loop<'a> {
     fn record(&mut self, time_ns: u64, weight: Duration) {
         let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
         let config = &self.shared.config;
+        let keep = Want { idle: config.idle, gil_only: config.gil_only };
         let mut boundary = 0;
         let mut store = self.shared.store.lock();
         let mut ids = Vec::new();
         for t in &self.stacks {
-            if !(t.active || config.idle) || (config.gil_only && !t.holds_gil) || t.frames.is_empty() {
+            if !keep.keeps(t.active, t.holds_gil) || t.frames.is_empty() {
                 continue;
             }
             let tag = t.tag.clone().unwrap_or_else(|()| {

@@ -4,8 +4,8 @@
 
 use super::code::LineMode;
 use super::fast::FastReader;
-use super::layout::{Layout, CHUNK_SIZE};
-use super::memory::{u64_at, Batch, Memory};
+use super::layout::{Layout, CHUNK_HEADER, CHUNK_SIZE};
+use super::memory::{read_u64, Memory};
 use crate::model::Frame;
 use crate::tags::ThreadTags;
 use nix::libc;
@@ -72,12 +72,8 @@ fn self_check(py: Python<'_>, reader: &mut FastReader, mode: LineMode) -> Result
 /// The thread's `datastack_top` lies inside its current chunk; on 3.13+ it is not
 /// published, so this is what lets the reader trust it.
 fn check_datastack(reader: &mut FastReader, chunk: u64, top: u64) -> Result<(), String> {
-    let mut batch = Batch::default();
-    batch.push(chunk, 24);
-    let mem: &mut Memory = reader.memory();
-    mem.read(&mut batch)?;
-    let size = batch.get(0).map(|b| u64_at(b, CHUNK_SIZE)).ok_or("the datastack chunk cannot be read")?;
-    if !(chunk + 24 < top && top <= chunk + size) {
+    let size = read_u64(reader.memory(), chunk + CHUNK_SIZE).ok_or("the datastack chunk cannot be read")?;
+    if !(chunk + CHUNK_HEADER < top && top <= chunk + size) {
         let published = if reader.layout().datastack_top_published { "" } else { " (unpublished field)" };
         return Err(format!("datastack_top{published} {top:#x} is outside its chunk {chunk:#x}+{size}"));
     }

@@ -146,7 +146,7 @@ impl StackReader for FastReader {
 
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
         out.clear();
-        let select = |t: &ThreadState| (t.on_cpu || t.holds_gil || want.idle) && (t.holds_gil || !want.gil_only);
+        let select = |t: &ThreadState| want.keeps(t.on_cpu || t.holds_gil, t.holds_gil);
         for r in self.read_where(select, tags)? {
             let Ok(frames) = r.frames else { continue };
             out.push(ThreadStack {

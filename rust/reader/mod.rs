@@ -33,6 +33,13 @@ pub struct Want {
     pub gil_only: bool,
 }
 
+impl Want {
+    /// A thread working (on a CPU or holding the GIL) or not, as these options ask.
+    pub fn keeps(&self, active: bool, holds_gil: bool) -> bool {
+        (active || self.idle) && (holds_gil || !self.gil_only)
+    }
+}
+
 /// One thread's stack at one tick.
 #[derive(Clone, Debug)]
 pub struct ThreadStack {
@@ -47,12 +54,6 @@ pub struct ThreadStack {
     pub cpu_ns: u64,
     /// The task the thread ran during the read; Err if it changed meanwhile.
     pub tag: Result<Option<Arc<Tag>>, ()>,
-}
-
-impl ThreadStack {
-    pub fn wanted(&self, want: Want) -> bool {
-        (self.active || want.idle) && (self.holds_gil || !want.gil_only)
-    }
 }
 
 pub trait StackReader {

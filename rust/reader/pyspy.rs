@@ -114,7 +114,7 @@ impl StackReader for PySpyReader {
                 cpu_ns: self.cpu_since_last_tick(t.os_thread_id),
                 tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
-            if stack.wanted(want) && !t.frames.is_empty() {
+            if want.keeps(stack.active, stack.holds_gil) && !t.frames.is_empty() {
                 let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
                 out.push(ThreadStack { frames, ..stack });
             }
