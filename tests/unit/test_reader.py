@@ -139,8 +139,9 @@ def test_readers_agree_with_each_other_and_with_python():
         finally:
             fast.stop()
             spy.stop()
+    # No torn-read count here: the main thread runs Python through the test and may tear;
+    # a torn parked thread would already have failed the comparisons above.
     assert fast.stats()["reader"] == "fast" and spy.stats()["reader"] == "pyspy"
-    assert fast.stats()["reader_stats"]["torn_reads"] == 0
 
 
 def test_auto_reader_is_the_fast_one_where_it_works():
