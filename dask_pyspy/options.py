@@ -27,16 +27,18 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
-def by(value: Any) -> str:
-    if value not in BY_CHOICES:
-        raise ValueError(f"by must be one of {', '.join(map(repr, BY_CHOICES))}, got {value!r}")
+def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return value
+
+
+def by(value: Any) -> str:
+    return choice("by", value, BY_CHOICES)
 
 
 def reader(value: Any) -> str:
-    if value not in READER_CHOICES:
-        raise ValueError(f"reader must be one of {', '.join(map(repr, READER_CHOICES))}, got {value!r}")
-    return value
+    return choice("reader", value, READER_CHOICES)
 
 
 def workers(value: Any) -> int | list[str] | None:
