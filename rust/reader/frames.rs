@@ -11,7 +11,8 @@ use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
 use super::memory::{u64_at, u8_at, Batch, Memory};
 use super::threads::ThreadState;
 
-/// Deeper than this is taken for a loop in a torn chain.
+/// A chain longer than this (counting every frame, Python or not) is taken for a
+/// loop in a torn copy.
 const MAX_DEPTH: usize = 5_000;
 const MAX_ROUNDS: usize = 200;
 /// Larger live chunks are taken for a torn read.
@@ -42,6 +43,8 @@ struct Walker {
     next: u64,
     older_chunk: u64,
     frames: Vec<RawFrame>,
+    /// Frames stepped through, kept or not: a loop of shim frames keeps none.
+    walked: usize,
     /// Addresses of the frames walked in the live chunk, innermost first.
     live: Vec<u64>,
     torn: bool,
@@ -65,7 +68,7 @@ impl Walker {
                 self.next = 0;
                 break;
             }
-            if self.next % 8 != 0 || self.frames.len() >= MAX_DEPTH {
+            if self.next % 8 != 0 || self.walked >= MAX_DEPTH {
                 self.torn = true;
                 break;
             }
@@ -74,6 +77,7 @@ impl Walker {
             let (code, instr) = (u64_at(f, layout.frame_code) & !7, u64_at(f, layout.frame_instr));
             let owner = u8_at(f, layout.frame_owner);
             let previous = u64_at(f, layout.frame_previous);
+            self.walked += 1;
             if in_live {
                 self.live.push(self.next);
             }
@@ -124,6 +128,7 @@ pub fn read_stacks(
                 base_frame: layout.tstate_base_frame.map(|o| t.addr + o),
                 next: next.unwrap_or(0),
                 frames: Vec::new(),
+                walked: 0,
                 live: Vec::new(),
                 torn: next.is_none(),
             }
@@ -197,4 +202,41 @@ fn recheck(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A torn copy can link frames that hold no Python code into a loop: the walk
+    /// must give up as torn rather than spin (it once grew `live` until the OOM killer came).
+    #[test]
+    fn a_loop_of_shim_frames_is_torn() {
+        let layout = Layout::find((3, 12), false, 0, &mut Memory::new()).unwrap();
+        let (fs, not_python) = (layout.frame_size as usize, layout.owner_not_python.unwrap());
+        let mut chunk = vec![0u8; CHUNK_HEADER as usize + 2 * fs];
+        let base = chunk.as_ptr() as u64;
+        let (a, b) = (base + CHUNK_HEADER, base + CHUNK_HEADER + fs as u64);
+        for (at, previous) in [(a, b), (b, a)] {
+            let off = (at - base) as usize;
+            chunk[off + layout.frame_previous as usize..][..8].copy_from_slice(&previous.to_le_bytes());
+            chunk[off + layout.frame_owner as usize] = not_python;
+        }
+        let CurrentFrame::ViaCFrame { current_frame, .. } = layout.current_frame else { unreachable!() };
+        let cframe = a; // 3.12's `_PyCFrame.current_frame`
+        let t = ThreadState {
+            addr: 0,
+            ident: 1,
+            frame_ref: &cframe as *const u64 as u64 - current_frame,
+            chunk: base,
+            top: base + chunk.len() as u64,
+            holds_gil: false,
+            on_cpu: false,
+            cpu_ns: 0,
+            still: true,
+        };
+        let (mut batch, mut round) = (Batch::default(), Batch::default());
+        let stacks = read_stacks(&[&t], &[true], &layout, &mut Memory::new(), &mut batch, &mut round).unwrap();
+        assert_eq!(stacks, vec![Err(())]);
+    }
 }
