@@ -21,7 +21,8 @@ _running: weakref.WeakSet[Sampler] = weakref.WeakSet()
 
 
 class _ActiveThreads(dict):
-    """`threading._active` that also names each thread in the running samplers as it starts.
+    """`threading._active` that also names each thread in the running samplers as it
+    starts, and forgets the name as it ends (a new thread may reuse its ident).
 
     The fast reader reads no thread names, and a thread may end before anyone asks
     for a profile; `threading` records every thread here, under its own lock.
@@ -31,6 +32,19 @@ class _ActiveThreads(dict):
         super().__setitem__(ident, thread)
         for sampler in list(_running):
             sampler._native.set_thread_name(ident, thread.name)
+
+    def __delitem__(self, ident: int) -> None:
+        super().__delitem__(ident)
+        self._forget(ident)
+
+    def pop(self, ident: int, *default: Any) -> Any:
+        self._forget(ident)
+        return super().pop(ident, *default)
+
+    @staticmethod
+    def _forget(ident: int) -> None:
+        for sampler in list(_running):
+            sampler._native.clear_thread_name(ident)
 
 
 def _watch_thread_starts() -> None:

@@ -97,6 +97,10 @@ impl PySampler {
         self.inner.tags().set_name(ident, name.to_string_lossy().into_owned())
     }
 
+    fn clear_thread_name(&self, ident: u64) {
+        self.inner.tags().clear_name(ident)
+    }
+
     /// Names threads that nothing named yet (the fast reader reads no names).
     fn name_threads(&self, names: Vec<(u64, Bound<'_, PyString>)>) {
         for (ident, name) in names {

@@ -68,6 +68,11 @@ impl ThreadTags {
         self.names.lock().entry(ident).or_insert_with(|| name.into());
     }
 
+    /// Forgets an ended thread's name: its ident may be reused by a new thread.
+    pub fn clear_name(&self, ident: u64) {
+        self.names.lock().remove(&ident);
+    }
+
     pub fn name(&self, ident: u64) -> Option<String> {
         self.names.lock().get(&ident).map(|n| n.to_string())
     }
@@ -105,5 +110,7 @@ mod tests {
         assert_eq!(t.name(1), None);
         t.set_name(1, "MainThread".into());
         assert_eq!(t.name(1).as_deref(), Some("MainThread"));
+        t.clear_name(1);
+        assert_eq!(t.name(1), None);
     }
 }
