@@ -113,10 +113,6 @@ class Profile:
         """An interactive flame graph of all samples, or of one task prefix / process; None if empty."""
         return self._native.flamegraph_svg(title, prefix=prefix, process=process)
 
-    def with_task_runs(self, runs: list[tuple[int, float, float, str, str]]) -> Profile:
-        """Tags untagged samples of thread `ident` inside `(ident, start, stop, key, prefix)` runs."""
-        return Profile(self._native.with_intervals(runs), by=self.by)
-
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
         return Profile(self._native.only_process(index), by=self.by)
