@@ -90,6 +90,8 @@ def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:
     """Save; if that fails, keep the profile in a temporary file and say where."""
     try:
         profile.save(path)
+    except ValueError:  # nothing to keep: an empty profile
+        raise
     except Exception as e:
         fd, kept = tempfile.mkstemp(prefix="dask-pyspy-", suffix=SUFFIXES[file_kind(path)])
         os.close(fd)

@@ -10,7 +10,7 @@ from tornado import web
 from dask_pyspy._loop import off_loop
 from dask_pyspy.client import StackDump
 from dask_pyspy.profile import Profile
-from dask_pyspy.report import render_dashboard
+from dask_pyspy.report import REFRESH_CHOICES, render_dashboard
 
 if TYPE_CHECKING:
     from dask_pyspy.plugin import PySpyPlugin
@@ -35,9 +35,12 @@ class ProfilePage(_Page):
             last = -1.0
         if not 0 < last <= MAX_LAST:
             raise web.HTTPError(400, reason=f"last must be a number of seconds in (0, {MAX_LAST:g}]")
+        refresh = self.get_argument("refresh", "0")
+        if refresh not in {str(r) for r in REFRESH_CHOICES}:
+            raise web.HTTPError(400, reason=f"refresh must be one of {', '.join(map(str, REFRESH_CHOICES))} seconds (0: off)")
         data = await self.plugin.profile(start=time.time() - last)
         stacks = await self._stacks()
-        html = await off_loop(lambda: render_dashboard(Profile.from_wire(data), last, stacks))
+        html = await off_loop(lambda: render_dashboard(Profile.from_wire(data), last, stacks, int(refresh)))
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.write(html)
 
@@ -48,10 +51,33 @@ class StacksPage(_Page):
         self.write(await self._stacks())
 
 
+MENU_ENTRY = {"url": "pyspy", "name": "Py-Spy Profile"}
+
+
+def _link_from_menu(app: Any) -> bool:
+    """List the page in the "More..." menu of distributed's dashboard pages.
+
+    distributed has no API for extra pages; its Bokeh pages share one dict of
+    template variables whose "plots" list fills that menu, reachable from each page's
+    handler. Without Bokeh (or if that changes) the page is only reachable by URL.
+    """
+    for bokeh in getattr(app, "applications", []):
+        for page in getattr(bokeh, "applications", {}).values():
+            for handler in getattr(getattr(page, "application", None), "handlers", []):
+                args = getattr(getattr(handler, "_func", None), "args", ())
+                plots = args[1].get("plots") if len(args) > 1 and isinstance(args[1], dict) else None
+                if isinstance(plots, list):
+                    if MENU_ENTRY not in plots:
+                        plots.append(MENU_ENTRY)
+                    return True
+    return False
+
+
 def add_routes(scheduler: Any, plugin: PySpyPlugin) -> bool:
     """Add the pages to a running scheduler's dashboard; False when it has none."""
     app = getattr(scheduler, "http_application", None)
     if app is None:
         return False
     app.add_handlers(r".*", [(r"/pyspy/?", ProfilePage, {"plugin": plugin}), (r"/pyspy/dump", StacksPage, {"plugin": plugin})])
+    _link_from_menu(app)
     return True

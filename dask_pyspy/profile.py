@@ -109,9 +109,25 @@ class Profile:
         """Totals: per process, per task prefix (with top functions), per thread state."""
         return json.loads(self._native.summary_json())
 
-    def flamegraph_svg(self, title: str, prefix: str | None = None, process: int | None = None) -> str | None:
-        """An interactive flame graph of all samples, or of one task prefix / process; None if empty."""
-        return self._native.flamegraph_svg(title, prefix=prefix, process=process)
+    def flamegraph_svg(
+        self,
+        title: str,
+        by: str = "thread",
+        prefix: str | None = None,
+        process: int | None = None,
+        tasks: bool | None = None,
+    ) -> str | None:
+        """An interactive flame graph (an icicle, roots on top); None if no sample matches.
+
+        by="thread" shows raw stacks; "task" or "prefix" roots them at their task key or
+        prefix and cuts the worker's machinery below each task's own code. A call cycle
+        repeated in a row (recursion) is shown once. The samples can be narrowed to one
+        task `prefix`, one `process` (an index into `processes`), and to task time
+        (`tasks=True`) or time outside tasks (`tasks=False`).
+        """
+        if tasks is not None:
+            options.flag("tasks", tasks)
+        return self._native.flamegraph_svg(title, by=options.by(by), prefix=prefix, process=process, tasks=tasks)
 
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
@@ -130,7 +146,12 @@ class Profile:
         return self._native.speedscope(by=by, compress=options.flag("compress", compress))
 
     def save(self, path: str | os.PathLike, by: str | None = None) -> Path:
-        """Write speedscope (`.json`, `.json.gz`) or an HTML report (`.html`), by suffix."""
+        """Write speedscope (`.json`, `.json.gz`) or an HTML report (`.html`), by suffix.
+
+        speedscope files open on the merged profile with the most task time (by="task":
+        the whole cluster by task; "prefix": one per task prefix), then hold one profile
+        per thread with its raw stacks. An empty profile raises ValueError for them.
+        """
         path = check_writable(path)
         kind = file_kind(path)
         if kind == "html":
@@ -139,6 +160,11 @@ class Profile:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)
         return path
+        if kind != "html" and not self.n_samples:
+            raise ValueError(
+                f"cannot save {os.fspath(path)!r}: the profile holds no samples, and speedscope opens no empty "
+                "profile; was the plugin running, and did the window cover the work? (an .html report can be saved)"
+            )
 
     def to_html(self, title: str = "dask-pyspy report") -> str:
         """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""

@@ -15,8 +15,6 @@ from typing import Any, Iterator
 
 from dask_pyspy.profile import Profile
 
-TOP_PREFIXES = 6
-
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
@@ -36,7 +34,8 @@ document.querySelectorAll("details").forEach(function (d) {
     if (d.open && f && !f.src) f.src = f.dataset.src;
   });
 });
-document.getElementById("download").addEventListener("click", function () {
+var download = document.getElementById("download");
+if (download) download.addEventListener("click", function () {
   var raw = atob(document.getElementById("speedscope-data").textContent.trim());
   var bytes = new Uint8Array(raw.length);
   for (var i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
@@ -71,22 +70,54 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+# Graphs are icicles (roots on top); deeper stacks scroll inside their frame.
+MAX_FRAME_HEIGHT = 640
+
+
 def flame_iframe(svg: str | None, title: str, deferred: bool = False) -> str:
     """The SVG in its own frame; `deferred` frames load when their <details> opens (a
     flame graph laid out while hidden has no width to lay out in)."""
     if svg is None:
         return "<p>No samples.</p>"
     height = re.search(r'<svg[^>]*\sheight="(\d+)"', svg)
+    height = min(int(height.group(1)) + 20, MAX_FRAME_HEIGHT) if height else MAX_FRAME_HEIGHT
     data = base64.b64encode(svg.encode()).decode()
     source = "data-src" if deferred else "src"
     return (
-        f'<iframe class="flame" title="{escape(title)}" height="{int(height.group(1)) + 20 if height else 600}" '
+        f'<iframe class="flame" title="{escape(title)}" height="{height}" '
         f'{source}="data:image/svg+xml;base64,{data}"></iframe>'
     )
 
 
 def flame_details(svg: str | None, title: str, summary: str) -> str:
     return f"<details><summary>{escape(summary)}</summary>{flame_iframe(svg, title, deferred=True)}</details>"
+
+
+def _torn(stats: dict[str, Any]) -> tuple[str, str]:
+    """Reads that caught a stack mid-change, as a rate; the last such error as a tooltip."""
+    reader = stats.get("reader_stats") or {}
+    reads = reader.get("thread_reads") or stats["ticks"]
+    torn = reader.get("torn_reads", 0) + stats["failed_ticks"]
+    return f"{100 * torn / max(reads, 1):.1f}%", stats.get("last_error") or ""
+
+
+def _errors(stats: dict[str, Any]) -> str:
+    """Real failures only: a panic, or the fast reader not used where it was wanted."""
+    fallback = (stats.get("reader_stats") or {}).get("fallback_reason")
+    return "; ".join(e for e in (stats.get("panic"), fallback and f"fast reader not used: {fallback}") if e)
+
+
+def _rate_note(stats: dict[str, Any]) -> str:
+    """Why the achieved rate is below the requested one, and what to do about it."""
+    requested, achieved = stats["requested_rate"], stats["achieved_rate"]
+    if achieved >= 0.9 * requested:
+        return ""
+    if stats["throttled_ticks"]:
+        budget = 100 * stats["config"]["cpu_budget"]
+        return (f"held to the CPU budget ({budget:g}% of a core) on {stats['throttled_ticks']:,} of "
+                f"{stats['ticks']:,} ticks: raise it with PySpyPlugin(cpu_budget=...) or "
+                f"dask config pyspy.cpu-budget, or ask for a lower rate")
+    return "the sampling thread fell behind its schedule (a busy machine)"
 
 
 def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
@@ -98,21 +129,24 @@ def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]
         [[f"{_when(window[0])} - {_when(window[1])}", float(duration), len(profile.processes),
           sum(p["threads"] for p in summary["processes"]), summary["samples"], float(summary["seconds"])]],
     )
+    if not summary["samples"]:
+        yield '<p class="warn">No samples in this window: was the plugin running, and did the window cover the work?</p>'
     rows = []
     for proc, totals in zip(profile.processes, summary["processes"]):
         s = proc["stats"]
-        errors = "; ".join(str(e) for e in (s.get("panic"), s.get("last_error")) if e)
-        reader = s.get("reader") or "-"
-        fallback = (s.get("reader_stats") or {}).get("fallback_reason")
-        reader += f" (fast reader not used: {fallback})" if fallback else ""
-        rows.append([proc["name"], proc["pid"], reader, totals["threads"], totals["samples"], float(s["requested_rate"]),
-                     float(s["achieved_rate"]), float(100 * s["cpu_fraction"]), s["throttled_ticks"], s["failed_ticks"],
-                     s["store"]["samples_evicted"], errors])
-    yield _table(["process", "pid", "reader", "threads", "samples", "requested Hz", "achieved Hz", "sampler CPU %",
-                  "throttled ticks", "failed ticks", "evicted samples", "errors"], rows)
+        torn, last_torn = _torn(s)
+        errors = _errors(s)
+        rows.append([proc["name"], proc["pid"], s.get("reader") or "-", totals["threads"], totals["samples"],
+                     float(s["requested_rate"]), float(s["achieved_rate"]), _rate_note(s), float(100 * s["cpu_fraction"]),
+                     (f'<span title="{escape(last_torn)}">{torn}</span>',), s["store"]["samples_evicted"],
+                     (f'<span class="warn">{escape(errors)}</span>',) if errors else ""])
+    yield _table(["process", "pid", "reader", "threads", "samples", "requested Hz", "achieved Hz", "why lower",
+                  "sampler CPU %", "reads torn", "evicted samples", "errors"], rows)
+    yield ("<p><small>Reads torn: stacks that changed while they were read, dropped and expected "
+           "at a low rate on busy threads.</small></p>")
     missing = meta.get("missing") or {}
     if missing:
-        yield '<p class="warn">Missing from this profile:</p>'
+        yield '<p class="warn">Missing from this profile (could not be sampled or did not answer):</p>'
         yield _table(["process", "reason"], [[k, v] for k, v in missing.items()])
 
 
@@ -145,43 +179,90 @@ def _states_section(summary: dict[str, Any], idle_sampled: bool) -> Iterator[str
         yield "<p>Waiting threads were not sampled (start the plugin with <code>idle=True</code> to see them).</p>"
 
 
+GROUPS = {"task": "task", "prefix": "task prefix"}
+
+
+def _lead_by(profile: Profile) -> str:
+    """The grouping of the leading graph: task keys if asked for, else task prefixes."""
+    return "task" if profile.by == "task" else "prefix"
+
+
+def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
+    """The whole cluster by task (or prefix), then one graph per prefix and per process."""
+    by = _lead_by(profile)
+    untagged = 100 * summary["untagged_seconds"] / (summary["seconds"] or 1.0)
+    yield f"<h2>Task time across the cluster, by {GROUPS[by]}</h2>"
+    yield ("<p><small>Stacks start at each task's own code (the worker's execution machinery is cut; "
+           "the raw stacks are under Processes and in the speedscope file). A call cycle repeated "
+           "in a row (recursion) is shown once.</small></p>")
+    yield flame_iframe(profile.flamegraph_svg(f"Task time by {GROUPS[by]}", by=by, tasks=True), "Task time")
+    yield flame_details(profile.flamegraph_svg("Outside tasks", tasks=False), "Outside tasks",
+                        f"Time outside tasks ({untagged:.0f}% of samples: event loops, communication, the scheduler)")
+    yield flame_details(profile.flamegraph_svg("All processes by thread"), "All processes by thread",
+                        "Whole cluster by thread, raw stacks")
+    yield "<h2>Task prefixes</h2>"
+    yield from _prefix_section(summary, profile.metadata.get("tasks") or {})
+    for p in summary["prefixes"]:
+        svg = profile.flamegraph_svg(f"Task prefix {p['prefix']}", by="prefix", prefix=p["prefix"])
+        yield flame_details(svg, p["prefix"], f"Flame graph of {p['prefix']} ({p['seconds']:.2f} s)")
+    yield "<h2>Processes</h2>"
+    for i, proc in enumerate(profile.processes):
+        svg = profile.flamegraph_svg(f"Process {proc['name']}", process=i)
+        yield flame_details(svg, proc["name"], f"Flame graph of {proc['name']}, raw stacks")
+
+
+def _download(profile: Profile) -> list[str]:
+    """The button and the embedded speedscope file; nothing for an empty profile."""
+    if not profile.n_samples:
+        return []
+    data = base64.b64encode(profile.to_bytes(compress=True)).decode()
+    return [
+        '<p><button id="download">Download the speedscope profile</button> '
+        "open it at speedscope.app or with the <code>speedscope</code> command, both work offline.</p>",
+        f'<script id="speedscope-data" type="application/octet-stream">{data}</script>',
+    ]
+
+
 def render_html(profile: Profile, title: str = "dask-pyspy report", header: str = "") -> str:
     """The whole report as one HTML page that needs no network; `header` is trusted HTML."""
     summary = profile.summary()
     idle_sampled = any(p["stats"]["config"]["idle"] for p in profile.processes)
-    speedscope = base64.b64encode(profile.to_bytes(compress=True)).decode()
+    download = _download(profile)
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'><title>{escape(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
         header,
-        '<p><button id="download">Download the speedscope profile</button> '
-        "open it at speedscope.app or with the <code>speedscope</code> command, both work offline.</p>",
+        *download[:1],
         "<h2>Summary</h2>", *_summary_section(profile, summary),
-        "<h2>Whole cluster</h2>", flame_iframe(profile.flamegraph_svg("All processes"), "All processes"),
-        "<h2>Task prefixes</h2>", *_prefix_section(summary, profile.metadata.get("tasks") or {}),
-    ]
-    for p in summary["prefixes"][:TOP_PREFIXES]:
-        svg = profile.flamegraph_svg(f"Task prefix {p['prefix']}", prefix=p["prefix"])
-        parts.append(flame_details(svg, p["prefix"], f"Flame graph of {p['prefix']} ({p['seconds']:.2f} s)"))
-    parts.append("<h2>Processes</h2>")
-    for i, proc in enumerate(profile.processes):
-        svg = profile.flamegraph_svg(f"Process {proc['name']}", process=i)
-        parts.append(flame_details(svg, proc["name"], f"Flame graph of {proc['name']}"))
-    parts += [
+        *_graphs_section(profile, summary),
         "<h2>GIL and idle</h2>", *_states_section(summary, idle_sampled),
-        f'<script id="speedscope-data" type="application/octet-stream">{speedscope}</script>',
+        *download[1:],
         f"<script>{SCRIPT}</script></body></html>",
     ]
     return "\n".join(parts)
 
 
-def render_dashboard(profile: Profile, last: float, stacks: str) -> str:
-    """The scheduler dashboard's page: a window picker, live stacks, then the report."""
-    links = " ".join(f'<a href="?last={s}">{s} s</a>' for s in (10, 30, 60, 300, 900))
+REFRESH_CHOICES = (0, 5, 30)
+
+DASHBOARD_SCRIPT = """
+var refresh = document.getElementById("refresh");
+refresh.addEventListener("change", function () {
+  var q = new URLSearchParams(location.search); q.set("refresh", refresh.value); location.search = q.toString();
+});
+if (+refresh.value > 0) setTimeout(function () { location.reload(); }, 1000 * refresh.value);
+"""
+
+
+def render_dashboard(profile: Profile, last: float, stacks: str, refresh: int = 0) -> str:
+    """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the report."""
+    links = " ".join(f'<a href="?last={s}&amp;refresh={refresh}">{s} s</a>' for s in (10, 30, 60, 300, 900))
+    choices = "".join(f'<option value="{r}"{" selected" if r == refresh else ""}>{f"every {r} s" if r else "off"}</option>'
+                      for r in REFRESH_CHOICES)
     header = (
-        f"<p>Showing the last {last:g} seconds. Show the last: {links}</p>"
+        f"<p>Showing the last {last:g} seconds. Show the last: {links}. "
+        f'<label>Refresh: <select id="refresh">{choices}</select></label></p>'
         f"<details><summary>Live stacks of every thread (<a href='dump'>as text</a>)</summary>"
-        f"<pre>{escape(stacks)}</pre></details>"
+        f"<pre>{escape(stacks)}</pre></details><script>{DASHBOARD_SCRIPT}</script>"
     )
     return render_html(profile, title=f"dask-pyspy: last {last:g} s of the cluster", header=header)
 
@@ -192,4 +273,4 @@ def render_notebook(profile: Profile) -> str:
     head = _table(["processes", "samples", "sampled thread-seconds", "top task prefix"],
                   [[len(profile.processes), summary["samples"], float(summary["seconds"]),
                     summary["prefixes"][0]["prefix"] if summary["prefixes"] else "-"]])
-    return head + flame_iframe(profile.flamegraph_svg("dask-pyspy"), "dask-pyspy")
+    return head + flame_iframe(profile.flamegraph_svg("dask-pyspy", by=_lead_by(profile)), "dask-pyspy")

@@ -1,6 +1,7 @@
-//! Flame graph SVG (inferno) over any subset of a profile's samples.
+//! Flame graph SVG (inferno) over any subset of a profile's samples, as `views` shows them.
 
 use crate::model::{Frame, ProfileData, Sample};
+use crate::views::{By, View};
 use inferno::flamegraph::{self, Options};
 use std::collections::HashMap;
 
@@ -11,28 +12,36 @@ fn xml_safe(text: &str) -> String {
         .collect()
 }
 
-/// `name (file.py:12)`, with the characters that delimit folded stacks replaced.
-fn label(f: &Frame) -> String {
-    let file = f.file.rsplit('/').next().unwrap_or(&f.file);
-    let text = if f.line > 0 { format!("{} ({}:{})", f.name, file, f.line) } else { format!("{} ({})", f.name, file) };
+/// `text` safe in a folded stack: the characters that delimit one replaced.
+fn clean(text: &str) -> String {
     xml_safe(&text.replace([';', '\n', '\r'], " "))
 }
 
-/// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack.
-pub fn folded(data: &ProfileData, keep: &dyn Fn(&Sample) -> bool) -> Vec<String> {
-    let mut weights: HashMap<u32, u64> = HashMap::new();
+/// `name (file.py:12)`.
+fn label(f: &Frame) -> String {
+    let file = f.file.rsplit('/').next().unwrap_or(&f.file);
+    clean(&if f.line > 0 { format!("{} ({}:{})", f.name, file, f.line) } else { format!("{} ({})", f.name, file) })
+}
+
+/// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
+/// `view` shows it: grouped `by` task or prefix (tagged stacks then cut to the
+/// task's own code), recursion folded.
+pub fn folded(data: &ProfileData, by: By, keep: &dyn Fn(&Sample) -> bool) -> Vec<String> {
+    let view = View::new(data);
+    let mut weights: HashMap<(Option<&str>, u32, bool), u64> = HashMap::new();
     for s in data.samples.iter().filter(|s| keep(s)) {
-        *weights.entry(s.stack).or_default() += s.weight_us as u64;
+        let cut = by != By::Thread && s.tag.is_some();
+        *weights.entry((view.root(s, by), s.stack, cut)).or_default() += s.weight_us as u64;
     }
     let labels: Vec<String> = data.frames.iter().map(label).collect();
-    let mut lines: Vec<String> = weights
-        .into_iter()
-        .filter(|&(_, w)| w > 0)
-        .map(|(stack, w)| {
-            let names: Vec<&str> = data.stacks[stack as usize].iter().map(|&f| labels[f as usize].as_str()).collect();
-            format!("{} {}", names.join(";"), w)
-        })
-        .collect();
+    let mut lines: HashMap<String, u64> = HashMap::new();
+    for ((root, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
+        let frames = view.folded(view.frames(stack, cut));
+        let root = root.map(clean);
+        let names: Vec<&str> = root.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
+        *lines.entry(names.join(";")).or_default() += w;
+    }
+    let mut lines: Vec<String> = lines.into_iter().map(|(stack, w)| format!("{stack} {w}")).collect();
     lines.sort();
     lines
 }
@@ -41,9 +50,11 @@ pub fn folded(data: &ProfileData, keep: &dyn Fn(&Sample) -> bool) -> Vec<String>
 /// report's frame has an opaque origin where that throws, so it is switched off.
 const EMBED_SHIM: &str = "<script type=\"text/ecmascript\"><![CDATA[history.replaceState = function () {};]]></script>";
 
+const MIN_WIDTH_PERCENT: f64 = 0.1;
+
 /// An interactive SVG (click to zoom, search); None when no sample matches.
-pub fn svg(data: &ProfileData, title: &str, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
-    let lines = folded(data, keep);
+pub fn svg(data: &ProfileData, title: &str, by: By, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
+    let lines = folded(data, by, keep);
     if lines.is_empty() {
         return None;
     }
@@ -51,6 +62,12 @@ pub fn svg(data: &ProfileData, title: &str, keep: &dyn Fn(&Sample) -> bool) -> O
     opts.title = xml_safe(title);
     opts.count_name = "μs".into();
     opts.deterministic = true;
+    // Frames under this share of the graph are slivers without a label; left out,
+    // a rare deep stack no longer sets the graph's height.
+    opts.min_width = MIN_WIDTH_PERCENT;
+    // Roots on top (an icicle): the wide frames that matter show first, and a deep
+    // stack runs down into the frame's scroll instead of pushing them off the page.
+    opts.direction = flamegraph::Direction::Inverted;
     let mut out = Vec::new();
     flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut out).ok()?;
     let svg = String::from_utf8(out).ok()?;
@@ -66,14 +83,14 @@ mod tests {
     fn folds_and_renders() {
         let mut data = profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
         data.frames[0].name = "<script>alert(1)</script>".into();
-        let lines = folded(&data, &|_| true);
+        let lines = folded(&data, By::Thread, &|_| true);
         assert_eq!(lines.len(), 2);
         assert!(lines.iter().any(|l| l.ends_with("(f.py:1) 20000")));
         assert!(lines.iter().any(|l| l.ends_with(";g x (g x.py:1) 10000")), "{lines:?}");
-        let svg = svg(&data, "t", &|_| true).unwrap();
+        let svg = svg(&data, "t", By::Thread, &|_| true).unwrap();
         assert!(svg.starts_with("<?xml"));
         assert!(!svg.contains("<script>alert(1)"), "names are escaped");
         assert!(svg.contains("&lt;script&gt;alert(1)"));
-        assert!(super::svg(&data, "t", &|_| false).is_none());
+        assert!(super::svg(&data, "t", By::Thread, &|_| false).is_none());
     }
 }

@@ -10,18 +10,19 @@ mod speedscope;
 mod store;
 mod summary;
 mod tags;
+mod views;
 
 #[cfg(test)]
 mod hostile_tests;
 
 use config::SamplerConfig;
 use flate2::Compression;
-use model::{ProfileData, Sample, Tag};
+use model::{ProfileData, Sample};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use serde_json::{Map, Value};
-use speedscope::By;
+use views::By;
 use std::sync::Arc;
 
 fn value_error(e: impl ToString) -> PyErr {
@@ -124,12 +125,6 @@ struct PyProfile {
     data: Arc<ProfileData>,
 }
 
-impl PyProfile {
-    fn svg(&self, py: Python<'_>, title: &str, keep: impl Fn(&Sample) -> bool + Send + Sync) -> Option<String> {
-        py.detach(|| flamegraph::svg(&self.data, title, &keep))
-    }
-}
-
 #[pymethods]
 impl PyProfile {
     /// Reads a profile sent by another process (gzip JSON).
@@ -172,14 +167,25 @@ impl PyProfile {
     }
 
     /// Flame graph of the samples of one task prefix and/or one process (None: all).
-    #[pyo3(signature = (title, prefix=None, process=None))]
-    fn flamegraph_svg(&self, py: Python<'_>, title: &str, prefix: Option<&str>, process: Option<u32>) -> Option<String> {
+    /// `tasks`: None for every sample, True for task samples only, False for the rest.
+    #[pyo3(signature = (title, by="thread", prefix=None, process=None, tasks=None))]
+    fn flamegraph_svg(
+        &self,
+        py: Python<'_>,
+        title: &str,
+        by: &str,
+        prefix: Option<&str>,
+        process: Option<u32>,
+        tasks: Option<bool>,
+    ) -> PyResult<Option<String>> {
+        let by: By = by.parse().map_err(value_error)?;
         let data = &self.data;
-        self.svg(py, title, |s| {
+        let keep = |s: &Sample| {
             let prefix_ok = prefix.is_none_or(|p| s.tag.is_some_and(|t| data.tags[t as usize].prefix == p));
             let process_ok = process.is_none_or(|p| data.threads[s.thread as usize].process == p);
-            prefix_ok && process_ok
-        })
+            prefix_ok && process_ok && tasks.is_none_or(|t| t == s.tag.is_some())
+        };
+        Ok(py.detach(|| flamegraph::svg(data, title, by, &keep)))
     }
 
     /// The samples of the process at `index` in `processes_json()`.
@@ -193,20 +199,6 @@ impl PyProfile {
     /// Totals for reports (see `summary.rs`), as JSON.
     fn summary_json(&self, py: Python<'_>) -> String {
         py.detach(|| serde_json::to_string(&summary::summarize(&self.data)).expect("summaries serialise"))
-    }
-
-    /// A copy whose untagged samples inside `(ident, start, stop, key, prefix)` runs carry that task.
-    fn with_intervals(&self, py: Python<'_>, intervals: Vec<(u64, f64, f64, String, String)>) -> Self {
-        let runs: Vec<(u64, u64, u64, Tag)> = intervals
-            .into_iter()
-            .map(|(ident, start, stop, key, prefix)| (ident, secs_to_ns(start), secs_to_ns(stop), Tag { key, prefix }))
-            .collect();
-        let data = py.detach(|| {
-            let mut data = (*self.data).clone();
-            data.tag_intervals(&runs);
-            data
-        });
-        PyProfile { data: Arc::new(data) }
     }
 
     fn metadata_json(&self) -> String {

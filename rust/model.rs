@@ -363,32 +363,6 @@ impl ProfileData {
         out.finish(processes, metadata)
     }
 
-    /// Tags untagged samples of thread `ident` that fall inside a task's run,
-    /// for schedulers that report which thread ran a task only after it ran.
-    pub fn tag_intervals(&mut self, intervals: &[(u64, u64, u64, Tag)]) {
-        let mut tags: Interner<Tag> = Interner::default();
-        for t in &self.tags {
-            tags.intern(t.clone());
-        }
-        let mut by_thread: HashMap<u64, Vec<(u64, u64, u32)>> = HashMap::new();
-        for (ident, start, stop, tag) in intervals {
-            by_thread.entry(*ident).or_default().push((*start, *stop, tags.intern(tag.clone())));
-        }
-        for runs in by_thread.values_mut() {
-            runs.sort_unstable();
-        }
-        for s in self.samples.iter_mut().filter(|s| s.tag.is_none()) {
-            let Some(runs) = by_thread.get(&self.threads[s.thread as usize].ident) else { continue };
-            let i = runs.partition_point(|r| r.0 <= s.time_ns);
-            if let Some(&(_, stop, tag)) = i.checked_sub(1).map(|i| &runs[i]) {
-                if s.time_ns <= stop {
-                    s.tag = Some(tag);
-                }
-            }
-        }
-        self.tags = tags.into_items();
-    }
-
     /// The samples of one process only.
     pub fn only_process(&self, process: u32) -> ProfileData {
         let mut out = Builder::default();
@@ -445,7 +419,8 @@ impl ProfileData {
 
     /// Total sampled time in seconds.
     pub fn total_seconds(&self) -> f64 {
-        self.samples.iter().map(|s| s.weight_us as f64).sum::<f64>() / 1e6
+        // Summed as integers: exact, and an empty sum is 0.0, not -0.0.
+        self.samples.iter().map(|s| s.weight_us as u64).sum::<u64>() as f64 / 1e6
     }
 
     pub fn thread_label(&self, id: u32) -> String {
@@ -520,16 +495,6 @@ pub mod tests {
         // Recorded names win (ident 2 was recorded as T2 once); the given one fills a gap.
         assert_eq!(names, ["late", "late", "T2", "given"]);
         assert_eq!(p.threads.len(), 3);
-    }
-
-    #[test]
-    fn intervals_tag_the_samples_inside_them() {
-        let mut p = profile("w", &[(1, &["a"], None), (1, &["a"], None), (1, &["a"], None), (2, &["a"], None)]);
-        // Samples are at 1000, 1001, 1002 (thread 1) and 1003 (thread 2).
-        let tag = |k: &str| Tag { key: k.into(), prefix: k.into() };
-        p.tag_intervals(&[(1, 1001, 1002, tag("x")), (2, 0, 1002, tag("y"))]);
-        let keys: Vec<_> = p.samples.iter().map(|s| s.tag.map(|t| p.tags[t as usize].key.clone())).collect();
-        assert_eq!(keys, [None, Some("x".into()), Some("x".into()), None]);
     }
 
     #[test]

@@ -1,31 +1,13 @@
 //! Writer for speedscope's file format (https://www.speedscope.app/file-format-schema.json):
-//! one sampled profile per thread, weights in seconds, stacks root first.
+//! weights in seconds, stacks root first. Merged profiles come first, as `by` asks:
+//! one per task prefix, or the whole cluster by task, with stacks cut to the task's
+//! own code. Then one profile per thread with its raw stacks.
 
-use crate::model::ProfileData;
+use crate::model::{ProfileData, Sample};
+use crate::views::{By, View, NO_TASK};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::HashMap;
-use std::str::FromStr;
-
-/// What the synthetic root frame of each sample is, so left-heavy views group by it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum By {
-    Thread,
-    Task,
-    Prefix,
-}
-
-impl FromStr for By {
-    type Err = String;
-    fn from_str(s: &str) -> Result<By, String> {
-        match s {
-            "thread" => Ok(By::Thread),
-            "task" => Ok(By::Task),
-            "prefix" => Ok(By::Prefix),
-            _ => Err(format!("by must be one of 'thread', 'task', 'prefix', got {s:?}")),
-        }
-    }
-}
 
 #[derive(Serialize)]
 struct File<'a> {
@@ -67,80 +49,139 @@ struct Profile {
     end_value: f64,
     samples: Vec<Vec<u32>>,
     weights: Vec<f64>,
+    /// Seconds of tagged samples: the file opens on the profile with the most.
+    #[serde(skip)]
+    task_seconds: f64,
 }
 
 const TASK_FILE: &str = "dask task";
 
-/// Synthetic root frames: one per tag (task) or per prefix, appended after the real frames.
-fn root_frames<'a>(data: &'a ProfileData, by: By, frames: &mut Vec<SFrame<'a>>) -> Vec<Option<u32>> {
+/// Synthetic root frames, appended after the real frames: one per task key or
+/// prefix (indexed by tag), and by task one for untagged samples.
+fn root_frames<'a>(data: &'a ProfileData, by: By, frames: &mut Vec<SFrame<'a>>) -> (Vec<Option<u32>>, Option<u32>) {
     let mut by_name: HashMap<&str, u32> = HashMap::new();
-    data.tags
-        .iter()
-        .map(|tag| {
-            let name = match by {
-                By::Thread => return None,
-                By::Task => tag.key.as_str(),
-                By::Prefix => tag.prefix.as_str(),
-            };
-            Some(*by_name.entry(name).or_insert_with(|| {
-                frames.push(SFrame { name, file: TASK_FILE, line: None });
-                frames.len() as u32 - 1
-            }))
+    let mut root = |name: &'a str| {
+        *by_name.entry(name).or_insert_with(|| {
+            frames.push(SFrame { name, file: TASK_FILE, line: None });
+            frames.len() as u32 - 1
         })
-        .collect()
+    };
+    let by_tag = data
+        .tags
+        .iter()
+        .map(|tag| match by {
+            By::Thread => None,
+            By::Task => Some(root(&tag.key)),
+            By::Prefix => Some(root(&tag.prefix)),
+        })
+        .collect();
+    (by_tag, (by == By::Task).then(|| root(NO_TASK)))
+}
+
+/// Builds one sampled profile; consecutive identical samples merge into one longer
+/// one (same picture, smaller file).
+#[derive(Default)]
+struct Sampled {
+    samples: Vec<Vec<u32>>,
+    weights: Vec<f64>,
+    last: Option<(Option<u32>, u32)>,
+    task_seconds: f64,
+}
+
+impl Sampled {
+    fn add(&mut self, s: &Sample, root: Option<u32>, frames: &[u32]) {
+        let weight = s.weight_us as f64 / 1e6;
+        if s.tag.is_some() {
+            self.task_seconds += weight;
+        }
+        if self.last == Some((root, s.stack)) {
+            *self.weights.last_mut().unwrap() += weight;
+            return;
+        }
+        self.last = Some((root, s.stack));
+        self.samples.push(root.into_iter().chain(frames.iter().copied()).collect());
+        self.weights.push(weight);
+    }
+
+    fn finish(self, name: String) -> Profile {
+        let total: f64 = self.weights.iter().sum();
+        Profile {
+            kind: "sampled",
+            name,
+            unit: "seconds",
+            start_value: 0.0,
+            end_value: total,
+            samples: self.samples,
+            weights: self.weights,
+            task_seconds: self.task_seconds,
+        }
+    }
+}
+
+/// The merged profiles `by` asks for, largest first: samples of every thread in time order.
+fn merged(data: &ProfileData, by: By, by_tag: &[Option<u32>], no_task: Option<u32>) -> Vec<Profile> {
+    let view = View::new(data);
+    let mut order: Vec<&Sample> = data.samples.iter().collect();
+    order.sort_by_key(|s| s.time_ns);
+    let mut out: Vec<Profile> = match by {
+        By::Thread => Vec::new(),
+        By::Task => {
+            let mut all = Sampled::default();
+            for s in order {
+                let root = s.tag.and_then(|t| by_tag[t as usize]).or(no_task);
+                all.add(s, root, view.frames(s.stack, s.tag.is_some()));
+            }
+            vec![all.finish("whole cluster by task (task code only)".into())]
+        }
+        By::Prefix => {
+            let mut per_prefix: HashMap<&str, Sampled> = HashMap::new();
+            for s in order {
+                if let Some(t) = s.tag {
+                    per_prefix.entry(&data.tags[t as usize].prefix).or_default().add(s, None, view.frames(s.stack, true));
+                }
+            }
+            per_prefix.into_iter().map(|(prefix, p)| p.finish(format!("{prefix} (all threads, task code only)"))).collect()
+        }
+    };
+    out.sort_by(|a, b| b.end_value.total_cmp(&a.end_value).then_with(|| a.name.cmp(&b.name)));
+    out
 }
 
 fn thread_profile(data: &ProfileData, thread: u32, by_tag: &[Option<u32>]) -> Profile {
-    let mut samples: Vec<Vec<u32>> = Vec::new();
-    let mut weights: Vec<f64> = Vec::new();
-    let mut last: Option<(u32, Option<u32>)> = None;
+    let mut p = Sampled::default();
     for s in data.samples.iter().filter(|s| s.thread == thread) {
-        let root = s.tag.and_then(|t| by_tag[t as usize]);
-        let weight = s.weight_us as f64 / 1e6;
-        // Consecutive identical samples merge into one longer one: same picture, smaller file.
-        if last == Some((s.stack, root)) {
-            *weights.last_mut().unwrap() += weight;
-            continue;
-        }
-        last = Some((s.stack, root));
-        samples.push(root.into_iter().chain(data.stacks[s.stack as usize].iter().copied()).collect());
-        weights.push(weight);
+        p.add(s, s.tag.and_then(|t| by_tag[t as usize]), &data.stacks[s.stack as usize]);
     }
-    let total: f64 = weights.iter().sum();
-    Profile {
-        kind: "sampled",
-        name: data.thread_label(thread),
-        unit: "seconds",
-        start_value: 0.0,
-        end_value: total,
-        samples,
-        weights,
-    }
+    p.finish(data.thread_label(thread))
 }
 
+/// The profile to open: the one with the most task time among the merged profiles
+/// (what `by` asked for) if any, else among the threads; without tasks, the busiest.
+fn active(profiles: &[Profile], merged: usize) -> usize {
+    let candidates = if merged > 0 { 0..merged } else { 0..profiles.len() };
+    let key = |i: &usize| (profiles[*i].task_seconds, profiles[*i].end_value);
+    candidates.max_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal)).unwrap_or(0)
+}
+
+/// The document; it holds no profile when `data` holds no samples.
 pub fn write(data: &ProfileData, by: By, name: &str) -> Vec<u8> {
     let mut frames: Vec<SFrame> = data
         .frames
         .iter()
         .map(|f| SFrame { name: &f.name, file: &f.file, line: (f.line > 0).then_some(f.line) })
         .collect();
-    let by_tag = root_frames(data, by, &mut frames);
+    let (by_tag, no_task) = root_frames(data, by, &mut frames);
+    let mut profiles = merged(data, by, &by_tag, no_task);
+    let n_merged = profiles.len();
     let mut threads: Vec<u32> = (0..data.threads.len() as u32).collect();
     threads.sort_by_key(|&t| data.thread_label(t));
-    let profiles: Vec<Profile> = threads
-        .into_iter()
-        .map(|t| thread_profile(data, t, &by_tag))
-        .filter(|p| !p.samples.is_empty())
-        .collect();
-    let busiest = (0..profiles.len())
-        .max_by(|&a, &b| profiles[a].end_value.total_cmp(&profiles[b].end_value))
-        .unwrap_or(0);
+    profiles.extend(threads.into_iter().map(|t| thread_profile(data, t, &by_tag)).filter(|p| !p.samples.is_empty()));
     let file = File {
         schema: "https://www.speedscope.app/file-format-schema.json",
         shared: Shared { frames },
+        active_profile_index: active(&profiles, n_merged),
         profiles,
         name,
-        active_profile_index: busiest,
         exporter: format!("dask-pyspy {}", env!("CARGO_PKG_VERSION")),
         metadata: json!({"metadata": data.metadata, "processes": data.processes}),
     };
@@ -160,9 +201,22 @@ mod tests {
                 (1, &["main", "f"], Some("f-1")),
                 (1, &["main", "g"], Some("g-2")),
                 (2, &["main", "h"], None),
+                (2, &["main", "i"], None),
+                (2, &["main", "h"], None),
+                (2, &["main", "i"], None),
             ],
         );
         serde_json::from_slice(&write(&data, by, "test")).unwrap()
+    }
+
+    fn names(d: &Value, profile: usize) -> Vec<Vec<String>> {
+        let frames = d["shared"]["frames"].as_array().unwrap();
+        d["profiles"][profile]["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_array().unwrap().iter().map(|f| frames[f.as_u64().unwrap() as usize]["name"].as_str().unwrap().to_string()).collect())
+            .collect()
     }
 
     #[test]
@@ -170,7 +224,7 @@ mod tests {
         let d = doc(By::Thread);
         assert_eq!(d["$schema"], "https://www.speedscope.app/file-format-schema.json");
         let profiles = d["profiles"].as_array().unwrap();
-        assert_eq!(profiles.len(), 2);
+        assert_eq!(profiles.len(), 2, "one per thread, no merged profile by thread");
         let p = &profiles[0];
         assert_eq!(p["type"], "sampled");
         assert_eq!(p["unit"], "seconds");
@@ -179,33 +233,36 @@ mod tests {
         assert_eq!(p["samples"].as_array().unwrap().len(), 2);
         assert_eq!(p["weights"][0], 0.02);
         assert_eq!(p["endValue"], 0.03);
-        let frames = d["shared"]["frames"].as_array().unwrap();
-        let root = p["samples"][0][0].as_u64().unwrap() as usize;
-        assert_eq!(frames[root]["name"], "main", "stacks are root first");
-        assert_eq!(d["activeProfileIndex"], 0, "opens on the busiest thread");
+        assert_eq!(names(&d, 0)[0], ["main", "f"], "stacks are root first");
+        assert_eq!(d["activeProfileIndex"], 0, "opens on the thread with the most task time, not the busiest");
     }
 
     #[test]
-    fn grouping_adds_a_root_frame_per_task_or_prefix() {
+    fn threads_keep_a_root_frame_per_task_or_prefix() {
         for (by, expect) in [(By::Task, ["f-1", "g-2"]), (By::Prefix, ["f", "g"])] {
             let d = doc(by);
-            let frames = d["shared"]["frames"].as_array().unwrap();
-            let roots: Vec<_> = d["profiles"][0]["samples"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| frames[s[0].as_u64().unwrap() as usize]["name"].as_str().unwrap().to_string())
-                .collect();
+            let n = d["profiles"].as_array().unwrap().len();
+            let roots: Vec<String> = names(&d, n - 2).into_iter().map(|s| s[0].clone()).collect();
             assert_eq!(roots, expect);
-            // The untagged thread keeps its own root.
-            let s = &d["profiles"][1]["samples"][0];
-            assert_eq!(frames[s[0].as_u64().unwrap() as usize]["name"], "main");
+            assert_eq!(names(&d, n - 1)[0][0], "main", "the untagged thread keeps its own root");
         }
     }
 
     #[test]
-    fn by_parses_and_rejects() {
-        assert_eq!("prefix".parse::<By>(), Ok(By::Prefix));
-        assert!("stack".parse::<By>().unwrap_err().contains("'thread', 'task', 'prefix'"));
+    fn merged_profiles_show_task_code_and_open_first() {
+        let mut data = profile(
+            "w",
+            &[(1, &["pool", "f"], Some("f-1")), (2, &["pool", "g"], Some("g-2")), (1, &["pool", "g"], Some("g-3")), (3, &["pool", "h"], None)],
+        );
+        data.frames[0].file = "/usr/lib/python3/threading.py".into();
+        let d: Value = serde_json::from_slice(&write(&data, By::Prefix, "t")).unwrap();
+        assert_eq!(d["profiles"][0]["name"], "g (all threads, task code only)", "largest prefix first");
+        assert_eq!(names(&d, 0), [["g"]], "cut to the task's code; consecutive samples of one stack merge");
+        assert_eq!(names(&d, 1), [["f"]]);
+        assert_eq!(names(&d, 2), [["f", "pool", "f"], ["g", "pool", "g"]], "threads keep raw stacks");
+        assert_eq!(d["activeProfileIndex"], 0);
+        let d: Value = serde_json::from_slice(&write(&data, By::Task, "t")).unwrap();
+        assert_eq!(names(&d, 0), [vec!["f-1", "f"], vec!["g-2", "g"], vec!["g-3", "g"], vec!["(no task)", "pool", "h"]]);
+        assert_eq!(d["activeProfileIndex"], 0);
     }
 }

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import re
+import threading
+import time
 import urllib.request
-
-from html import escape
+from html import escape, unescape
 
 import pytest
 from dask.utils import key_split
+from selenium.webdriver.support.ui import WebDriverWait
 
 import dask_pyspy
+from dask_pyspy import Sampler
 from tests.integration.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
-from tests.integration.workload import alpha, gamma
+from tests.integration.workload import alpha, beta, gamma, recurse, spin
 
 HOSTILE = "<script>alert(1)</script>"
 
@@ -50,6 +54,120 @@ def test_report_opens_offline_and_escapes_names(client, chromium, tmp_path):
     assert console_errors(chromium) == []
 
 
+def flame_graphs(html: str) -> dict[str, str]:
+    """Each flame graph's SVG, by the title of its frame."""
+    found = re.findall(r'<iframe class="flame" title="([^"]*)"[^>]*?src="data:image/svg\+xml;base64,([^"]+)"', html)
+    return {unescape(title): base64.b64decode(data).decode() for title, data in found}
+
+
+def frame_labels(svg: str) -> list[str]:
+    """inferno's tooltip of every frame: 'name (file:line) (N μs, x%)'."""
+    return [unescape(t) for t in re.findall(r"<title>([^<]*)</title>", svg)]
+
+
+def svg_depth(svg: str) -> int:
+    """Rows of frames the graph needs (inferno: 16 px each, plus margins)."""
+    return int(re.search(r'<svg[^>]*\sheight="(\d+)"', svg).group(1)) // 16
+
+
+def test_task_views_lead_with_task_code(client, chromium, tmp_path):
+    start = time.time()
+    futures = client.map(alpha, range(200), [0.01] * 200) + client.map(beta, range(200), [0.01] * 200)
+    futures += [client.submit(recurse, 300, 0.3, key=f"recurse-{i}") for i in range(4)]
+    futures += [client.submit(gamma, i, 0.1, key=f"extra{i}-x") for i in range(9)]
+    client.gather(futures)
+    by_prefix = client.pyspy_profile(start=start, by="prefix")
+    by_task = client.pyspy_profile(start=start, by="task")
+    graphs = flame_graphs(by_prefix.to_html())
+    lead = frame_labels(graphs["Task time"])
+    lead_by_task = frame_labels(flame_graphs(by_task.to_html())["Task time"])
+    assert any(t.startswith("alpha (") and "workload.py" not in t for t in lead), "a root per prefix"
+    assert any(t.startswith("alpha-") for t in lead_by_task) and not any(t.startswith("alpha-") for t in lead)
+    # Task stacks start at the task's own code; the machinery shows only as a leaf, when
+    # a sample caught the worker between tasks' calls.
+    machinery = ("threading.py", "worker.py", "_task_spec.py", "threadpoolexecutor.py")
+    share = sum(float(re.search(r"([0-9.]+)%\)$", t).group(1)) for t in lead if any(m in t for m in machinery))
+    assert share < 2, [t for t in lead if any(m in t for m in machinery)]
+    assert any(t.startswith("alpha (workload.py") for t in lead)
+    raw = frame_labels(graphs[by_prefix.processes[0]["name"]])
+    assert any("threading.py" in t for t in raw), "per-process graphs keep the raw stacks"
+    assert svg_depth(graphs["Task time"]) < 40, "a 300-deep recursion is folded, not setting the height"
+    assert sum(t.startswith("recurse (workload.py") for t in frame_labels(graphs["Task time"])) <= 2
+    prefixes = [p["prefix"] for p in by_prefix.summary()["prefixes"]]
+    assert len(prefixes) >= 12 and all(p in graphs for p in prefixes), "every prefix has its graph"
+    path = by_prefix.save(tmp_path / "tasks.html")
+    chromium.get(path.as_uri())
+    assert search_first_flame_graph(chromium, "alpha") != "Matched: 0%"
+    screenshot(chromium, "report-task-first")
+    assert console_errors(chromium) == []
+
+
+def busy(stop: threading.Event) -> None:
+    while not stop.is_set():
+        spin(0.01)
+
+
+def sampled_report(sampler: Sampler, until: str) -> str:
+    """The report of `sampler` once its stats satisfy `until` (a stats key that must be truthy)."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=busy, args=(stop,)) for _ in range(3)]
+    sampler.start()
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.time() + 60
+        while not (sampler.stats()[until] and sampler.profile().n_samples) and time.time() < deadline:
+            time.sleep(0.05)
+        return sampler.profile().to_html()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sampler.stop()
+
+
+def process_row(chromium, html: str, tmp_path) -> dict[str, str]:
+    """The report's first process row as the browser shows it, by column."""
+    path = tmp_path / "row.html"
+    path.write_text(html)
+    chromium.get(path.as_uri())
+    table = chromium.find_elements("css selector", "table")[1]
+    header = [th.text.replace("\n", " ") for th in table.find_elements("css selector", "th")]
+    cells = [td.text for td in table.find_elements("css selector", "tr")[1].find_elements("css selector", "td")]
+    return dict(zip(header, cells))
+
+
+def test_throttling_is_explained_and_torn_reads_are_a_rate(chromium, tmp_path):
+    html = sampled_report(Sampler(rate=2000, cpu_budget=0.001), until="throttled_ticks")
+    row = process_row(chromium, html, tmp_path)
+    assert "held to the CPU budget (0.1% of a core)" in row["why lower"] and "cpu_budget" in row["why lower"]
+    assert re.fullmatch(r"\d+\.\d%", row["reads torn"]), row
+    assert row["errors"] == "", "torn reads and throttling are not errors"
+    assert console_errors(chromium) == []
+
+
+def test_a_reader_fallback_is_an_error(chromium, tmp_path, monkeypatch):
+    monkeypatch.setenv("DASK_PYSPY_TEST_BREAK_SELF_CHECK", "1")
+    html = sampled_report(Sampler(reader="auto"), until="ticks")
+    row = process_row(chromium, html, tmp_path)
+    assert row["reader"] == "pyspy" and row["errors"].startswith("fast reader not used:"), row
+    cell = chromium.find_elements("css selector", "table")[1].find_elements("css selector", "tr")[1]
+    assert cell.find_elements("css selector", "td .warn"), "real failures are styled as warnings"
+
+
+def test_empty_window(client, chromium, tmp_path):
+    long_ago = time.time() - 3600
+    prof = client.pyspy_profile(start=long_ago - 60, stop=long_ago)
+    assert prof.n_samples == 0 and prof.sampled_seconds == 0.0
+    assert "0 samples, 0.0 thread-s" in repr(prof) and "-0.0" not in repr(prof)
+    with pytest.raises(ValueError, match=r"cannot save '.*empty\.json': the profile holds no samples"):
+        prof.save(tmp_path / "empty.json")
+    assert not (tmp_path / "empty.json").exists()
+    chromium.get(prof.save(tmp_path / "empty.html").as_uri())
+    assert "No samples in this window" in chromium.find_element("tag name", "body").text
+    assert console_errors(chromium) == []
+
+
 def test_download_button_gives_the_speedscope_profile(client, chromium, tmp_path):
     prof = client.pyspy_profile(last=30)
     path = prof.save(tmp_path / "r.html")
@@ -68,15 +186,32 @@ def test_dashboard_page(client, chromium):
     chromium.get(f"http://127.0.0.1:{port}/pyspy/?last=60")
     assert "last 60 s" in chromium.title
     body = chromium.find_element("tag name", "body").text
-    assert "Live stacks" in body and "Whole cluster" in body
+    assert "Live stacks" in body and "Task time across the cluster" in body
     assert search_first_flame_graph(chromium, "alpha") != "Matched: 0%"
     screenshot(chromium, "dashboard")
     assert console_errors(chromium) == []
+    # Auto-refresh: choosing 5 s keeps the window and reloads the page by itself.
+    chromium.execute_script(
+        "var r = document.getElementById('refresh'); r.value = '5'; r.dispatchEvent(new Event('change'));"
+    )
+    WebDriverWait(chromium, 30).until(lambda d: "refresh=5" in d.current_url and "last=60" in d.current_url)
+    WebDriverWait(chromium, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    chromium.execute_script("window.notReloaded = true;")
+    WebDriverWait(chromium, 60).until(lambda d: d.execute_script("return window.notReloaded === undefined"))
+    # distributed's own pages list it in their "More..." menu.
+    chromium.get(f"http://127.0.0.1:{port}/status")
+    links = chromium.find_elements("css selector", ".dropdown-content a[href='pyspy']")
+    assert links and links[0].get_attribute("textContent") == "Py-Spy Profile"
+    chromium.get(links[0].get_attribute("href"))
+    assert "dask-pyspy: last 30 s" in chromium.title
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/pyspy/dump").read().decode()
     assert "Process scheduler" in text and "Thread 0x" in text
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/pyspy/?last=-3")
     assert err.value.code == 400
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/pyspy/?refresh=7")
+    assert err.value.code == 400 and "refresh must be one of 0, 5, 30" in err.value.reason
 
 
 def test_notebook_view(client):

@@ -26,6 +26,14 @@ def gamma(i: int, seconds: float = 0.3) -> int:
     return i
 
 
+def recurse(depth: int, seconds: float = 0.05) -> int:
+    """A deep recursion that spins at its bottom."""
+    if depth:
+        return recurse(depth - 1, seconds)
+    spin(seconds)
+    return 0
+
+
 def sleeper(seconds: float) -> float:
     time.sleep(seconds)
     return seconds

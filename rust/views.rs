@@ -1,0 +1,163 @@
+//! How stacks are shown: grouped under their task or task prefix, cut to the task's
+//! own code, and with repeated call cycles folded so one deep recursion cannot set
+//! a flame graph's height. The samples themselves are never changed.
+
+use crate::model::{ProfileData, Sample};
+use std::collections::HashMap;
+use std::str::FromStr;
+
+/// What the synthetic root frame of each sample is, so views group by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum By {
+    Thread,
+    Task,
+    Prefix,
+}
+
+impl FromStr for By {
+    type Err = String;
+    fn from_str(s: &str) -> Result<By, String> {
+        match s {
+            "thread" => Ok(By::Thread),
+            "task" => Ok(By::Task),
+            "prefix" => Ok(By::Prefix),
+            _ => Err(format!("by must be one of 'thread', 'task', 'prefix', got {s:?}")),
+        }
+    }
+}
+
+/// The root of untagged samples in task views.
+pub const NO_TASK: &str = "(no task)";
+
+/// Code that runs tasks rather than being them: thread pools, event loops, and
+/// dask's and distributed's executors (matched as parts of a file's path).
+const MACHINERY: &[&str] = &[
+    "/threading.py",
+    "/concurrent/futures/",
+    "/multiprocessing/",
+    "/asyncio/",
+    "/tornado/",
+    "/distributed/",
+    "/dask/_task_spec.py",
+    "/dask/core.py",
+    "/dask/local.py",
+    "/dask/threaded.py",
+    "/dask/utils.py",
+    "/dask_pyspy/",
+];
+
+/// The longest call cycle folded: recursion through up to this many functions.
+const MAX_CYCLE: usize = 8;
+
+pub struct View<'a> {
+    data: &'a ProfileData,
+    machinery: Vec<bool>,
+    /// Per frame: its function (name and file, any line), for spotting recursion.
+    function: Vec<u32>,
+}
+
+impl<'a> View<'a> {
+    pub fn new(data: &'a ProfileData) -> View<'a> {
+        let mut functions: HashMap<(&str, &str), u32> = HashMap::new();
+        let function = data
+            .frames
+            .iter()
+            .map(|f| {
+                let next = functions.len() as u32;
+                *functions.entry((&f.name, &f.file)).or_insert(next)
+            })
+            .collect();
+        let machinery = data.frames.iter().map(|f| MACHINERY.iter().any(|m| f.file.contains(m))).collect();
+        View { data, machinery, function }
+    }
+
+    /// The root a sample is grouped under, if `by` groups.
+    pub fn root(&self, sample: &Sample, by: By) -> Option<&'a str> {
+        let tag = sample.tag.map(|t| &self.data.tags[t as usize]);
+        match (by, tag) {
+            (By::Thread, _) => None,
+            (_, None) => Some(NO_TASK),
+            (By::Task, Some(t)) => Some(&t.key),
+            (By::Prefix, Some(t)) => Some(&t.prefix),
+        }
+    }
+
+    /// Frames of `stack` root first, below the first frame of the task's own code
+    /// cut when `cut` (the leaf stays when the thread was inside the machinery).
+    pub fn frames(&self, stack: u32, cut: bool) -> &'a [u32] {
+        let frames = &self.data.stacks[stack as usize][..];
+        if !cut {
+            return frames;
+        }
+        let first_own = frames.iter().position(|&f| !self.machinery[f as usize]);
+        &frames[first_own.unwrap_or(frames.len().saturating_sub(1))..]
+    }
+
+    /// `frames` with every directly repeated call cycle kept once (its innermost
+    /// copy, which holds the lines being run).
+    pub fn folded(&self, frames: &[u32]) -> Vec<u32> {
+        let mut out: Vec<u32> = Vec::with_capacity(frames.len());
+        for &f in frames {
+            out.push(f);
+            while let Some(len) = self.repeated_cycle(&out) {
+                let n = out.len();
+                out.drain(n - 2 * len..n - len);
+            }
+        }
+        out
+    }
+
+    /// The length of a cycle that `out` ends with twice in a row.
+    fn repeated_cycle(&self, out: &[u32]) -> Option<usize> {
+        let n = out.len();
+        (1..=MAX_CYCLE.min(n / 2)).find(|&len| {
+            let (a, b) = (&out[n - 2 * len..n - len], &out[n - len..]);
+            a.iter().zip(b).all(|(&x, &y)| self.function[x as usize] == self.function[y as usize])
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::profile;
+
+    fn names(data: &ProfileData, frames: &[u32]) -> Vec<String> {
+        frames.iter().map(|&f| data.frames[f as usize].name.clone()).collect()
+    }
+
+    #[test]
+    fn by_parses_and_rejects() {
+        assert_eq!("prefix".parse::<By>(), Ok(By::Prefix));
+        assert!("stack".parse::<By>().unwrap_err().contains("'thread', 'task', 'prefix'"));
+    }
+
+    #[test]
+    fn task_stacks_start_at_the_tasks_own_code() {
+        let mut data = profile("w", &[(1, &["boot", "pool", "run_task", "user", "helper"], Some("user-1")), (1, &["boot", "pool"], Some("user-1"))]);
+        for (i, file) in ["/py/threading.py", "/site/distributed/threadpoolexecutor.py", "/site/dask/_task_spec.py"].iter().enumerate() {
+            data.frames[i].file = file.to_string();
+        }
+        let view = View::new(&data);
+        let stack = data.samples[0].stack;
+        assert_eq!(names(&data, view.frames(stack, true)), ["user", "helper"]);
+        assert_eq!(view.frames(stack, false).len(), 5, "raw stacks stay available");
+        assert_eq!(names(&data, view.frames(data.samples[1].stack, true)), ["pool"], "inside the machinery: its leaf stays");
+        assert_eq!(view.root(&data.samples[0], By::Prefix), Some("user"));
+        assert_eq!(view.root(&data.samples[0], By::Thread), None);
+    }
+
+    #[test]
+    fn recursion_folds_but_repeated_wrappers_do_not() {
+        let deep: Vec<&str> = ["main"].into_iter().chain(std::iter::repeat(["visit", "walk"]).take(80).flatten()).chain(["leaf"]).collect();
+        let data = profile(
+            "w",
+            &[(1, &deep, None), (1, &["main", "f", "f", "f", "g"], None), (1, &["main", "wrapper", "a", "wrapper", "b"], None)],
+        );
+        let view = View::new(&data);
+        let fold = |i: usize| names(&data, &view.folded(view.frames(data.samples[i].stack, false)));
+        assert_eq!(fold(0), ["main", "visit", "walk", "leaf"]);
+        assert_eq!(fold(1), ["main", "f", "g"]);
+        assert_eq!(fold(2), ["main", "wrapper", "a", "wrapper", "b"]);
+    }
+}
