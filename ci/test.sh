@@ -6,18 +6,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: headless Chromium (report and dashboard tests), strace (syscall
-# fault injection) and Debian's python3 (runs a test as an unprivileged user).
+# Debian packages: headless Chromium (report, dashboard and speedscope tests), strace
+# (syscall fault injection), Debian's python3 (runs a test as an unprivileged user)
+# and npm (fetches speedscope's app).
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
 command -v strace >/dev/null || need+=(strace)
 command -v setpriv >/dev/null || need+=(util-linux)
 command -v stress-ng >/dev/null || need+=(stress-ng)
+command -v npm >/dev/null || need+=(npm)
 [ -x /usr/bin/python3 ] || need+=(python3)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# speedscope's own app (its npm release), to open our speedscope files in the browser.
+SPEEDSCOPE_VERSION=1.25.0
+if [ "$(cat .cache/speedscope/version 2>/dev/null)" != "$SPEEDSCOPE_VERSION" ]; then
+    rm -rf .cache/speedscope && mkdir -p .cache/speedscope
+    (cd .cache/speedscope && npm pack --silent "speedscope@$SPEEDSCOPE_VERSION" >/dev/null && tar xzf speedscope-*.tgz)
+    echo "$SPEEDSCOPE_VERSION" >.cache/speedscope/version
 fi
 
 python3 -m venv .venv

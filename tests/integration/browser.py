@@ -18,10 +18,14 @@ FLAGS = [
 ]
 
 
-def start_chromium() -> webdriver.Chrome:
+# Software WebGL, for pages that draw with it (speedscope).
+WEBGL_FLAGS = ["--use-angle=swiftshader", "--enable-unsafe-swiftshader"]
+
+
+def start_chromium(webgl: bool = False) -> webdriver.Chrome:
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
-    for flag in FLAGS:
+    for flag in FLAGS if not webgl else [f for f in FLAGS if f != "--disable-gpu"] + WEBGL_FLAGS:
         opts.add_argument(flag)
     opts.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})

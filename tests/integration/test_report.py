@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
+import os
 import re
+import shutil
 import threading
 import time
 import urllib.request
 from html import escape, unescape
+from pathlib import Path
 
 import pytest
 from dask.utils import key_split
@@ -166,6 +171,54 @@ def test_empty_window(client, chromium, tmp_path):
     chromium.get(prof.save(tmp_path / "empty.html").as_uri())
     assert "No samples in this window" in chromium.find_element("tag name", "body").text
     assert console_errors(chromium) == []
+
+
+# speedscope's own app, the npm release that ci/test.sh unpacks.
+SPEEDSCOPE_APP = Path(os.environ.get("DASK_PYSPY_SPEEDSCOPE") or Path(__file__).resolve().parents[2] / ".cache/speedscope/package/dist/release")
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def speedscope_site(tmp_path):
+    """speedscope's app served over HTTP with room for profiles; yields (directory, base URL)."""
+    assert (SPEEDSCOPE_APP / "index.html").exists(), f"speedscope's app is missing from {SPEEDSCOPE_APP}: run ci/test.sh"
+    site = shutil.copytree(SPEEDSCOPE_APP, tmp_path / "site")
+    handler = functools.partial(QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield site, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.fixture
+def webgl_chromium():
+    driver = start_chromium(webgl=True)
+    yield driver
+    driver.quit()
+
+
+def test_speedscope_app_opens_on_the_profile_with_most_task_time(client, speedscope_site, webgl_chromium):
+    site, url = speedscope_site
+    driver = webgl_chromium
+    start = time.time()
+    client.gather(client.map(alpha, range(200), [0.01] * 200) + client.map(beta, range(50), [0.01] * 50))
+    for by, merged in (("prefix", "(all threads, task code only)"), ("task", "whole cluster by task")):
+        prof = client.pyspy_profile(start=start, by=by)
+        doc = prof.speedscope()
+        profiles, active = doc["profiles"], doc["activeProfileIndex"]
+        tasks = [p for p in profiles if merged in p["name"]]
+        assert profiles[active] == max(tasks, key=lambda p: p["endValue"]), "opens on the most task time"
+        prof.save(site / f"{by}.json")
+        driver.get(f"{url}/index.html?{by}#profileURL=/{by}.json")  # a new page, not a new hash
+        title = f"{profiles[active]['name']} ({active + 1}/{len(profiles)})"
+        WebDriverWait(driver, 60).until(lambda d: title in d.find_element("tag name", "body").text)
+        assert "went wrong" not in driver.find_element("tag name", "body").text
+        screenshot(driver, f"speedscope-by-{by}")
+    assert console_errors(driver) == []
 
 
 def test_download_button_gives_the_speedscope_profile(client, chromium, tmp_path):
