@@ -56,7 +56,7 @@ def _request(
         stop = time.time()
         start = stop - seconds
     start, stop = options.window(start, stop)
-    timeout = None if timeout is None else options.number("timeout", timeout)
+    timeout = None if timeout is None else options.seconds("timeout", timeout)
     return by, dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
 
 
@@ -75,7 +75,7 @@ def get_profile(
     workers: None (all), a number of workers picked at random, or addresses.
     start, stop: Unix seconds; or `last`: the last so many seconds.
     by: default grouping of exports, "thread", "task" or "prefix".
-    timeout: seconds to wait for each worker (default: config `pyspy.timeout`).
+    timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
     Workers that fail or time out are named in `profile.metadata["missing"]`.
     """
     client = client or default_client()

@@ -36,4 +36,6 @@ def sampler_options(**given: Any) -> dict[str, Any]:
 
 def timeout(given: Any = None) -> float:
     """Seconds to wait for each worker: `given`, else config `pyspy.timeout`."""
-    return parse_timedelta(get("timeout")) if given is None else options.number("timeout", given)
+    if given is None:
+        return options.seconds("config pyspy.timeout", parse_timedelta(get("timeout")))
+    return options.seconds("timeout", given)

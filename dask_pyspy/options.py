@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -56,14 +57,17 @@ def workers(value: Any) -> int | list[str] | None:
     raise ValueError(f"workers must be None, a positive number of workers or a list of worker addresses, got {value!r}")
 
 
+def seconds(name: str, value: Any) -> float:
+    """A duration: a positive, finite number of seconds."""
+    given = number(name, value)
+    if not 0 < given < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return given
+
+
 def last(value: Any) -> float | None:
     """Seconds before now that a window starts."""
-    if value is None:
-        return None
-    seconds = number("last", value)
-    if seconds <= 0:
-        raise ValueError(f"last must be a positive number of seconds, got {value!r}")
-    return seconds
+    return None if value is None else seconds("last", value)
 
 
 def window(start: Any, stop: Any) -> tuple[float | None, float | None]:

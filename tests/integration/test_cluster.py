@@ -134,11 +134,22 @@ def test_worker_selection_and_window(client):
         ({"start": 10.0, "stop": 5.0}, "stop must not be before start"),
         ({"by": "worker"}, "by must be one of"),
         ({"last": 5, "start": 1.0}, "either last or start/stop"),
+        ({"timeout": 0}, r"timeout must be a positive number of seconds, got 0"),
+        ({"timeout": -1}, r"timeout must be a positive number of seconds, got -1"),
     ],
 )
 def test_bad_requests(client, kwargs, message):
     with pytest.raises(ValueError, match=message):
         client.pyspy_profile(**kwargs)
+
+
+def test_bad_timeout_in_the_schedulers_config(client):
+    import dask
+
+    with dask.config.set({"pyspy.timeout": "0s"}):  # LocalCluster's scheduler runs in this process
+        with pytest.raises(ValueError, match="config pyspy.timeout must be a positive number of seconds, got 0"):
+            client.pyspy_profile(last=5)
+    assert client.pyspy_profile(last=5).processes, "the scheduler still answers"
 
 
 def test_without_plugin_the_error_says_what_to_do():
