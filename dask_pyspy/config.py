@@ -20,7 +20,9 @@ dask.config.update_defaults(defaults)
 
 
 def get(name: str) -> Any:
-    return dask.config.get(f"pyspy.{name}")
+    """`pyspy.<name>`; the packaged default where the config lacks it (a config restored
+    from a snapshot taken before this module was imported, as distributed's tests do)."""
+    return dask.config.get(f"pyspy.{name}", default=defaults["pyspy"][name.replace("_", "-")])
 
 
 def sampler_options(**given: Any) -> dict[str, Any]:

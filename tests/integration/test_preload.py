@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -53,3 +55,38 @@ def test_preloaded_scheduler_and_worker_profile_with_config(preloaded_cluster):
         assert proc["stats"]["requested_rate"] == 150, "options come from DASK_PYSPY__* config"
     frames = prof.speedscope()["shared"]["frames"]
     assert any(f["name"] == "alpha" and f.get("file") == "dask task" for f in frames)
+
+
+SNAPSHOT_BEFORE_IMPORT = textwrap.dedent("""
+    import json
+    import time
+    import distributed.utils_test  # takes its config snapshot now, before dask_pyspy is imported
+    import dask
+    from distributed import Client, LocalCluster
+    import dask_pyspy
+
+    if __name__ == "__main__":
+        distributed.utils_test.reset_config()  # what gen_cluster does: the pyspy namespace is gone
+        assert "pyspy" not in dask.config.config
+        preload = {"distributed.scheduler.preload": ["dask_pyspy"], "distributed.worker.preload": ["dask_pyspy"]}
+        with dask.config.set(preload), LocalCluster(n_workers=1, processes=True, dashboard_address=":0") as cluster, \\
+                Client(cluster) as client:
+            deadline = time.monotonic() + 60
+            while True:
+                prof = client.pyspy_profile(last=60)
+                if len(prof.processes) == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            print(json.dumps({"processes": [p["name"] for p in prof.processes], "missing": prof.metadata["missing"]}))
+""")
+
+
+def test_config_restored_from_a_snapshot_before_import(tmp_path):
+    script = tmp_path / "snapshot.py"
+    script.write_text(SNAPSHOT_BEFORE_IMPORT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "KeyError" not in done.stderr and "Failed to start preload" not in done.stderr, done.stderr
+    result = json.loads(done.stdout)
+    assert len(result["processes"]) == 2 and not result["missing"], result
