@@ -41,16 +41,22 @@ def check_writable(path: str | os.PathLike) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, so a failure leaves no half file."""
+    """Write via a temporary file in the same directory, so a failure leaves no half file.
+
+    An error names `path`, not the temporary file the user never asked for.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {str(path)!r}: {e.strerror}") from None
 
 
 class Profile:

@@ -124,6 +124,14 @@ def test_failed_save_keeps_the_profile(client, tmp_path, caplog):
     os.unlink(kept)
 
 
+def test_unwritable_directory_names_the_given_path(client):
+    prof = client.pyspy_profile(last=10)
+    # /proc refuses new files even to root, whom os.access lets write anywhere.
+    with pytest.raises(OSError) as err:
+        prof.save("/proc/pyspy-report.html")
+    assert "cannot write '/proc/pyspy-report.html'" in str(err.value) and ".tmp" not in str(err.value)
+
+
 def test_locals_are_never_collected(client):
     secret = "hunter2-" + "s3cr3t" * 3
 
