@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import sysconfig
@@ -14,8 +13,6 @@ from typing import Any
 
 from dask_pyspy import _native, options
 from dask_pyspy.profile import Profile
-
-logger = logging.getLogger(__name__)
 
 _running: weakref.WeakSet[Sampler] = weakref.WeakSet()
 
@@ -56,6 +53,22 @@ def _watch_thread_starts() -> None:
             threading._active = _ActiveThreads(threading._active)  # type: ignore[attr-defined]
 
 
+def _checked(
+    rate: Any, idle: Any, gil_only: Any, cpu_budget: Any, max_memory: Any, lines: Any, function: Any, reader: Any
+) -> dict[str, Any]:
+    """Sampler options with their types checked; the native sampler checks their ranges."""
+    return dict(
+        rate=options.number("rate", rate),
+        idle=options.flag("idle", idle),
+        gil_only=options.flag("gil_only", gil_only),
+        cpu_budget=options.number("cpu_budget", cpu_budget),
+        max_memory=options.integer("max_memory", max_memory),
+        lines=options.flag("lines", lines),
+        function=options.flag("function", function),
+        reader=options.reader(reader),
+    )
+
+
 class Sampler:
     """Samples every Python thread of this process from a background Rust thread.
 
@@ -86,17 +99,26 @@ class Sampler:
         function: bool = False,
         reader: str = "auto",
     ) -> None:
-        self.options = dict(
-            rate=options.number("rate", rate),
-            idle=options.flag("idle", idle),
-            gil_only=options.flag("gil_only", gil_only),
-            cpu_budget=options.number("cpu_budget", cpu_budget),
-            max_memory=options.integer("max_memory", max_memory),
-            lines=options.flag("lines", lines),
-            function=options.flag("function", function),
-            reader=options.reader(reader),
-        )
+        self.options = _checked(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)
         self._native = _native.Sampler(**self.options)
+
+    def configure(self, **changes: Any) -> None:
+        """Apply new options (the constructor's arguments; others keep their value).
+
+        The samples taken so far stay (the oldest go if `max_memory` shrinks below
+        them); a running sampler restarts with the new options.
+        """
+        new = _checked(**{**self.options, **changes})
+        if new == self.options:
+            return
+        running = self.is_running
+        self.stop()
+        try:
+            self._native.configure(**new)
+            self.options = new
+        finally:
+            if running:
+                self.start()
 
     def start(self) -> None:
         """Start sampling; raises RuntimeError if this interpreter cannot be read."""
@@ -171,7 +193,8 @@ class ProcessSampler:
     """The one sampler of this process, shared by every server in it (scheduler, workers).
 
     Each user acquires it and releases it when done; it samples while anyone holds it.
-    Its store outlives a stop, so a plugin re-registered with the same options keeps history.
+    The last options asked for apply; its store outlives a stop and a change of
+    options, so a re-registered plugin keeps the history.
     """
 
     def __init__(self) -> None:
@@ -180,17 +203,25 @@ class ProcessSampler:
         self._users = 0
 
     def acquire(self, opts: dict[str, Any]) -> Sampler:
+        """The sampler, running with `opts`; hold it until `release()`."""
         with self._lock:
-            wanted = Sampler(**opts)  # checks and normalises the options
-            current = self._sampler
-            if current is None or (not current.is_running and current.options != wanted.options):
-                current = self._sampler = wanted
-            elif current.options != wanted.options:
-                logger.warning("dask-pyspy: this process already samples with %s; keeping those options", current.options)
-            if not current.is_running:
-                current.start()
+            sampler = self._run_with(opts)
             self._users += 1
-            return current
+            return sampler
+
+    def configure(self, opts: dict[str, Any]) -> Sampler:
+        """New options for the sampler a user holds, applied at once."""
+        with self._lock:
+            return self._run_with(opts)
+
+    def _run_with(self, opts: dict[str, Any]) -> Sampler:
+        if self._sampler is None:
+            self._sampler = Sampler(**opts)
+        else:
+            self._sampler.configure(**opts)
+        if not self._sampler.is_running:
+            self._sampler.start()
+        return self._sampler
 
     def release(self) -> None:
         with self._lock:

@@ -37,6 +37,15 @@ fn parse_object(json: &str, what: &str) -> PyResult<Map<String, Value>> {
     serde_json::from_str(json).map_err(|e| value_error(format!("{what} must be a JSON object: {e}")))
 }
 
+/// Checked sampler options: a bad one is a ValueError before anything changes.
+#[allow(clippy::too_many_arguments)]
+fn sampler_config(rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool, reader: &str) -> PyResult<SamplerConfig> {
+    let reader = reader.parse().map_err(value_error)?;
+    let config = SamplerConfig { rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader };
+    config.validate().map_err(value_error)?;
+    Ok(config)
+}
+
 #[pyclass(name = "Sampler", module = "dask_pyspy._native", frozen)]
 struct PySampler {
     inner: sampler::Sampler,
@@ -48,9 +57,15 @@ impl PySampler {
     #[pyo3(signature = (rate=100.0, idle=false, gil_only=false, cpu_budget=0.01, max_memory=64 << 20, lines=true, function=false, reader="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool, reader: &str) -> PyResult<Self> {
-        let reader = reader.parse().map_err(value_error)?;
-        let config = SamplerConfig { rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader };
+        let config = sampler_config(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)?;
         Ok(PySampler { inner: sampler::Sampler::new(config).map_err(value_error)? })
+    }
+
+    /// New options for a stopped sampler, keeping its samples (see `Sampler::configure`).
+    #[allow(clippy::too_many_arguments)]
+    fn configure(&self, rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool, reader: &str) -> PyResult<()> {
+        let config = sampler_config(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)?;
+        self.inner.configure(config).map_err(PyRuntimeError::new_err)
     }
 
     /// Opens the stack reader (its self-check needs the GIL), then samples without it.

@@ -26,6 +26,7 @@ const COST_HORIZON_S: f64 = 0.25;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 50;
 pub const ALREADY_RUNNING: &str = "the sampler is already running: call stop() before start()";
+pub const CONFIGURE_RUNNING: &str = "the sampler is running: call stop() before configure()";
 /// How long a live dump waits for the sampling thread to read every thread.
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 
@@ -60,7 +61,8 @@ struct LastTick {
 }
 
 struct Shared {
-    config: SamplerConfig,
+    /// Changes only while stopped (`configure`); a run reads its own copy.
+    config: Mutex<SamplerConfig>,
     tags: ThreadTags,
     store: Mutex<Store>,
     stats: Mutex<RunStats>,
@@ -106,7 +108,7 @@ impl Sampler {
         config.validate()?;
         let store = Store::new(config.max_memory);
         let shared = Shared {
-            config,
+            config: Mutex::new(config),
             tags: ThreadTags::default(),
             store: Mutex::new(store),
             stats: Mutex::new(RunStats::default()),
@@ -124,8 +126,21 @@ impl Sampler {
         &self.shared.tags
     }
 
-    pub fn config(&self) -> &SamplerConfig {
-        &self.shared.config
+    pub fn config(&self) -> SamplerConfig {
+        self.shared.config.lock().clone()
+    }
+
+    /// New options for a stopped sampler. The samples taken so far stay, evicted down
+    /// to the new `max_memory`, so changing options never loses history.
+    pub fn configure(&self, config: SamplerConfig) -> Result<(), String> {
+        config.validate()?;
+        let _no_start = self.thread.lock();
+        if self.is_running() {
+            return Err(CONFIGURE_RUNNING.into());
+        }
+        self.shared.store.lock().set_max_bytes(config.max_memory);
+        *self.shared.config.lock() = config;
+        Ok(())
     }
 
     /// Starts the sampling thread with `reader`; returns once it reads (or failed to).
@@ -177,6 +192,7 @@ impl Sampler {
     pub fn stats(&self) -> Value {
         let run = self.shared.stats.lock().clone();
         let store = self.shared.store.lock().stats();
+        let config = self.config();
         let wall = run.wall_ns as f64 / 1e9;
         let per_sec = |n: u64| if wall > 0.0 { n as f64 / wall } else { 0.0 };
         json!({
@@ -189,7 +205,7 @@ impl Sampler {
             "failed_ticks": run.failed_ticks,
             "throttled_ticks": run.throttled_ticks,
             "boundary_samples": run.boundary_samples,
-            "requested_rate": self.shared.config.rate,
+            "requested_rate": config.rate,
             "achieved_rate": per_sec(run.ticks),
             "interval_s": run.interval_s,
             "cpu_s": run.cpu_ns as f64 / 1e9,
@@ -199,7 +215,7 @@ impl Sampler {
             "reader": run.reader,
             "reader_stats": run.reader_stats,
             "store": store,
-            "config": self.shared.config,
+            "config": config,
         })
     }
 
@@ -260,10 +276,11 @@ impl Drop for Sampler {
 
 fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<Result<(), String>>) {
     shared.stats.lock().running = true;
+    let config = shared.config.lock().clone();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let reader: Box<dyn StackReader> = match chosen {
             Chosen::Fast(fast) => fast,
-            Chosen::PySpy { reason } => match PySpyReader::new(shared.config.lines, shared.config.function, reason) {
+            Chosen::PySpy { reason } => match PySpyReader::new(config.lines, config.function, reason) {
                 Ok(spy) => Box::new(spy),
                 Err(e) => {
                     let _ = ready.send(Err(e));
@@ -276,7 +293,7 @@ fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<Result<(), Strin
         stats.reader_stats = reader.stats();
         drop(stats);
         let _ = ready.send(Ok(()));
-        Loop::new(&shared, reader).run();
+        Loop::new(&shared, config, reader).run();
     }));
     let mut stats = shared.stats.lock();
     if let Err(panic) = outcome {
@@ -289,6 +306,7 @@ fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<Result<(), Strin
 
 struct Loop<'a> {
     shared: &'a Shared,
+    config: SamplerConfig,
     reader: Box<dyn StackReader>,
     base: Duration,
     interval: Duration,
@@ -300,10 +318,11 @@ struct Loop<'a> {
 }
 
 impl<'a> Loop<'a> {
-    fn new(shared: &'a Shared, reader: Box<dyn StackReader>) -> Self {
-        let base = Duration::from_secs_f64(shared.config.interval_secs());
+    fn new(shared: &'a Shared, config: SamplerConfig, reader: Box<dyn StackReader>) -> Self {
+        let base = Duration::from_secs_f64(config.interval_secs());
         Loop {
             shared,
+            config,
             reader,
             base,
             interval: base,
@@ -370,7 +389,7 @@ impl<'a> Loop<'a> {
         let alpha = 1.0 - (-weight.as_secs_f64() / COST_HORIZON_S).exp();
         let smoothed = self.cost_s.map_or(cost, |c| c + alpha * (cost - c));
         self.cost_s = Some(smoothed);
-        let needed = Duration::from_secs_f64(smoothed / self.shared.config.cpu_budget);
+        let needed = Duration::from_secs_f64(smoothed / self.config.cpu_budget);
         self.interval = needed.max(self.base);
     }
 
@@ -379,7 +398,7 @@ impl<'a> Loop<'a> {
             panic!("injected by the test switch");
         }
         let all = self.shared.want_all.swap(false, Ordering::SeqCst);
-        let config = &self.shared.config;
+        let config = &self.config;
         let want = Want { idle: config.idle || all, gil_only: config.gil_only && !all };
         let time_ns = now_ns();
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
@@ -401,7 +420,7 @@ impl<'a> Loop<'a> {
 
     fn record(&mut self, time_ns: u64, weight: Duration) {
         let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
-        let config = &self.shared.config;
+        let config = &self.config;
         let keep = Want { idle: config.idle, gil_only: config.gil_only };
         let mut boundary = 0;
         let mut store = self.shared.store.lock();

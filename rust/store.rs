@@ -54,6 +54,12 @@ impl Store {
         self.record_ids(Recorded { time_ns, ident, name: None, frames: &ids, tag, weight_us, cpu_us: 0, flags });
     }
 
+    /// A new cap; the oldest samples go at once if the store is over it.
+    pub fn set_max_bytes(&mut self, max_bytes: usize) {
+        self.max_bytes = max_bytes;
+        self.enforce_cap();
+    }
+
     /// The id of `frame` in the tables; valid until `generation` changes.
     pub fn frame_id(&mut self, frame: Frame) -> u32 {
         match self.tables.frames.find(&frame) {
@@ -182,6 +188,19 @@ mod tests {
         assert!(st.samples_evicted > 90_000);
         assert_eq!(st.samples_held as u64 + st.samples_evicted, 100_000);
         assert_eq!(st.oldest_ns, Some(100_000 - st.samples_held as u64));
+    }
+
+    #[test]
+    fn a_lower_cap_evicts_the_oldest_at_once() {
+        let mut s = Store::new(1 << 20);
+        for t in 0..20_000 {
+            push(&mut s, t, &["main", "work"], None);
+        }
+        let cap = 64 * 1024;
+        s.set_max_bytes(cap);
+        let st = s.stats();
+        assert!(st.bytes <= cap && st.samples_held > 0, "{st:?}");
+        assert_eq!(st.oldest_ns, Some(20_000 - st.samples_held as u64), "the newest samples stay");
     }
 
     #[test]

@@ -288,6 +288,25 @@ def test_restart_after_stop_keeps_samples(sampler):
     assert sampler.is_running
 
 
+def test_configure_keeps_the_samples_taken(sampler):
+    with Threads(("alpha", busy_alpha, ())):
+        sampler.start()
+        wait_for(lambda: sampler.stats()["store"]["samples_held"] > 20)
+        taken = sampler.stats()["store"]["samples_held"]
+        sampler.configure(rate=50, lines=False, max_memory=2**20)
+        assert sampler.is_running and sampler.options["rate"] == 50
+        stats = sampler.stats()
+        assert stats["requested_rate"] == 50 and stats["store"]["max_bytes"] == 2**20
+        assert stats["store"]["samples_held"] >= taken, "the samples before the change are kept"
+        with pytest.raises(ValueError, match="rate must be in"):
+            sampler.configure(rate=0)
+        assert sampler.is_running and sampler.options["rate"] == 50, "a bad option changes nothing"
+        with pytest.raises(TypeError, match="unexpected keyword argument 'rates'"):
+            sampler.configure(rates=50)
+    with pytest.raises(RuntimeError, match=r"call stop\(\) before configure\(\)"):
+        sampler._native.configure(**sampler.options)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="py-spy in-process sampling is Linux only")
 def test_sampling_holds_no_gil():
     """Ticks go on while one thread keeps the GIL for seconds (no GIL taken per tick)."""
