@@ -29,6 +29,8 @@ async def _call(client: Client, op: str, **kwargs: Any) -> Any:
         raise OSError(f"lost the connection to the scheduler during {op}: {e}") from e
     if reply is None:  # distributed answers an unknown op with nothing
         raise RuntimeError(NO_PLUGIN)
+    if isinstance(reply, dict) and "error" in reply:  # the scheduler rejected the request
+        raise ValueError(reply["error"])
     return reply
 
 

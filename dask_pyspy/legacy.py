@@ -48,7 +48,7 @@ def _record(client: Client | None, rate: int, function: bool, gil: bool, idle: b
             workers: Any, scheduler: bool, **legacy: Any) -> Iterator[client_api.profile]:
     _check_legacy_options(**legacy)
     client = client or default_client()
-    # Idempotent: a cluster that already samples keeps its own options.
+    # A cluster that already samples takes these options from now on, keeping its samples.
     client.register_plugin(PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle))
     with client_api.profile(client=client, workers=workers, scheduler=scheduler) as rec:
         yield rec

@@ -9,6 +9,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -19,23 +20,41 @@ from distributed.protocol.pickle import dumps
 
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.dashboard import add_routes
 from dask_pyspy.profile import Profile
 from dask_pyspy.sampler import Sampler, process_sampler
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pyspy"
-HANDLERS = ("pyspy_profile", "pyspy_dump")
+PRELOAD_NAME = "pyspy-preload"
+HANDLERS = ("pyspy_profile", "pyspy_dump", "pyspy_configure")
 
 
-async def acquire_sampler(opts: dict[str, Any]) -> tuple[Sampler | None, str | None]:
-    """The process sampler, or the reason it cannot run here (the server keeps running)."""
-    try:
-        return await off_loop(process_sampler.acquire, opts), None
-    except Exception as e:  # an unreadable interpreter must not take the server down
-        logger.error("dask-pyspy: sampling is off in this process: %s", e)
-        return None, f"{type(e).__name__}: {e}"
+class SamplerHold:
+    """A server's hold on the process sampler. A sampler that cannot run turns sampling
+    off in this server, with the reason; the server keeps running."""
+
+    def __init__(self) -> None:
+        self.sampler: Sampler | None = None
+        self.error: str | None = None
+
+    async def apply(self, opts: dict[str, Any]) -> None:
+        """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
+        try:
+            if self.sampler is None:
+                self.sampler = await off_loop(process_sampler.acquire, opts)
+            else:
+                await off_loop(process_sampler.configure, opts)
+            self.error = None
+        except Exception as e:  # an unreadable interpreter must not take the server down
+            logger.error("dask-pyspy: sampling is off in this process: %s", e)
+            self.error = f"{type(e).__name__}: {e}"
+            await self.release()
+
+    async def release(self) -> None:
+        if self.sampler is not None:
+            self.sampler = None
+            await off_loop(process_sampler.release)
 
 
 def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..., Any]]) -> None:
@@ -45,6 +64,13 @@ def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..
 def remove_handlers(server: Scheduler | Worker) -> None:
     for name in HANDLERS:
         server.handlers.pop(name, None)
+
+
+def rejected(error: ValueError) -> dict[str, str]:
+    """The answer to a request the caller got wrong: returned rather than raised, so the
+    server logs one line instead of an error with a traceback."""
+    logger.info("dask-pyspy: rejected a request: %s", error)
+    return {"error": str(error)}
 
 
 class TaskTagger(dict):
@@ -83,7 +109,8 @@ RUNNING = ("executing", "long-running")  # a seceded task is still running
 class TaskLog:
     """Start and stop times of executed tasks, bounded, for the profile's metadata.
 
-    Fed by the worker's `transition` hook on the event loop; summarised off it.
+    Fed by the worker's `transition` hook on the event loop; summarised off it. Every
+    plugin holding the worker's profiler feeds it: a transition seen twice counts once.
     """
 
     def __init__(self, maxlen: int) -> None:
@@ -111,38 +138,60 @@ class TaskLog:
         return out
 
 
-class PySpyWorkerPlugin(WorkerPlugin):
-    """Runs in each worker: shares the process sampler and tags samples with task keys."""
+class WorkerProfiler:
+    """A worker's half, set up once however many plugins hold it (the worker preload's
+    and the scheduler's): the sampler hold, task tags, the task log and the RPC handlers."""
 
-    idempotent = True
-    name = PLUGIN_NAME
-
-    def __init__(self, sampler_options: dict[str, Any]) -> None:
-        self.sampler_options = sampler_options
-
-    async def setup(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.hold = SamplerHold()
         self.tasks = TaskLog(config.get("task-history"))
-        self.sampler, self.error = await acquire_sampler(self.sampler_options)
-        if self.sampler is not None:
-            with worker.active_threads_lock:
-                worker.active_threads = TaskTagger(self.sampler, worker.address, worker.active_threads)
-        install_handlers(worker, {"pyspy_profile": self.profile, "pyspy_dump": self.dump})
+        self.holders = 0
+        self._lock = asyncio.Lock()
 
-    async def teardown(self, worker: Worker) -> None:
-        remove_handlers(worker)
-        if self.sampler is not None:
-            with worker.active_threads_lock:
-                worker.active_threads = dict(worker.active_threads)
-            await off_loop(process_sampler.release)
+    @classmethod
+    def of(cls, worker: Worker) -> WorkerProfiler:
+        """The worker's profiler, made on first use."""
+        profiler = _profilers.get(worker)
+        if profiler is None:
+            profiler = _profilers[worker] = cls(worker)
+        return profiler
 
-    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        self.tasks.transition(key, start, finish)
+    async def attach(self, opts: dict[str, Any]) -> None:
+        """One more holder; its options apply (the last given win, as for the process sampler)."""
+        async with self._lock:
+            self.holders += 1
+            await self._apply(opts)
+            if self.holders == 1:
+                install_handlers(self.worker, {"pyspy_profile": self.profile, "pyspy_dump": self.dump, "pyspy_configure": self.configure})
+
+    async def detach(self) -> None:
+        """One holder fewer; the last one tears the profiler down."""
+        async with self._lock:
+            self.holders -= 1
+            if self.holders == 0:
+                _profilers.pop(self.worker, None)
+                remove_handlers(self.worker)
+                await self.hold.release()
+                self._tag_tasks()
+
+    async def _apply(self, opts: dict[str, Any]) -> None:
+        before = self.hold.sampler
+        await self.hold.apply(opts)
+        if self.hold.sampler is not before:
+            self._tag_tasks()
+
+    def _tag_tasks(self) -> None:
+        """Tag the threads' tasks for the held sampler; without one, stop tagging."""
+        sampler = self.hold.sampler
+        with self.worker.active_threads_lock:
+            entries = dict(self.worker.active_threads)
+            self.worker.active_threads = entries if sampler is None else TaskTagger(sampler, self.worker.address, entries)
 
     def _check(self) -> Sampler:
-        if self.sampler is None:
-            raise RuntimeError(f"sampling is off on worker {self.worker.address}: {self.error}")
-        return self.sampler
+        if self.hold.sampler is None:
+            raise RuntimeError(f"sampling is off on worker {self.worker.address}: {self.hold.error}")
+        return self.hold.sampler
 
     async def profile(self, start: float | None = None, stop: float | None = None) -> bytes:
         sampler = self._check()
@@ -158,47 +207,79 @@ class PySpyWorkerPlugin(WorkerPlugin):
         sampler = self._check()
         return {"process": self.worker.address, "pid": os.getpid(), **await off_loop(sampler.dump)}
 
+    async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
+        """New options from the scheduler, applied in place: samples and task log are kept."""
+        async with self._lock:
+            await self._apply(sampler_options)
+        return {"error": self.hold.error}
 
-class PySpyPlugin(SchedulerPlugin):
-    """Profile a whole dask cluster: `client.register_plugin(PySpyPlugin())`.
 
-    Starts the in-process sampler in the scheduler and in every current and future
-    worker. Options default to dask config (`pyspy.*`); see `dask_pyspy.Sampler`.
-    """
+_profilers: weakref.WeakKeyDictionary[Worker, WorkerProfiler] = weakref.WeakKeyDictionary()
+
+
+class PySpyWorkerPlugin(WorkerPlugin):
+    """Runs in each worker: holds the worker's profiler, which tags samples with task keys."""
 
     idempotent = True
     name = PLUGIN_NAME
 
-    def __init__(
-        self,
-        rate: float | None = None,
-        idle: bool | None = None,
-        gil_only: bool | None = None,
-        cpu_budget: float | None = None,
-        max_memory: int | str | None = None,
-        lines: bool | None = None,
-        function: bool | None = None,
-        reader: str | None = None,
-    ) -> None:
-        self.sampler_options = config.sampler_options(
-            rate=rate, idle=idle, gil_only=gil_only, cpu_budget=cpu_budget,
-            max_memory=max_memory, lines=lines, function=function, reader=reader,
-        )
-        Sampler(**self.sampler_options)  # bad options fail here, in the caller's process
+    def __init__(self, sampler_options: dict[str, Any]) -> None:
+        self.sampler_options = sampler_options
 
-    async def start(self, scheduler: Scheduler) -> None:
+    async def setup(self, worker: Worker) -> None:
+        self.profiler = WorkerProfiler.of(worker)
+        await self.profiler.attach(self.sampler_options)
+
+    async def teardown(self, worker: Worker) -> None:
+        await self.profiler.detach()
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        self.profiler.tasks.transition(key, start, finish)
+
+
+class ClusterProfiler:
+    """The scheduler's half: its sampler hold, the RPC handlers, the dashboard pages and
+    the options every worker samples with. It outlives a re-registered `PySpyPlugin`,
+    which hands it the new options."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.sampler, self.error = await acquire_sampler(self.sampler_options)
-        install_handlers(scheduler, {"pyspy_profile": self.profile, "pyspy_dump": self.dump})
-        add_routes(scheduler, self)
-        await scheduler.register_worker_plugin(
-            None, dumps(PySpyWorkerPlugin(self.sampler_options)), name=PLUGIN_NAME, idempotent=False
+        self.hold = SamplerHold()
+        self.sampler_options: dict[str, Any] = {}
+        self._lock = asyncio.Lock()
+
+    async def start(self, opts: dict[str, Any]) -> None:
+        # Imported here, on the scheduler only: workers start (and restart) without the pages.
+        from dask_pyspy.dashboard import add_routes
+
+        self.sampler_options = opts
+        await self.hold.apply(opts)
+        install_handlers(self.scheduler, {"pyspy_profile": self.profile, "pyspy_dump": self.dump})
+        add_routes(self.scheduler, self)
+        await self.scheduler.register_worker_plugin(
+            None, dumps(PySpyWorkerPlugin(opts)), name=PLUGIN_NAME, idempotent=False
         )
+
+    async def apply(self, opts: dict[str, Any]) -> None:
+        """New options for the scheduler, every worker and future workers; samples are kept."""
+        async with self._lock:
+            if opts == self.sampler_options:
+                return
+            timeout = config.timeout()  # a bad config fails the registration before anything changes
+            self.sampler_options = opts
+            await self.hold.apply(opts)
+            # Future workers set up with these; current ones apply them in place, since
+            # registering the worker plugin again would tear down each worker's task log.
+            self.scheduler.worker_plugins[PLUGIN_NAME] = dumps(PySpyWorkerPlugin(opts))
+            addresses = list(self.scheduler.workers)
+            replies, missing = await self._ask_workers(addresses, "pyspy_configure", timeout, sampler_options=opts)
+            missing.update((addr, reply["error"]) for addr, reply in replies.items() if reply["error"])
+            if missing:
+                logger.warning("dask-pyspy: workers that could not take the new sampler options: %s", missing)
 
     async def close(self) -> None:
         remove_handlers(self.scheduler)
-        if self.sampler is not None:
-            await off_loop(process_sampler.release)
+        await self.hold.release()
 
     def select_workers(self, workers: Any) -> list[str]:
         known = list(self.scheduler.workers)
@@ -234,9 +315,10 @@ class PySpyPlugin(SchedulerPlugin):
         return ok, missing
 
     def _own_profile(self, start: float | None, stop: float | None) -> Profile | None:
-        if self.sampler is None:
+        sampler = self.hold.sampler
+        if sampler is None:
             return None
-        return self.sampler.profile(start, stop, name=f"scheduler {self.scheduler.address}")
+        return sampler.profile(start, stop, name=f"scheduler {self.scheduler.address}")
 
     async def profile(
         self,
@@ -245,15 +327,18 @@ class PySpyPlugin(SchedulerPlugin):
         start: float | None = None,
         stop: float | None = None,
         timeout: float | None = None,
-    ) -> bytes:
+    ) -> bytes | dict[str, str]:
         """Every selected process's samples of `[start, stop]`, merged, as wire bytes."""
-        start, stop = options.window(start, stop)
+        try:
+            start, stop = options.window(start, stop)
+            addresses = self.select_workers(workers)
+            timeout = config.timeout(timeout)
+        except ValueError as e:
+            return rejected(e)
         stop = max(time.time(), start or 0.0) if stop is None else stop
-        addresses = self.select_workers(workers)
-        timeout = config.timeout(timeout)
         replies, missing = await self._ask_workers(addresses, "pyspy_profile", timeout, start=start, stop=stop)
-        if scheduler and self.sampler is None:
-            missing["scheduler"] = f"sampling is off on the scheduler: {self.error}"
+        if scheduler and self.hold.sampler is None:
+            missing["scheduler"] = f"sampling is off on the scheduler: {self.hold.error}"
 
         def merge() -> bytes:
             parts = [Profile.from_wire(b) for b in replies.values()]
@@ -264,12 +349,63 @@ class PySpyPlugin(SchedulerPlugin):
         return await off_loop(merge)
 
     async def dump(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:
-        addresses = self.select_workers(workers)
-        timeout = config.timeout(timeout)
+        try:
+            addresses = self.select_workers(workers)
+            timeout = config.timeout(timeout)
+        except ValueError as e:
+            return rejected(e)
         replies, missing = await self._ask_workers(addresses, "pyspy_dump", timeout)
-        if scheduler and self.sampler is not None:
-            replies["scheduler"] = {"process": f"scheduler {self.scheduler.address}", "pid": os.getpid(), **await off_loop(self.sampler.dump)}
+        sampler = self.hold.sampler
+        if scheduler and sampler is not None:
+            replies["scheduler"] = {"process": f"scheduler {self.scheduler.address}", "pid": os.getpid(), **await off_loop(sampler.dump)}
         return {"processes": replies, "missing": missing}
+
+
+class PySpyPlugin(SchedulerPlugin):
+    """Profile a whole dask cluster: `client.register_plugin(PySpyPlugin())`.
+
+    Starts the in-process sampler in the scheduler and in every current and future
+    worker. Options default to dask config (`pyspy.*`); see `dask_pyspy.Sampler`.
+    Registering it again with other options applies them to every running sampler
+    (and future workers), keeping the samples taken so far; with the same options it
+    does nothing.
+    """
+
+    # Not idempotent: distributed would skip a re-registration, and its new options with it.
+    idempotent = False
+    name = PLUGIN_NAME
+
+    def __init__(
+        self,
+        rate: float | None = None,
+        idle: bool | None = None,
+        gil_only: bool | None = None,
+        cpu_budget: float | None = None,
+        max_memory: int | str | None = None,
+        lines: bool | None = None,
+        function: bool | None = None,
+        reader: str | None = None,
+    ) -> None:
+        self.sampler_options = config.sampler_options(
+            rate=rate, idle=idle, gil_only=gil_only, cpu_budget=cpu_budget,
+            max_memory=max_memory, lines=lines, function=function, reader=reader,
+        )
+        Sampler(**self.sampler_options)  # bad options fail here, in the caller's process
+
+    async def start(self, scheduler: Scheduler) -> None:
+        current = scheduler.plugins.get(PLUGIN_NAME)
+        if isinstance(current, PySpyPlugin) and current is not self:
+            self.profiler = current.profiler
+            await self.profiler.apply(self.sampler_options)
+            # distributed adds this plugin next; removing the one it replaces first spares
+            # the "overwriting" warning (the old one holds nothing of its own to close).
+            scheduler.remove_plugin(PLUGIN_NAME)
+        else:
+            self.profiler = ClusterProfiler(scheduler)
+            await self.profiler.start(self.sampler_options)
+
+    async def close(self) -> None:
+        await self.profiler.close()
 
 
 async def dask_setup(server: Any) -> None:
@@ -277,4 +413,6 @@ async def dask_setup(server: Any) -> None:
     if isinstance(server, Scheduler):
         server.add_plugin(PySpyPlugin())  # its start() is awaited when the scheduler starts
     elif isinstance(server, Worker):
-        await server.plugin_add(PySpyWorkerPlugin(config.sampler_options()), name=PLUGIN_NAME)
+        # A name of its own: the scheduler's plugin then joins this worker's profiler
+        # instead of replacing (tearing down and setting up again) the preload's.
+        await server.plugin_add(PySpyWorkerPlugin(config.sampler_options()), name=PRELOAD_NAME)

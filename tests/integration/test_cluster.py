@@ -166,6 +166,62 @@ def test_registering_twice_keeps_one_sampler(client):
     assert client.run(lambda: __import__("dask_pyspy").sampler.process_sampler._users) == before
 
 
+def sampler_stats(client: Client, workers: list[str] | None = None) -> dict[str, dict | None]:
+    """Each process's sampler stats (None where no sampler runs yet), the scheduler's last."""
+
+    def stats() -> dict | None:
+        sampler = dask_pyspy.sampler.process_sampler.sampler
+        return sampler.stats() if sampler is not None and sampler.is_running else None
+
+    out = client.run(stats, workers=workers)
+    if workers is None:
+        out["scheduler"] = client.run_on_scheduler(stats)
+    return out
+
+
+def wait_for_stats(client: Client, done, workers: list[str] | None = None, seconds: float = 60) -> dict[str, dict]:
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = sampler_stats(client, workers)
+        if all(s is not None and done(s) for s in stats.values()):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+
+
+def test_registering_again_applies_new_options_and_keeps_history(fresh, recwarn):
+    cluster, client = fresh
+    start = time.time()
+    client.gather(client.map(alpha, range(200), key=[f"alpha-before-{i}" for i in range(200)]))
+    stop = time.time()
+    before = client.pyspy_profile(start=start, stop=stop)
+    assert before.n_samples > 0
+    assert {s["requested_rate"] for s in sampler_stats(client).values()} == {200}
+
+    client.register_plugin(dask_pyspy.PySpyPlugin(rate=50, cpu_budget=0.3))
+    # Every sampler restarted at the new rate: measured over 2 s of its new run.
+    stats = wait_for_stats(client, lambda s: s["duration_s"] >= 2)
+    for name, s in stats.items():
+        assert s["requested_rate"] == 50 and 0 < s["achieved_rate"] <= 52.5, (name, s["achieved_rate"])
+    # What was taken before is kept: the samples and each worker's task log.
+    after = client.pyspy_profile(start=start, stop=stop)
+    assert after.n_samples >= before.n_samples
+    assert sum(t["alpha-before"]["count"] for t in after.metadata["tasks"].values() if "alpha-before" in t) == 200
+
+    # Future workers start with the new options.
+    known = set(client.scheduler_info()["workers"])
+    cluster.scale(3)
+    client.wait_for_workers(3, timeout=60)
+    new = list(set(client.scheduler_info()["workers"]) - known)
+    assert [s["requested_rate"] for s in wait_for_stats(client, lambda s: True, workers=new).values()] == [50]
+
+    # The same options again change nothing: no sampler restarts.
+    started = {name: s["started"] for name, s in sampler_stats(client).items()}
+    client.register_plugin(dask_pyspy.PySpyPlugin(rate=50, cpu_budget=0.3))
+    assert {name: s["started"] for name, s in sampler_stats(client).items()} == started
+    assert not [w for w in recwarn if "overwriting" in str(w.message)], "the replaced plugin is not overwritten with a warning"
+
+
 def test_live_dump_shows_running_tasks(client):
     future = client.submit(sleeper, 3, key="sleeper-dumped")
     deadline = time.time() + 10

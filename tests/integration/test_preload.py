@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from distributed import Client
@@ -18,24 +19,34 @@ from tests.integration.workload import alpha
 DASK = str(Path(sys.executable).with_name("dask"))
 
 
+class Preloaded(NamedTuple):
+    client: Client
+    scheduler_log: Path
+    worker_log: Path
+
+
 @pytest.fixture
 def preloaded_cluster(tmp_path):
+    """Both preloads: the scheduler's (through config) and the worker's (--preload)."""
     scheduler_file = tmp_path / "scheduler.json"
+    logs = Preloaded(None, tmp_path / "scheduler.log", tmp_path / "worker.log")
     env = dict(os.environ, DASK_PYSPY__RATE="150", DASK_PYSPY__CPU_BUDGET="0.3",
                DASK_DISTRIBUTED__SCHEDULER__PRELOAD='["dask_pyspy"]')
     procs = [
         subprocess.Popen([DASK, "scheduler", "--scheduler-file", str(scheduler_file), "--port", "0",
-                          "--dashboard-address", ":0", "--no-show"], env=env, cwd=tmp_path),
+                          "--dashboard-address", ":0", "--no-show"], env=env, cwd=tmp_path,
+                         stderr=logs.scheduler_log.open("w")),
     ]
     deadline = time.time() + 60
     while not scheduler_file.exists() and time.time() < deadline:
         time.sleep(0.2)
     procs.append(subprocess.Popen([DASK, "worker", "--scheduler-file", str(scheduler_file), "--preload", "dask_pyspy",
-                                   "--nthreads", "2", "--no-dashboard"], env=env, cwd=tmp_path))
+                                   "--nthreads", "2", "--no-dashboard"], env=env, cwd=tmp_path,
+                                  stderr=logs.worker_log.open("w")))
     try:
         with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
             client.wait_for_workers(1, timeout=60)
-            yield client
+            yield logs._replace(client=client)
     finally:
         for p in procs[::-1]:
             p.terminate()
@@ -43,7 +54,7 @@ def preloaded_cluster(tmp_path):
 
 
 def test_preloaded_scheduler_and_worker_profile_with_config(preloaded_cluster):
-    client = preloaded_cluster
+    client = preloaded_cluster.client
     start = time.time()
     client.gather(client.map(alpha, range(200)))
     prof = client.pyspy_profile(start=start, by="prefix")
@@ -55,6 +66,38 @@ def test_preloaded_scheduler_and_worker_profile_with_config(preloaded_cluster):
         assert proc["stats"]["requested_rate"] == 150, "options come from DASK_PYSPY__* config"
     frames = prof.speedscope()["shared"]["frames"]
     assert any(f["name"] == "alpha" and f.get("file") == "dask task" for f in frames)
+
+
+def worker_profilers(dask_worker) -> list[tuple[int, int, bool]]:
+    """(holders, users of the process sampler, tasks tagged) of each profiler in this worker."""
+    from dask_pyspy.plugin import TaskTagger, _profilers
+    from dask_pyspy.sampler import process_sampler
+
+    tagged = isinstance(dask_worker.active_threads, TaskTagger)
+    return [(p.holders, process_sampler._users, tagged) for p in _profilers.values()]
+
+
+def test_both_preloads_set_the_worker_up_once(preloaded_cluster):
+    client = preloaded_cluster.client
+    deadline = time.monotonic() + 60
+    # The worker preload's plugin, then the scheduler's: both hold one profiler.
+    while list(client.run(worker_profilers).values()) != [[(2, 1, True)]]:
+        assert time.monotonic() < deadline, client.run(worker_profilers)
+        time.sleep(0.2)
+    assert set(client.run(lambda dask_worker: sorted(dask_worker.plugins)).popitem()[1]) >= {"pyspy", "pyspy-preload"}
+    log = preloaded_cluster.worker_log.read_text()
+    assert "Starting Worker plugin pyspy" in log and "Removing Worker plugin" not in log, log
+
+
+def test_rejected_request_leaves_no_traceback_in_the_scheduler_log(preloaded_cluster):
+    client = preloaded_cluster.client
+    with pytest.raises(ValueError, match=r"unknown worker addresses \['tcp://127.0.0.1:1'\]"):
+        client.pyspy_profile(workers=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="unknown worker addresses"):
+        client.pyspy_dump(workers=["tcp://127.0.0.1:1"])
+    assert client.pyspy_profile(last=5).processes, "the scheduler still answers"
+    log = preloaded_cluster.scheduler_log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log
 
 
 SNAPSHOT_BEFORE_IMPORT = textwrap.dedent("""
