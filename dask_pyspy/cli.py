@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import click
+
+T = TypeVar("T")
+
+
+class ClusterError(click.ClickException):
+    """The cluster cannot serve the request (unreachable, no plugin, unknown workers):
+    one line, and the exit code of a usage error, since nothing was recorded."""
+
+    exit_code = 2
 
 
 def _connect(scheduler: str, timeout: float) -> Any:
@@ -14,13 +23,26 @@ def _connect(scheduler: str, timeout: float) -> Any:
     try:
         return Client(scheduler, timeout=timeout)
     except (OSError, TimeoutError, ValueError) as e:
-        raise click.ClickException(f"cannot reach the scheduler at {scheduler}: {e}") from e
+        raise ClusterError(f"cannot reach the scheduler at {scheduler}: {e}") from e
 
 
-def _workers(value: str | None) -> Any:
+def _ask(call: Callable[[], T]) -> T:
+    """A request to the cluster; what it refuses becomes one line, not a traceback."""
+    try:
+        return call()
+    except (ValueError, RuntimeError, OSError) as e:
+        raise ClusterError(str(e)) from e
+
+
+def _workers(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    from dask_pyspy import options
+
     if not value:
         return None
-    return int(value) if value.isdigit() else value.split(",")
+    try:
+        return options.workers(int(value) if value.isdigit() else value.split(","))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
 
 
 @click.group(name="pyspy", help="Profile dask clusters with the in-process py-spy sampler.")
@@ -31,11 +53,11 @@ def pyspy() -> None:
 @pyspy.command(help="Record the cluster for a while and save the profile (.html report or speedscope .json[.gz]).")
 @click.option("--scheduler", required=True, help="Scheduler address, e.g. tcp://10.0.0.1:8786.")
 @click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to record.")
-@click.option("--workers", default=None, help="A number of workers, or comma-separated addresses (default: all).")
+@click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
 @click.option("--by", type=click.Choice(["thread", "task", "prefix"]), default="thread", show_default=True)
 @click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html, .json or .json.gz.")
-@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the scheduler.")
-def record(scheduler: str, duration: float, workers: str | None, by: str, output: str, timeout: float) -> None:
+@click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
+def record(scheduler: str, duration: float, workers: Any, by: str, output: str, timeout: float) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
     from dask_pyspy.profile import check_writable
 
@@ -44,16 +66,19 @@ def record(scheduler: str, duration: float, workers: str | None, by: str, output
     except (OSError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--output") from e
     with _connect(scheduler, timeout) as client:
+        # An empty window first: no plugin or an unknown worker fails now, not after --duration.
+        now = time.time()
+        _ask(lambda: get_profile(client, workers=workers, start=now, stop=now))
         start = time.time()
         steps = max(1, int(duration * 10))
         with click.progressbar(range(steps), label=f"Recording {duration:g} s") as bar:
             for _ in bar:
                 time.sleep(duration / steps)
+        prof = _ask(lambda: get_profile(client, workers=workers, start=start, stop=time.time(), by=by))
         try:
-            prof = get_profile(client, workers=_workers(workers), start=start, stop=time.time(), by=by)
-        except RuntimeError as e:
+            save_or_keep(prof, output)
+        except (OSError, ValueError) as e:
             raise click.ClickException(str(e)) from e
-        save_or_keep(prof, output)
     missing = prof.metadata["missing"]
     click.echo(f"Saved {prof.n_samples} samples of {len(prof.processes)} processes to {output}")
     for name, error in missing.items():
@@ -62,16 +87,13 @@ def record(scheduler: str, duration: float, workers: str | None, by: str, output
 
 @pyspy.command(help="Print every thread's current stack on every worker and the scheduler, with its task.")
 @click.option("--scheduler", required=True, help="Scheduler address.")
-@click.option("--workers", default=None, help="A number of workers, or comma-separated addresses (default: all).")
-@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the scheduler.")
-def dump(scheduler: str, workers: str | None, timeout: float) -> None:
+@click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
+@click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
+def dump(scheduler: str, workers: Any, timeout: float) -> None:
     from dask_pyspy.client import dump as dump_stacks
 
     with _connect(scheduler, timeout) as client:
-        try:
-            click.echo(str(dump_stacks(client, workers=_workers(workers))))
-        except RuntimeError as e:
-            raise click.ClickException(str(e)) from e
+        click.echo(str(_ask(lambda: dump_stacks(client, workers=workers))))
 
 
 @pyspy.command(help="Profile a realistic workload on a LocalCluster and save the report.")

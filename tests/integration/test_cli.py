@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,17 +43,57 @@ def test_help(command):
     assert done.returncode == 0 and "Usage:" in done.stdout
 
 
+def one_line_error(done: subprocess.CompletedProcess, message: str) -> None:
+    """A refused request: exit code 2 and a single line saying why, no traceback."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
+    assert lines[0].startswith("Error: ") and message in lines[0], lines
+
+
+def timed_run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    began = time.monotonic()
+    done = run(*args)
+    return done, time.monotonic() - began
+
+
 def test_unreachable_scheduler():
     done = run("dump", "--scheduler", "tcp://127.0.0.1:1", "--timeout", "2")
-    assert done.returncode != 0
-    assert "cannot reach the scheduler at tcp://127.0.0.1:1" in done.stderr
+    one_line_error(done, "cannot reach the scheduler at tcp://127.0.0.1:1")
 
 
-def test_cluster_without_the_plugin(tmp_path):
+def test_cluster_without_the_plugin_fails_before_recording(tmp_path):
     with LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster:
-        done = run("record", "--scheduler", cluster.scheduler_address, "--duration", "0.5", "-o", str(tmp_path / "x.html"))
-    assert done.returncode != 0
-    assert "no dask-pyspy plugin" in done.stderr
+        done, took = timed_run("record", "--scheduler", cluster.scheduler_address, "--duration", "60", "-o", str(tmp_path / "x.html"))
+        dumped = run("dump", "--scheduler", cluster.scheduler_address)
+    one_line_error(done, "no dask-pyspy plugin")
+    assert took < 40, f"the check came after the recording: {took:.0f} s"
+    assert not (tmp_path / "x.html").exists()
+    one_line_error(dumped, "no dask-pyspy plugin")
+
+
+def test_unknown_worker_fails_before_recording(client, tmp_path):
+    address = client.scheduler.address
+    done, took = timed_run("record", "--scheduler", address, "--duration", "60", "--workers", "tcp://127.0.0.1:1",
+                           "-o", str(tmp_path / "x.html"))
+    one_line_error(done, "unknown worker addresses ['tcp://127.0.0.1:1']")
+    assert took < 40, f"the check came after the recording: {took:.0f} s"
+    one_line_error(run("dump", "--scheduler", address, "--workers", "tcp://127.0.0.1:1"), "unknown worker addresses")
+
+
+@pytest.mark.parametrize("command", ["record", "dump"])
+def test_zero_workers_is_a_usage_error(client, command):
+    done = run(command, "--scheduler", client.scheduler.address, "--workers", "0")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "Invalid value for '--workers': workers must be None, a positive number of workers" in done.stderr
+
+
+def test_unwritable_directory_names_the_given_path(client):
+    done = run("record", "--scheduler", client.scheduler.address, "--duration", "0.5", "-o", "/proc/pyspy-cli.html")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot write '/proc/pyspy-cli.html'" in done.stderr and ".tmp" not in done.stderr, done.stderr
+    kept = done.stderr.split("it was kept at '")[1].split("'")[0]
+    assert os.path.getsize(kept) > 0
+    os.unlink(kept)
 
 
 def test_bad_output_fails_before_recording(client, tmp_path):
