@@ -14,7 +14,8 @@ from dask_pyspy import options
 SAMPLER_OPTIONS = ("rate", "idle", "gil_only", "cpu_budget", "max_memory", "lines", "function", "reader")
 
 with open(os.path.join(os.path.dirname(__file__), "pyspy.yaml")) as f:
-    defaults = yaml.safe_load(f)
+    # libyaml's loader where PyYAML has it: every worker (re)start reads this file.
+    defaults = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 dask.config.update_defaults(defaults)
 
