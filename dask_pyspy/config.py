@@ -28,9 +28,7 @@ def get(name: str) -> Any:
 
 def sampler_options(**given: Any) -> dict[str, Any]:
     """Sampler options: the given ones, the rest from dask config (`DASK_PYSPY__RATE` etc.)."""
-    unknown = set(given) - set(SAMPLER_OPTIONS)
-    if unknown:
-        raise TypeError(f"unknown sampler options {sorted(unknown)}; allowed: {', '.join(SAMPLER_OPTIONS)}")
+    options.known("sampler options", given, SAMPLER_OPTIONS)
     out = {name: get(name) if given.get(name) is None else given[name] for name in SAMPLER_OPTIONS}
     if isinstance(out["max_memory"], str):
         out["max_memory"] = parse_bytes(out["max_memory"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Iterable
 
 BY_CHOICES = ("thread", "task", "prefix")
 READER_CHOICES = ("auto", "fast", "pyspy")
@@ -32,6 +32,13 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return value
+
+
+def known(kind: str, given: Iterable[str], allowed: Iterable[str]) -> None:
+    """Every name in `given` is one of `allowed` (keyword options)."""
+    unknown = set(given) - set(allowed)
+    if unknown:
+        raise TypeError(f"unknown {kind} {sorted(unknown)}; allowed: {', '.join(allowed)}")
 
 
 def by(value: Any) -> str:

@@ -108,6 +108,7 @@ class Sampler:
         The samples taken so far stay (the oldest go if `max_memory` shrinks below
         them); a running sampler restarts with the new options.
         """
+        options.known("sampler options", changes, self.options)
         new = _checked(**{**self.options, **changes})
         if new == self.options:
             return
