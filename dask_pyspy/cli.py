@@ -12,7 +12,7 @@ T = TypeVar("T")
 
 class ClusterError(click.ClickException):
     """The cluster cannot serve the request (unreachable, no plugin, unknown workers):
-    one line, and the exit code of a usage error, since nothing was recorded."""
+    one line, with a usage error's exit code 2."""
 
     exit_code = 2
 
