@@ -160,17 +160,17 @@ class Profile:
         """
         path = check_writable(path)
         kind = file_kind(path)
+        if kind != "html" and not self.n_samples:
+            raise ValueError(
+                f"cannot save {os.fspath(path)!r}: the profile holds no samples, and speedscope opens no empty "
+                "profile; was the plugin running, and did the window cover the work? (an .html report can be saved)"
+            )
         if kind == "html":
             data = self.to_html().encode()
         else:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)
         return path
-        if kind != "html" and not self.n_samples:
-            raise ValueError(
-                f"cannot save {os.fspath(path)!r}: the profile holds no samples, and speedscope opens no empty "
-                "profile; was the plugin running, and did the window cover the work? (an .html report can be saved)"
-            )
 
     def to_html(self, title: str = "dask-pyspy report") -> str:
         """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""
