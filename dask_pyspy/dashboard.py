@@ -13,14 +13,14 @@ from dask_pyspy.profile import Profile
 from dask_pyspy.report import REFRESH_CHOICES, render_dashboard
 
 if TYPE_CHECKING:
-    from dask_pyspy.plugin import PySpyPlugin
+    from dask_pyspy.plugin import ClusterProfiler
 
 DEFAULT_LAST = 30.0
 MAX_LAST = 24 * 3600.0
 
 
 class _Page(web.RequestHandler):
-    def initialize(self, plugin: PySpyPlugin) -> None:
+    def initialize(self, plugin: ClusterProfiler) -> None:
         self.plugin = plugin
 
     async def _stacks(self) -> str:
@@ -73,7 +73,7 @@ def _link_from_menu(app: Any) -> bool:
     return False
 
 
-def add_routes(scheduler: Any, plugin: PySpyPlugin) -> bool:
+def add_routes(scheduler: Any, plugin: ClusterProfiler) -> bool:
     """Add the pages to a running scheduler's dashboard; False when it has none."""
     app = getattr(scheduler, "http_application", None)
     if app is None:
