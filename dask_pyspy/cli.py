@@ -10,9 +10,9 @@ import click
 T = TypeVar("T")
 
 
-class ClusterError(click.ClickException):
-    """The cluster cannot serve the request (unreachable, no plugin, unknown workers):
-    one line, with a usage error's exit code 2."""
+class RequestError(click.ClickException):
+    """A request that cannot be served (a bad argument, an unreachable scheduler, no
+    plugin, unknown workers): one line, with a usage error's exit code 2."""
 
     exit_code = 2
 
@@ -23,7 +23,7 @@ def _connect(scheduler: str, timeout: float) -> Any:
     try:
         return Client(scheduler, timeout=timeout)
     except (OSError, TimeoutError, ValueError) as e:
-        raise ClusterError(f"cannot reach the scheduler at {scheduler}: {e}") from e
+        raise RequestError(f"cannot reach the scheduler at {scheduler}: {e}") from e
 
 
 def _ask(call: Callable[[], T]) -> T:
@@ -31,7 +31,7 @@ def _ask(call: Callable[[], T]) -> T:
     try:
         return call()
     except (ValueError, RuntimeError, OSError) as e:
-        raise ClusterError(str(e)) from e
+        raise RequestError(str(e)) from e
 
 
 def _workers(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
@@ -42,7 +42,7 @@ def _workers(ctx: click.Context, param: click.Parameter, value: str | None) -> A
     try:
         return options.workers(int(value) if value.isdigit() else value.split(","))
     except ValueError as e:
-        raise click.BadParameter(str(e)) from e
+        raise RequestError(f"--workers: {e}") from e
 
 
 @click.group(name="pyspy", help="Profile dask clusters with the in-process py-spy sampler.")
@@ -64,7 +64,7 @@ def record(scheduler: str, duration: float, workers: Any, by: str, output: str, 
     try:
         check_writable(output)
     except (OSError, ValueError) as e:
-        raise click.BadParameter(str(e), param_hint="--output") from e
+        raise RequestError(f"--output: {e}") from e
     with _connect(scheduler, timeout) as client:
         # An empty window first: no plugin or an unknown worker fails now, not after --duration.
         now = time.time()
