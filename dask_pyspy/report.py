@@ -211,32 +211,31 @@ def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
         yield flame_details(svg, proc["name"], f"Flame graph of {proc['name']}, raw stacks")
 
 
-def _download(profile: Profile) -> list[str]:
-    """The button and the embedded speedscope file; nothing for an empty profile."""
+def _download(profile: Profile) -> tuple[str, str]:
+    """The button and the embedded speedscope file; neither for an empty profile."""
     if not profile.n_samples:
-        return []
+        return "", ""
     data = base64.b64encode(profile.to_bytes(compress=True)).decode()
-    return [
-        '<p><button id="download">Download the speedscope profile</button> '
-        "open it at speedscope.app or with the <code>speedscope</code> command, both work offline.</p>",
-        f'<script id="speedscope-data" type="application/octet-stream">{data}</script>',
-    ]
+    button = ('<p><button id="download">Download the speedscope profile</button> '
+              "open it at speedscope.app or with the <code>speedscope</code> command, both work offline.</p>")
+    return button, f'<script id="speedscope-data" type="application/octet-stream">{data}</script>'
+
 
 
 def render_html(profile: Profile, title: str = "dask-pyspy report", header: str = "") -> str:
     """The whole report as one HTML page that needs no network; `header` is trusted HTML."""
     summary = profile.summary()
     idle_sampled = any(p["stats"]["config"]["idle"] for p in profile.processes)
-    download = _download(profile)
+    button, data = _download(profile)
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'><title>{escape(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
         header,
-        *download[:1],
+        button,
         "<h2>Summary</h2>", *_summary_section(profile, summary),
         *_graphs_section(profile, summary),
         "<h2>GIL and idle</h2>", *_states_section(summary, idle_sampled),
-        *download[1:],
+        data,
         f"<script>{SCRIPT}</script></body></html>",
     ]
     return "\n".join(parts)

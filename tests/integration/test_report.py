@@ -251,8 +251,10 @@ def test_dashboard_page(client, chromium):
     WebDriverWait(chromium, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
     chromium.execute_script("window.notReloaded = true;")
     WebDriverWait(chromium, 60).until(lambda d: d.execute_script("return window.notReloaded === undefined"))
+    chromium.get("about:blank")  # away from the page that reloads itself
     # distributed's own pages list it in their "More..." menu.
     chromium.get(f"http://127.0.0.1:{port}/status")
+    WebDriverWait(chromium, 30).until(lambda d: d.find_elements("css selector", ".dropdown-content a"))
     links = chromium.find_elements("css selector", ".dropdown-content a[href='pyspy']")
     assert links and links[0].get_attribute("textContent") == "Py-Spy Profile"
     chromium.get(links[0].get_attribute("href"))
