@@ -12,7 +12,7 @@ from dask.core import istask
 from dask.utils import key_split
 
 from dask_pyspy import config
-from dask_pyspy.profile import Profile
+from dask_pyspy.profile import Profile, task_totals
 from dask_pyspy.sampler import Sampler, process_sampler
 
 try:
@@ -135,11 +135,7 @@ class PySpyProfiler(Callback):
 
     def _collect(self, sampler: Sampler) -> Profile:
         profile = sampler.profile(self.start, self.stop or time.time(), by="prefix")
-        tasks: dict[str, dict[str, float]] = {}
-        for prefix, seconds in list(self._runs):  # one C-level copy: safe from the pool threads
-            entry = tasks.setdefault(prefix, {"count": 0, "seconds": 0.0})
-            entry["count"] += 1
-            entry["seconds"] += seconds
+        tasks = task_totals(list(self._runs))  # one C-level copy: safe from the pool threads
         return profile.with_metadata(tasks={profile.processes[0]["name"]: tasks})
 
     @property

@@ -20,7 +20,7 @@ from distributed.protocol.pickle import dumps
 
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.profile import Profile
+from dask_pyspy.profile import Profile, task_totals
 from dask_pyspy.sampler import Sampler, process_sampler
 
 logger = logging.getLogger(__name__)
@@ -128,14 +128,9 @@ class TaskLog:
     def summary(self, start: float | None, stop: float | None) -> dict[str, dict[str, float]]:
         """Per task prefix: tasks that overlap the window, and their wall seconds inside it."""
         lo, hi = start or 0.0, stop or time.time()
-        out: dict[str, dict[str, float]] = {}
-        for prefix, began, ended in list(self._done):  # one C-level copy: safe from another thread
-            inside = min(ended, hi) - max(began, lo)
-            if inside >= 0:
-                entry = out.setdefault(prefix, {"count": 0, "seconds": 0.0})
-                entry["count"] += 1
-                entry["seconds"] += inside
-        return out
+        done = list(self._done)  # one C-level copy: safe from another thread
+        inside = ((prefix, min(ended, hi) - max(began, lo)) for prefix, began, ended in done)
+        return task_totals(run for run in inside if run[1] >= 0)
 
 
 class WorkerProfiler:

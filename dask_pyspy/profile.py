@@ -6,7 +6,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from dask_pyspy import _native, options
 
@@ -57,6 +57,17 @@ def write_atomic(path: Path, data: bytes) -> None:
             raise
     except OSError as e:
         raise OSError(e.errno, f"cannot write {str(path)!r}: {e.strerror}") from None
+
+
+def task_totals(runs: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """One process's `tasks` metadata from (prefix, wall seconds) runs: per prefix, the
+    count of tasks and their seconds."""
+    out: dict[str, dict[str, float]] = {}
+    for prefix, seconds in runs:
+        entry = out.setdefault(prefix, {"count": 0, "seconds": 0.0})
+        entry["count"] += 1
+        entry["seconds"] += seconds
+    return out
 
 
 class Profile:
