@@ -118,24 +118,30 @@ impl Sampled {
     }
 }
 
-/// The merged profiles `by` asks for, largest first: samples of every thread in time order.
-fn merged(data: &ProfileData, by: By, by_tag: &[Option<u32>], no_task: Option<u32>) -> Vec<Profile> {
-    let view = View::new(data);
+/// Samples of every thread in time order.
+fn time_order(data: &ProfileData) -> Vec<&Sample> {
     let mut order: Vec<&Sample> = data.samples.iter().collect();
     order.sort_by_key(|s| s.time_ns);
+    order
+}
+
+/// The merged profiles `by` asks for, largest first: samples of every thread in time order.
+fn merged(data: &ProfileData, by: By, by_tag: &[Option<u32>], no_task: Option<u32>) -> Vec<Profile> {
     let mut out: Vec<Profile> = match by {
-        By::Thread => Vec::new(),
+        By::Thread => return Vec::new(),
         By::Task => {
+            let view = View::new(data);
             let mut all = Sampled::default();
-            for s in order {
+            for s in time_order(data) {
                 let root = s.tag.and_then(|t| by_tag[t as usize]).or(no_task);
                 all.add(s, root, view.frames(s.stack, s.tag.is_some()));
             }
             vec![all.finish("whole cluster by task (task code only)".into())]
         }
         By::Prefix => {
+            let view = View::new(data);
             let mut per_prefix: HashMap<&str, Sampled> = HashMap::new();
-            for s in order {
+            for s in time_order(data) {
                 if let Some(t) = s.tag {
                     per_prefix.entry(&data.tags[t as usize].prefix).or_default().add(s, None, view.frames(s.stack, true));
                 }
