@@ -142,8 +142,8 @@ def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]
                      (f'<span class="warn">{escape(errors)}</span>',) if errors else ""])
     yield _table(["process", "pid", "reader", "threads", "samples", "requested Hz", "achieved Hz", "why lower",
                   "sampler CPU %", "reads torn", "evicted samples", "errors"], rows)
-    yield ("<p><small>Reads torn: stacks that changed while they were read, dropped and expected "
-           "at a low rate on busy threads.</small></p>")
+    yield ("<p><small>Reads torn: a stack changed while it was read, so that sample was dropped rather "
+           "than shown wrong; threads that run Python while sampled tear some reads.</small></p>")
     missing = meta.get("missing") or {}
     if missing:
         yield '<p class="warn">Missing from this profile (could not be sampled or did not answer):</p>'
