@@ -152,9 +152,10 @@ class Sampler:
         """Counters of the sampling thread and its store (rate achieved, CPU used, drops)."""
         return json.loads(self._native.stats_json())
 
-    def set_thread_tag(self, ident: int, key: str, prefix: str) -> None:
-        """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`."""
-        self._native.set_thread_tag(ident, key, prefix)
+    def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:
+        """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`,
+        in the dask span with id `span`."""
+        self._native.set_thread_tag(ident, key, prefix, span)
 
     def clear_thread_tag(self, ident: int) -> None:
         self._native.clear_thread_tag(ident)

@@ -22,7 +22,7 @@ proptest! {
     fn exporters_survive_any_names(name in hostile(), file in hostile(), key in hostile(), thread in hostile()) {
         let mut data = profile("w", &[(1, &["main", "f"], Some("k")), (1, &["main", "g"], None)]);
         data.frames[1] = Frame { name: name.clone(), file: file.clone(), line: 3 };
-        data.tags[0] = Tag { key: key.clone(), prefix: key.clone() };
+        data.tags[0] = Tag { key: key.clone(), prefix: key.clone(), span: None };
         data.threads[0].name = Some(thread.clone());
         for by in [By::Thread, By::Task, By::Prefix] {
             let doc: serde_json::Value = serde_json::from_slice(&speedscope::write(&data, by, "t")).unwrap();

@@ -17,7 +17,7 @@ mod hostile_tests;
 
 use config::SamplerConfig;
 use flate2::Compression;
-use model::{ProfileData, Sample};
+use model::{ProfileData, Sample, Span, Tag};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
@@ -101,8 +101,10 @@ impl PySampler {
     }
 
     /// Lossy: a key with lone surrogates must not fail the task that is starting.
-    fn set_thread_tag(&self, ident: u64, key: &Bound<'_, PyString>, prefix: &Bound<'_, PyString>) {
-        self.inner.tags().set_tag(ident, key.to_string_lossy().into_owned(), prefix.to_string_lossy().into_owned())
+    #[pyo3(signature = (ident, key, prefix, span=None))]
+    fn set_thread_tag(&self, ident: u64, key: &Bound<'_, PyString>, prefix: &Bound<'_, PyString>, span: Option<&Bound<'_, PyString>>) {
+        let text = |s: &Bound<'_, PyString>| s.to_string_lossy().into_owned();
+        self.inner.tags().set_tag(ident, Tag { key: text(key), prefix: text(prefix), span: span.map(text) })
     }
 
     fn clear_thread_tag(&self, ident: u64) {
@@ -226,6 +228,23 @@ impl PyProfile {
         let mut data = (*self.data).clone();
         data.metadata.extend(extra);
         Ok(PyProfile { data: Arc::new(data) })
+    }
+
+    /// A copy that knows the spans in `spans_json` ({id: {"names": [...], "ids": [...]}}).
+    fn with_spans(&self, spans_json: &str) -> PyResult<Self> {
+        let spans: std::collections::BTreeMap<String, Span> =
+            serde_json::from_str(spans_json).map_err(|e| value_error(format!("spans_json: {e}")))?;
+        let mut data = (*self.data).clone();
+        data.spans.extend(spans);
+        Ok(PyProfile { data: Arc::new(data) })
+    }
+
+    /// Ids of the spans the samples' tags name.
+    fn span_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.data.tags.iter().filter_map(|t| t.span.clone()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     fn processes_json(&self) -> String {

@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use rustc_hash::FxHashMap;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -16,11 +16,22 @@ pub struct Frame {
     pub line: i32,
 }
 
-/// The dask task a thread was running, as the key's repr and its `key_split` prefix.
+/// The dask task a thread was running, as the key's repr and its `key_split` prefix,
+/// and the id of the dask span the task belongs to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Tag {
     pub key: String,
     pub prefix: String,
+    #[serde(default)]
+    pub span: Option<String>,
+}
+
+/// A dask span (`distributed.span("load")`): its name path and the ids of the spans
+/// on that path, both outermost first; the last id is the span's own.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    pub names: Vec<String>,
+    pub ids: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -134,6 +145,9 @@ pub struct ProfileData {
     #[serde(with = "sample_columns")]
     pub samples: Vec<Sample>,
     pub metadata: Map<String, Value>,
+    /// The spans tags name, by id, as far as known; an unknown id is its own name.
+    #[serde(default)]
+    pub spans: BTreeMap<String, Span>,
 }
 
 /// A table that stores each distinct item once and hands out dense ids.
@@ -169,7 +183,7 @@ impl Footprint for Vec<u32> {
 
 impl Footprint for Tag {
     fn heap_bytes(&self) -> usize {
-        self.key.len() + self.prefix.len()
+        self.key.len() + self.prefix.len() + self.span.as_ref().map_or(0, |s| s.len())
     }
 }
 
@@ -296,6 +310,7 @@ impl Builder {
             processes,
             samples: self.samples,
             metadata,
+            spans: BTreeMap::new(),
         }
     }
 }
@@ -360,7 +375,9 @@ impl ProfileData {
             }
         }
         out.samples.sort_by_key(|s| s.time_ns);
-        out.finish(processes, metadata)
+        let mut merged = out.finish(processes, metadata);
+        merged.spans = parts.iter().flat_map(|p| p.spans.iter().map(|(id, s)| (id.clone(), s.clone()))).collect();
+        merged
     }
 
     /// The samples of one process only.
@@ -370,7 +387,18 @@ impl ProfileData {
         for s in self.samples.iter().filter(|s| self.threads[s.thread as usize].process == process) {
             out.copy_sample(self, &mut map, s, Some(0));
         }
-        out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone())
+        let mut one = out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone());
+        one.spans = self.spans.clone();
+        one
+    }
+
+    /// The span path of `tag`, outermost first: names where known, else the id alone.
+    pub fn span_names<'a>(&'a self, tag: &'a Tag) -> Vec<&'a str> {
+        match (&tag.span, tag.span.as_ref().and_then(|id| self.spans.get(id))) {
+            (_, Some(span)) => span.names.iter().map(String::as_str).collect(),
+            (Some(id), None) => vec![id.as_str()],
+            (None, None) => Vec::new(),
+        }
     }
 
     /// Names recorded with the samples win, so a reused ident keeps each thread's
@@ -449,7 +477,7 @@ pub mod tests {
         for (i, (ident, names, tag)) in samples.iter().enumerate() {
             let stack = names.iter().map(|n| b.frames.intern(frame(n))).collect();
             let stack = b.stacks.intern(stack);
-            let tag = tag.map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into() }));
+            let tag = tag.map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into(), span: None }));
             let thread = b.threads.intern(Thread { process: 0, ident: *ident, name: Some(format!("T{ident}")) });
             b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, cpu_us: 0, flags: FLAG_ACTIVE });
         }

@@ -162,7 +162,7 @@ mod tests {
     }
 
     fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {
-        let tag = key.map(|k| Tag { key: k.into(), prefix: k.into() });
+        let tag = key.map(|k| Tag { key: k.into(), prefix: k.into(), span: None });
         store.record(t, 1, names.iter().map(|n| frame(n)), tag.as_ref(), 10_000, 1);
     }
 

@@ -22,8 +22,8 @@ pub struct ThreadTags {
 }
 
 impl ThreadTags {
-    pub fn set_tag(&self, ident: u64, key: String, prefix: String) {
-        self.update(ident, Some(Arc::new(Tag { key, prefix })));
+    pub fn set_tag(&self, ident: u64, tag: Tag) {
+        self.update(ident, Some(Arc::new(tag)));
     }
 
     pub fn clear_tag(&self, ident: u64) {
@@ -95,7 +95,7 @@ mod tests {
         let t = ThreadTags::default();
         let before = t.versions(&[7]);
         assert_eq!(t.stable_tags(&before, &[7]), [Ok(None)]);
-        t.set_tag(7, "('f', 1)".into(), "f".into());
+        t.set_tag(7, Tag { key: "('f', 1)".into(), prefix: "f".into(), span: None });
         assert!(t.stable_tags(&before, &[7])[0].is_err(), "a tag set during the read is not trusted");
         let during = t.snapshot();
         assert_eq!(t.stable_tag(during.get(&7), 7).unwrap().unwrap().prefix, "f");
