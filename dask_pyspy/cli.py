@@ -54,10 +54,12 @@ def pyspy() -> None:
 @click.option("--scheduler", required=True, help="Scheduler address, e.g. tcp://10.0.0.1:8786.")
 @click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to record.")
 @click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
-@click.option("--by", type=click.Choice(["thread", "task", "prefix"]), default="thread", show_default=True)
+@click.option("--by", type=click.Choice(["thread", "task", "prefix", "span"]), default="thread", show_default=True)
+@click.option("--span", default=None, help="Only this dask span (a name or id) and the spans in it; a/b for a path of names.")
+@click.option("--weight", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True, help="What a sample weighs in the views.")
 @click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html, .json or .json.gz.")
 @click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
-def record(scheduler: str, duration: float, workers: Any, by: str, output: str, timeout: float) -> None:
+def record(scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, output: str, timeout: float) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
     from dask_pyspy.profile import check_writable
 
@@ -74,7 +76,8 @@ def record(scheduler: str, duration: float, workers: Any, by: str, output: str, 
         with click.progressbar(range(steps), label=f"Recording {duration:g} s") as bar:
             for _ in bar:
                 time.sleep(duration / steps)
-        prof = _ask(lambda: get_profile(client, workers=workers, start=start, stop=time.time(), by=by))
+        span_arg = span.split("/") if span and "/" in span else span
+        prof = _ask(lambda: get_profile(client, workers=workers, start=start, stop=time.time(), by=by, span=span_arg, weight=weight))
         try:
             save_or_keep(prof, output)
         except (OSError, ValueError) as e:

@@ -34,9 +34,9 @@ async def _call(client: Client, op: str, **kwargs: Any) -> Any:
     return reply
 
 
-async def _get_profile(client: Client, by: str, **kwargs: Any) -> Profile:
+async def _get_profile(client: Client, shown: dict[str, str], **kwargs: Any) -> Profile:
     data = await _call(client, "pyspy_profile", **kwargs)
-    return await off_loop(lambda: Profile.from_wire(data, by=by))
+    return await off_loop(lambda: Profile.from_wire(data, **shown))
 
 
 def _request(
@@ -47,9 +47,14 @@ def _request(
     last: float | None = None,
     by: str | None = None,
     timeout: float | None = None,
-) -> tuple[str, dict[str, Any]]:
-    """Checks a profile request; returns the grouping and the scheduler's arguments."""
-    by = options.by(config.get("by") if by is None else by)
+    span: str | list[str] | tuple[str, ...] | None = None,
+    weight: str | None = None,
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Checks a profile request; returns how exports show it and the scheduler's arguments."""
+    shown = {
+        "by": options.by(config.get("by") if by is None else by),
+        "weight": options.weight(config.get("weight") if weight is None else weight),
+    }
     options.workers(workers)
     seconds = options.last(last)
     if seconds is not None:
@@ -59,7 +64,8 @@ def _request(
         start = stop - seconds
     start, stop = options.window(start, stop)
     timeout = None if timeout is None else options.seconds("timeout", timeout)
-    return by, dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
+    request = dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
+    return shown, dict(request, span=options.span(span))
 
 
 def get_profile(
@@ -71,18 +77,23 @@ def get_profile(
     last: float | None = None,
     by: str | None = None,
     timeout: float | None = None,
+    span: str | list[str] | tuple[str, ...] | None = None,
+    weight: str | None = None,
 ) -> Profile:
     """The cluster's profile of a time window, merged over every selected process.
 
     workers: None (all), a number of workers picked at random, or addresses.
     start, stop: Unix seconds; or `last`: the last so many seconds.
-    by: default grouping of exports, "thread", "task" or "prefix".
+    by: default grouping of exports, "thread", "task", "prefix" or "span".
     timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
+    span: only the samples of one dask span and the spans nested in it: a name (every
+    span of that name), a span id, or a path of names outermost first.
+    weight: what a sample weighs in exports, "wall" or "cpu" time.
     Workers that fail or time out are named in `profile.metadata["missing"]`.
     """
     client = client or default_client()
-    by, kwargs = _request(workers, scheduler, start, stop, last, by, timeout)
-    return client.sync(_get_profile, client, by, **kwargs)
+    shown, kwargs = _request(workers, scheduler, start, stop, last, by, timeout, span, weight)
+    return client.sync(_get_profile, client, shown, **kwargs)
 
 
 SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz"}
@@ -131,16 +142,16 @@ class profile:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop = time.time()
-        by, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
-        self._finish(self.client.sync(_get_profile, self.client, by, **kwargs))
+        shown, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
+        self._finish(self.client.sync(_get_profile, self.client, shown, **kwargs))
 
     async def __aenter__(self) -> profile:
         return self.__enter__()
 
     async def __aexit__(self, *exc: Any) -> None:
         self.stop = time.time()
-        by, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
-        self._finish(await _get_profile(self.client, by, **kwargs))
+        shown, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
+        self._finish(await _get_profile(self.client, shown, **kwargs))
 
     def _finish(self, prof: Profile) -> None:
         self.profile = prof

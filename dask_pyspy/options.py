@@ -6,7 +6,8 @@ import math
 import numbers
 from typing import Any, Iterable
 
-BY_CHOICES = ("thread", "task", "prefix")
+BY_CHOICES = ("thread", "task", "prefix", "span")
+WEIGHT_CHOICES = ("wall", "cpu")
 READER_CHOICES = ("auto", "fast", "pyspy")
 
 
@@ -43,6 +44,24 @@ def known(kind: str, given: Iterable[str], allowed: Iterable[str]) -> None:
 
 def by(value: Any) -> str:
     return choice("by", value, BY_CHOICES)
+
+
+def weight(value: Any) -> str:
+    return choice("weight", value, WEIGHT_CHOICES)
+
+
+def span(value: Any) -> str | list[str] | None:
+    """None (every sample), a span's name or id, or a name path outermost first."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise ValueError(
+        f"span must be None, a span name or id (e.g. 'load'), or a path of names outermost first "
+        f"(e.g. ('load', 'parse')), got {value!r}"
+    )
 
 
 def reader(value: Any) -> str:

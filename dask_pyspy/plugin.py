@@ -73,23 +73,52 @@ def rejected(error: ValueError) -> dict[str, str]:
     return {"error": str(error)}
 
 
+MAX_SPANS = 10_000  # span names a worker keeps for its profiles; the scheduler knows them all
+
+
+class SpanNames:
+    """Names of the dask spans a worker's tasks ran in, from the tasks' annotations.
+
+    The scheduler names every span when it merges; these cover a span it forgot and a
+    profile of this worker alone. The default span carries no annotation.
+    """
+
+    def __init__(self) -> None:
+        self.spans: dict[str, dict[str, list[str]]] = {}
+
+    def span_of(self, ts: Any) -> str | None:
+        """The span id of a worker's task state, noting the span's names."""
+        span_id = getattr(ts, "span_id", None)
+        if span_id is None or span_id in self.spans:
+            return span_id
+        ann = (getattr(ts, "annotations", None) or {}).get("span") or {}
+        ids, names = list(ann.get("ids") or ()), list(ann.get("name") or ())
+        if ids and ids[-1] == span_id and len(ids) == len(names) and len(self.spans) < MAX_SPANS:
+            self.spans[span_id] = {"names": names, "ids": ids}
+        return span_id
+
+
 class TaskTagger(dict):
-    """`Worker.active_threads` that also tells the sampler which task each thread runs.
+    """`Worker.active_threads` that also tells the sampler which task each thread runs,
+    and in which dask span.
 
     distributed sets and deletes entries in the executing thread as a task starts and
     ends, so the sampler's tag is right at capture time (see `_run_task`).
     """
 
-    def __init__(self, sampler: Sampler, worker_name: str, entries: dict[int, Any]) -> None:
+    def __init__(self, sampler: Sampler, worker: Worker, spans: SpanNames, entries: dict[int, Any]) -> None:
         super().__init__(entries)
         self._sampler = sampler
-        self._worker_name = worker_name
+        self._worker_name = worker.address
+        self._tasks = worker.state.tasks
+        self._spans = spans
         self._named: set[int] = set()
         for ident, key in entries.items():
             self._tag(ident, key)
 
     def _tag(self, ident: int, key: Any) -> None:
-        self._sampler.set_thread_tag(ident, str(key), key_split(key))
+        span = self._spans.span_of(self._tasks.get(key))
+        self._sampler.set_thread_tag(ident, str(key), key_split(key), span)
 
     def __setitem__(self, ident: int, key: Any) -> None:
         super().__setitem__(ident, key)
@@ -99,8 +128,9 @@ class TaskTagger(dict):
             self._sampler.set_thread_name(ident, f"{self._worker_name} {threading.current_thread().name}")
 
     def __delitem__(self, ident: int) -> None:
-        super().__delitem__(ident)
+        # Untagged first: this method's own time is not the task's.
         self._sampler.clear_thread_tag(ident)
+        super().__delitem__(ident)
 
 
 RUNNING = ("executing", "long-running")  # a seceded task is still running
@@ -141,6 +171,7 @@ class WorkerProfiler:
         self.worker = worker
         self.hold = SamplerHold()
         self.tasks = TaskLog(config.get("task-history"))
+        self.spans = SpanNames()
         self.holders = 0
         self._lock = asyncio.Lock()
 
@@ -181,7 +212,7 @@ class WorkerProfiler:
         sampler = self.hold.sampler
         with self.worker.active_threads_lock:
             entries = dict(self.worker.active_threads)
-            self.worker.active_threads = entries if sampler is None else TaskTagger(sampler, self.worker.address, entries)
+            self.worker.active_threads = entries if sampler is None else TaskTagger(sampler, self.worker, self.spans, entries)
 
     def _check(self) -> Sampler:
         if self.hold.sampler is None:
@@ -194,7 +225,7 @@ class WorkerProfiler:
         def export() -> bytes:
             tasks = {self.worker.address: self.tasks.summary(start, stop)}
             p = sampler.profile(start, stop, name=self.worker.address)
-            return p.with_metadata(tasks=tasks).to_wire()
+            return p.with_metadata(tasks=tasks).with_spans(dict(self.spans.spans)).to_wire()
 
         return await off_loop(export)
 
@@ -309,6 +340,21 @@ class ClusterProfiler:
                 ok[addr] = reply
         return ok, missing
 
+    def _span_names(self, ids: list[str]) -> dict[str, dict[str, list[str]]]:
+        """Names and id paths of the spans with these ids that the scheduler knows."""
+        ext = self.scheduler.extensions.get("spans")
+        out = {}
+        for span_id in ids:
+            span = ext.spans.get(span_id) if ext is not None else None
+            if span is None:
+                continue
+            path, node = [], span
+            while node is not None:
+                path.append(node.id)
+                node = node.parent
+            out[span_id] = {"names": list(span.name), "ids": path[::-1]}
+        return out
+
     def _own_profile(self, start: float | None, stop: float | None) -> Profile | None:
         sampler = self.hold.sampler
         if sampler is None:
@@ -322,12 +368,15 @@ class ClusterProfiler:
         start: float | None = None,
         stop: float | None = None,
         timeout: float | None = None,
+        span: str | list[str] | None = None,
     ) -> bytes | dict[str, str]:
-        """Every selected process's samples of `[start, stop]`, merged, as wire bytes."""
+        """Every selected process's samples of `[start, stop]`, merged, as wire bytes;
+        with `span`, only the samples of that span (see `Profile.only_span`)."""
         try:
             start, stop = options.window(start, stop)
             addresses = self.select_workers(workers)
             timeout = config.timeout(timeout)
+            span = options.span(span)
         except ValueError as e:
             return rejected(e)
         stop = max(time.time(), start or 0.0) if stop is None else stop
@@ -338,8 +387,10 @@ class ClusterProfiler:
         def merge() -> bytes:
             parts = [Profile.from_wire(b) for b in replies.values()]
             own = self._own_profile(start, stop) if scheduler else None
-            meta = {"window": [start, stop], "workers": addresses, "missing": missing, "collected": time.time()}
-            return Profile.merge(parts + ([own] if own else []), **meta).to_wire()
+            meta = {"window": [start, stop], "workers": addresses, "missing": missing, "collected": time.time(), "span": span}
+            merged = Profile.merge(parts + ([own] if own else []), **meta)
+            merged = merged.with_spans(self._span_names(merged.span_ids))
+            return (merged if span is None else merged.only_span(span)).to_wire()
 
         return await off_loop(merge)
 

@@ -71,20 +71,26 @@ def task_totals(runs: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]
 
 
 class Profile:
-    """Samples of one or more processes, with their task tags.
+    """Samples of one or more processes, with their task tags and dask spans.
 
     `by` picks the default grouping of exports: "thread" (plain stacks), "task" or
-    "prefix" (a root frame per task key or task prefix, so views group by task).
+    "prefix" (a root frame per task key or task prefix, so views group by task), or
+    "span" (root frames for the dask span path, then the task prefix). `weight` picks
+    what a sample weighs in them: "wall" time, or "cpu" time its thread used.
     """
 
-    def __init__(self, native: _native.Profile, by: str = "thread") -> None:
+    def __init__(self, native: _native.Profile, by: str = "thread", weight: str = "wall") -> None:
         self._native = native
         self.by = options.by(by)
+        self.weight = options.weight(weight)
+
+    def _derive(self, native: _native.Profile) -> Profile:
+        return Profile(native, by=self.by, weight=self.weight)
 
     @classmethod
-    def from_wire(cls, data: bytes, by: str = "thread") -> Profile:
+    def from_wire(cls, data: bytes, by: str = "thread", weight: str = "wall") -> Profile:
         """Read bytes made by `to_wire` (in this or another process)."""
-        return cls(_native.Profile.from_wire(data), by=by)
+        return cls(_native.Profile.from_wire(data), by=by, weight=weight)
 
     def to_wire(self) -> bytes:
         """Compact gzip bytes keeping every sample and tag, for sending between processes."""
@@ -133,41 +139,67 @@ class Profile:
         prefix: str | None = None,
         process: int | None = None,
         tasks: bool | None = None,
+        span: str | list[str] | tuple[str, ...] | None = None,
+        weight: str | None = None,
     ) -> str | None:
         """An interactive flame graph (an icicle, roots on top); None if no sample matches.
 
-        by="thread" shows raw stacks; "task" or "prefix" roots them at their task key or
-        prefix and cuts the worker's machinery below each task's own code. A call cycle
-        repeated in a row (recursion) is shown once. The samples can be narrowed to one
-        task `prefix`, one `process` (an index into `processes`), and to task time
-        (`tasks=True`) or time outside tasks (`tasks=False`).
+        by="thread" shows raw stacks; "task", "prefix" or "span" roots them at their task
+        key, prefix, or span path and prefix, and cuts the worker's machinery below each
+        task's own code. A call cycle repeated in a row (recursion) is shown once. The
+        samples can be narrowed to one task `prefix`, one `process` (an index into
+        `processes`), one `span` (see `only_span`), and to task time (`tasks=True`) or
+        time outside tasks (`tasks=False`). `weight`: "wall" or "cpu" (default: the
+        profile's).
         """
         if tasks is not None:
             options.flag("tasks", tasks)
-        return self._native.flamegraph_svg(title, by=options.by(by), prefix=prefix, process=process, tasks=tasks)
+        weight = options.weight(self.weight if weight is None else weight)
+        return self._native.flamegraph_svg(
+            title, by=options.by(by), weight=weight, prefix=prefix, process=process, tasks=tasks, span=options.span(span)
+        )
 
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
-        return Profile(self._native.only_process(index), by=self.by)
+        return self._derive(self._native.only_process(index))
+
+    def only_span(self, span: str | list[str] | tuple[str, ...]) -> Profile:
+        """The samples of one dask span and the spans nested in it: `span` is a name
+        (every span of that name), a span id, or a path of names outermost first."""
+        chosen = options.span(span)
+        if chosen is None:
+            raise ValueError("span must be a span name or id, or a path of names, got None")
+        return self._derive(self._native.only_span(chosen))
 
     def with_metadata(self, **extra: Any) -> Profile:
-        return Profile(self._native.with_metadata(json.dumps(extra, default=str)), by=self.by)
+        return self._derive(self._native.with_metadata(json.dumps(extra, default=str)))
 
-    def speedscope(self, by: str | None = None) -> dict[str, Any]:
+    def with_spans(self, spans: dict[str, dict[str, list[str]]]) -> Profile:
+        """A copy that knows these spans: {id: {"names": [...], "ids": [...]}}, outermost first."""
+        return self._derive(self._native.with_spans(json.dumps(spans)))
+
+    @property
+    def span_ids(self) -> list[str]:
+        """Ids of the dask spans the samples ran in."""
+        return self._native.span_ids()
+
+    def speedscope(self, by: str | None = None, weight: str | None = None) -> dict[str, Any]:
         """The profile as a speedscope document (a dict)."""
-        return json.loads(self.to_bytes(compress=False, by=by))
+        return json.loads(self.to_bytes(compress=False, by=by, weight=weight))
 
-    def to_bytes(self, compress: bool = True, by: str | None = None) -> bytes:
+    def to_bytes(self, compress: bool = True, by: str | None = None, weight: str | None = None) -> bytes:
         """The speedscope document as JSON bytes, gzip-compressed unless `compress=False`."""
         by = options.by(self.by if by is None else by)
-        return self._native.speedscope(by=by, compress=options.flag("compress", compress))
+        weight = options.weight(self.weight if weight is None else weight)
+        return self._native.speedscope(by=by, weight=weight, compress=options.flag("compress", compress))
 
     def save(self, path: str | os.PathLike, by: str | None = None) -> Path:
         """Write speedscope (`.json`, `.json.gz`) or an HTML report (`.html`), by suffix.
 
         speedscope files open on the merged profile with the most task time (by="task":
-        the whole cluster by task; "prefix": one per task prefix), then hold one profile
-        per thread with its raw stacks. An empty profile raises ValueError for them.
+        the whole cluster by task; "prefix": one per task prefix; "span": the whole
+        cluster by span), then hold one profile per thread with its raw stacks, weighted
+        as `self.weight` says. An empty profile raises ValueError for them.
         """
         path = check_writable(path)
         kind = file_kind(path)
@@ -196,4 +228,5 @@ class Profile:
 
     def __repr__(self) -> str:
         names = ", ".join(p["name"] for p in self.processes)
-        return f"<Profile {self.n_samples} samples, {self.sampled_seconds:.1f} thread-s, by={self.by!r}, processes: {names}>"
+        return (f"<Profile {self.n_samples} samples, {self.sampled_seconds:.1f} thread-s, by={self.by!r}, "
+                f"weight={self.weight!r}, processes: {names}>")

@@ -150,6 +150,23 @@ def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]
         yield _table(["process", "reason"], [[k, v] for k, v in missing.items()])
 
 
+SPLIT_HEADER = ["CPU s", "holding GIL", "running without GIL", "waiting"]
+SPLIT_NOTE = ("<p><small>Wall time splits into holding the GIL, running on a CPU without it (a numpy kernel, "
+              "compression), and waiting (I/O, a lock, a sleep, or for the GIL: with more busy threads than "
+              "cores, pure-Python threads wait for it). CPU s is the CPU time the threads used meanwhile.</small></p>")
+
+
+def _split(row: dict[str, Any]) -> list[Any]:
+    """CPU seconds, then the shares of wall time holding the GIL, without it, and waiting."""
+    wall = row["seconds"] or 1.0
+    return [float(row["cpu"]), *(f"{100 * row[k] / wall:.0f}%" for k in ("gil", "no_gil", "waiting"))]
+
+
+def _top(functions: list[dict[str, Any]]) -> tuple[str]:
+    return ("<br>".join(f"{escape(f['name'])} <small>({escape(os.path.basename(f['file']))})</small> {f['seconds']:.3f} s"
+                        for f in functions[:5]),)
+
+
 def _prefix_section(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, float]]]) -> Iterator[str]:
     wall: dict[str, list[float]] = {}
     for per_worker in tasks.values():
@@ -160,42 +177,56 @@ def _prefix_section(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str
     total = summary["seconds"] or 1.0
     rows = []
     for p in summary["prefixes"]:
-        top = "<br>".join(f"{escape(f['name'])} <small>({escape(os.path.basename(f['file']))})</small> {f['seconds']:.3f} s"
-                          for f in p["top"][:5])
         count, secs = wall.get(p["prefix"], [0, 0.0])
-        rows.append([p["prefix"], float(p["seconds"]), float(100 * p["seconds"] / total), int(count), float(secs), (top,)])
-    rows.append(["(no task)", float(summary["untagged_seconds"]), float(100 * summary["untagged_seconds"] / total), "", "", ""])
-    yield _table(["task prefix", "sampled s", "% of samples", "tasks", "task wall s", "top functions (self time)"], rows)
+        rows.append([p["prefix"], float(p["seconds"]), float(100 * p["seconds"] / total), *_split(p), int(count), float(secs), _top(p["top"])])
+    rows.append(["(no task)", float(summary["untagged_seconds"]), float(100 * summary["untagged_seconds"] / total), *[""] * 6, ""])
+    yield _table(["task prefix", "sampled s", "% of samples", *SPLIT_HEADER, "tasks", "task wall s", "top functions (self time)"], rows)
 
 
-def _states_section(summary: dict[str, Any], idle_sampled: bool) -> Iterator[str]:
-    st = summary["states"]
-    rows = [["running, holding the GIL", float(st["running_with_gil"])],
-            ["running, not holding the GIL", float(st["running_without_gil"])]]
-    if idle_sampled:
-        rows += [["waiting, holding the GIL", float(st["waiting_holding_gil"])], ["waiting", float(st["waiting"])]]
-    yield _table(["thread state", "seconds"], rows)
+def _functions_section(summary: dict[str, Any], idle_sampled: bool) -> Iterator[str]:
+    rows = [[f["name"], os.path.basename(f["file"]), float(f["seconds"]), *_split(f)] for f in summary["top"]]
+    yield _table(["function", "file", "self s", *SPLIT_HEADER], rows)
+    rows = [["every sample", float(summary["seconds"]), *_split(summary)]]
+    yield _table(["", "sampled s", *SPLIT_HEADER], rows)
+    yield SPLIT_NOTE
+    if not summary["cpu_measured"]:
+        yield "<p>No CPU time was measured in this profile (a reader that does not measure it).</p>"
     if not idle_sampled:
-        yield "<p>Waiting threads were not sampled (start the plugin with <code>idle=True</code> to see them).</p>"
+        yield ("<p>Threads running a task are sampled while they wait; other waiting threads are not "
+               "(start the plugin with <code>idle=True</code> to see them).</p>")
 
 
-GROUPS = {"task": "task", "prefix": "task prefix"}
+def _spans_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
+    """One row and one graph per dask span, each with the spans nested in it."""
+    yield "<h2>Spans</h2>"
+    yield ("<p><small>Task time per <code>distributed.span</code>, each with the spans nested in it; "
+           "tasks outside any span are in the <code>default</code> span.</small></p>")
+    rows = [[" / ".join(s["path"]), float(s["seconds"]), *_split(s), _top(s["top"])] for s in summary["spans"]]
+    yield _table(["span", "sampled s", *SPLIT_HEADER, "top functions (self time)"], rows)
+    for s in summary["spans"]:
+        name = " / ".join(s["path"])
+        svg = profile.flamegraph_svg(f"Span {name}", by="prefix", span=s["path"])
+        yield flame_details(svg, name, f"Flame graph of span {name} ({s['seconds']:.2f} s)")
+
+
+GROUPS = {"task": "task", "prefix": "task prefix", "span": "span"}
 
 
 def _lead_by(profile: Profile) -> str:
-    """The grouping of the leading graph: task keys if asked for, else task prefixes."""
-    return "task" if profile.by == "task" else "prefix"
+    """The grouping of the leading graph: task keys or spans if asked for, else task prefixes."""
+    return profile.by if profile.by in ("task", "span") else "prefix"
 
 
 def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
     """The whole cluster by task (or prefix), then one graph per prefix and per process."""
     by = _lead_by(profile)
     untagged = 100 * summary["untagged_seconds"] / (summary["seconds"] or 1.0)
-    yield f"<h2>Task time across the cluster, by {GROUPS[by]}</h2>"
+    what = "CPU time" if profile.weight == "cpu" else "time"
+    yield f"<h2>Task {what} across the cluster, by {GROUPS[by]}</h2>"
     yield ("<p><small>Stacks start at each task's own code (the worker's execution machinery is cut; "
            "the raw stacks are under Processes and in the speedscope file). A call cycle repeated "
            "in a row (recursion) is shown once.</small></p>")
-    yield flame_iframe(profile.flamegraph_svg(f"Task time by {GROUPS[by]}", by=by, tasks=True), "Task time")
+    yield flame_iframe(profile.flamegraph_svg(f"Task {what} by {GROUPS[by]}", by=by, tasks=True), f"Task {what}")
     yield flame_details(profile.flamegraph_svg("Outside tasks", tasks=False), "Outside tasks",
                         f"Time outside tasks ({untagged:.0f}% of samples: event loops, communication, the scheduler)")
     yield flame_details(profile.flamegraph_svg("All processes by thread"), "All processes by thread",
@@ -205,6 +236,8 @@ def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
     for p in summary["prefixes"]:
         svg = profile.flamegraph_svg(f"Task prefix {p['prefix']}", by="prefix", prefix=p["prefix"])
         yield flame_details(svg, p["prefix"], f"Flame graph of {p['prefix']} ({p['seconds']:.2f} s)")
+    if summary["spans"]:
+        yield from _spans_section(profile, summary)
     yield "<h2>Processes</h2>"
     for i, proc in enumerate(profile.processes):
         svg = profile.flamegraph_svg(f"Process {proc['name']}", process=i)
@@ -234,7 +267,7 @@ def render_html(profile: Profile, title: str = "dask-pyspy report", header: str 
         button,
         "<h2>Summary</h2>", *_summary_section(profile, summary),
         *_graphs_section(profile, summary),
-        "<h2>GIL and idle</h2>", *_states_section(summary, idle_sampled),
+        "<h2>Functions: CPU, GIL and waiting</h2>", *_functions_section(summary, idle_sampled),
         data,
         f"<script>{SCRIPT}</script></body></html>",
     ]

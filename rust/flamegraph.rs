@@ -1,7 +1,7 @@
 //! Flame graph SVG (inferno) over any subset of a profile's samples, as `views` shows them.
 
 use crate::model::{Frame, ProfileData, Sample};
-use crate::views::{By, View};
+use crate::views::{By, Shown, View};
 use inferno::flamegraph::{self, Options};
 use std::collections::HashMap;
 
@@ -24,21 +24,24 @@ fn label(f: &Frame) -> String {
 }
 
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
-/// `view` shows it: grouped `by` task or prefix (tagged stacks then cut to the
+/// `view` shows it: grouped `by` task, prefix or span (tagged stacks then cut to the
 /// task's own code), recursion folded.
-pub fn folded(data: &ProfileData, by: By, keep: &dyn Fn(&Sample) -> bool) -> Vec<String> {
+pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Vec<String> {
     let view = View::new(data);
-    let mut weights: HashMap<(Option<&str>, u32, bool), u64> = HashMap::new();
+    let by = shown.by;
+    // Keyed by tag only where the roots depend on it.
+    let mut weights: HashMap<(Option<u32>, u32, bool), u64> = HashMap::new();
     for s in data.samples.iter().filter(|s| keep(s)) {
         let cut = by != By::Thread && s.tag.is_some();
-        *weights.entry((view.root(s, by), s.stack, cut)).or_default() += s.weight_us as u64;
+        let tag = if by == By::Thread { None } else { s.tag };
+        *weights.entry((tag, s.stack, cut)).or_default() += shown.weight.of(s) as u64;
     }
     let labels: Vec<String> = data.frames.iter().map(label).collect();
     let mut lines: HashMap<String, u64> = HashMap::new();
-    for ((root, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
+    for ((tag, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
         let frames = view.folded(view.frames(stack, cut));
-        let root = root.map(clean);
-        let names: Vec<&str> = root.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
+        let roots: Vec<String> = view.roots(tag, by).into_iter().map(clean).collect();
+        let names: Vec<&str> = roots.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
         *lines.entry(names.join(";")).or_default() += w;
     }
     let mut lines: Vec<String> = lines.into_iter().map(|(stack, w)| format!("{stack} {w}")).collect();
@@ -53,8 +56,8 @@ const EMBED_SHIM: &str = "<script type=\"text/ecmascript\"><![CDATA[history.repl
 const MIN_WIDTH_PERCENT: f64 = 0.1;
 
 /// An interactive SVG (click to zoom, search); None when no sample matches.
-pub fn svg(data: &ProfileData, title: &str, by: By, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
-    let lines = folded(data, by, keep);
+pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
+    let lines = folded(data, shown, keep);
     if lines.is_empty() {
         return None;
     }
@@ -78,19 +81,22 @@ pub fn svg(data: &ProfileData, title: &str, by: By, keep: &dyn Fn(&Sample) -> bo
 mod tests {
     use super::*;
     use crate::model::tests::profile;
+    use crate::views::Weight;
+
+    const WALL: Shown = Shown { by: By::Thread, weight: Weight::Wall };
 
     #[test]
     fn folds_and_renders() {
         let mut data = profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
         data.frames[0].name = "<script>alert(1)</script>".into();
-        let lines = folded(&data, By::Thread, &|_| true);
+        let lines = folded(&data, WALL, &|_| true);
         assert_eq!(lines.len(), 2);
         assert!(lines.iter().any(|l| l.ends_with("(f.py:1) 20000")));
         assert!(lines.iter().any(|l| l.ends_with(";g x (g x.py:1) 10000")), "{lines:?}");
-        let svg = svg(&data, "t", By::Thread, &|_| true).unwrap();
+        let svg = svg(&data, "t", WALL, &|_| true).unwrap();
         assert!(svg.starts_with("<?xml"));
         assert!(!svg.contains("<script>alert(1)"), "names are escaped");
         assert!(svg.contains("&lt;script&gt;alert(1)"));
-        assert!(super::svg(&data, "t", By::Thread, &|_| false).is_none());
+        assert!(super::svg(&data, "t", WALL, &|_| false).is_none());
     }
 }

@@ -2,7 +2,7 @@
 //! survives the exporters (valid JSON, exact round trip) and never becomes markup.
 
 use crate::model::{tests::profile, Frame, Tag};
-use crate::views::By;
+use crate::views::{By, Shown, Weight};
 use crate::{flamegraph, speedscope, summary};
 use proptest::prelude::*;
 
@@ -22,10 +22,10 @@ proptest! {
     fn exporters_survive_any_names(name in hostile(), file in hostile(), key in hostile(), thread in hostile()) {
         let mut data = profile("w", &[(1, &["main", "f"], Some("k")), (1, &["main", "g"], None)]);
         data.frames[1] = Frame { name: name.clone(), file: file.clone(), line: 3 };
-        data.tags[0] = Tag { key: key.clone(), prefix: key.clone(), span: None };
+        data.tags[0] = Tag { key: key.clone(), prefix: key.clone(), span: Some(key.clone()) };
         data.threads[0].name = Some(thread.clone());
-        for by in [By::Thread, By::Task, By::Prefix] {
-            let doc: serde_json::Value = serde_json::from_slice(&speedscope::write(&data, by, "t")).unwrap();
+        for by in [By::Thread, By::Task, By::Prefix, By::Span] {
+            let doc: serde_json::Value = serde_json::from_slice(&speedscope::write(&data, Shown { by, weight: Weight::Wall }, "t")).unwrap();
             let frames = doc["shared"]["frames"].as_array().unwrap();
             prop_assert!(frames.iter().any(|f| f["name"] == name.as_str() && f["file"] == file.as_str()));
             if by == By::Task {
@@ -33,7 +33,7 @@ proptest! {
             }
             let profiles = doc["profiles"].as_array().unwrap();
             prop_assert!(profiles.iter().any(|p| p["name"].as_str().unwrap().contains(thread.as_str())));
-            let svg = flamegraph::svg(&data, &key, by, &|_| true).unwrap();
+            let svg = flamegraph::svg(&data, &key, Shown { by, weight: Weight::Wall }, &|_| true).unwrap();
             prop_assert_eq!(svg.matches("<script").count(), 2, "only the graph's own scripts");
             prop_assert!(!svg.chars().any(|c| c < ' ' && !matches!(c, '\t' | '\n' | '\r')), "valid XML text");
         }

@@ -8,6 +8,7 @@ mod reader;
 mod sampler;
 mod speedscope;
 mod store;
+mod spans;
 mod summary;
 mod tags;
 mod views;
@@ -22,7 +23,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use serde_json::{Map, Value};
-use views::By;
+use spans::SpanFilter;
+use views::Shown;
 use std::sync::Arc;
 
 fn value_error(e: impl ToString) -> PyErr {
@@ -137,6 +139,26 @@ impl PySampler {
     }
 }
 
+/// `span=` from Python: a str names one span (by name or id), a list a name path.
+#[derive(FromPyObject)]
+enum SpanArg {
+    One(String),
+    Path(Vec<String>),
+}
+
+impl From<SpanArg> for SpanFilter {
+    fn from(arg: SpanArg) -> SpanFilter {
+        match arg {
+            SpanArg::One(one) => SpanFilter::One(one),
+            SpanArg::Path(path) => SpanFilter::Path(path),
+        }
+    }
+}
+
+fn shown(by: &str, weight: &str) -> PyResult<Shown> {
+    Ok(Shown { by: by.parse().map_err(value_error)?, weight: weight.parse().map_err(value_error)? })
+}
+
 #[pyclass(name = "Profile", module = "dask_pyspy._native", frozen)]
 struct PyProfile {
     data: Arc<ProfileData>,
@@ -173,36 +195,49 @@ impl PyProfile {
         Ok(PyProfile { data: Arc::new(data) })
     }
 
-    #[pyo3(signature = (by="thread", name="dask-pyspy", compress=false))]
-    fn speedscope<'py>(&self, py: Python<'py>, by: &str, name: &str, compress: bool) -> PyResult<Bound<'py, PyBytes>> {
-        let by: By = by.parse().map_err(value_error)?;
+    #[pyo3(signature = (by="thread", weight="wall", name="dask-pyspy", compress=false))]
+    fn speedscope<'py>(&self, py: Python<'py>, by: &str, weight: &str, name: &str, compress: bool) -> PyResult<Bound<'py, PyBytes>> {
+        let shown = shown(by, weight)?;
         let bytes = py.detach(|| {
-            let doc = speedscope::write(&self.data, by, name);
+            let doc = speedscope::write(&self.data, shown, name);
             if compress { compress::gzip(&doc, Compression::default()) } else { doc }
         });
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// Flame graph of the samples of one task prefix and/or one process (None: all).
-    /// `tasks`: None for every sample, True for task samples only, False for the rest.
-    #[pyo3(signature = (title, by="thread", prefix=None, process=None, tasks=None))]
+    /// Flame graph of the samples of one task prefix, one process and/or one span
+    /// (None: all). `tasks`: None for every sample, True for task samples only, False
+    /// for the rest.
+    #[pyo3(signature = (title, by="thread", weight="wall", prefix=None, process=None, tasks=None, span=None))]
+    #[allow(clippy::too_many_arguments)]
     fn flamegraph_svg(
         &self,
         py: Python<'_>,
         title: &str,
         by: &str,
+        weight: &str,
         prefix: Option<&str>,
         process: Option<u32>,
         tasks: Option<bool>,
+        span: Option<SpanArg>,
     ) -> PyResult<Option<String>> {
-        let by: By = by.parse().map_err(value_error)?;
+        let shown = shown(by, weight)?;
         let data = &self.data;
+        let span = span.map(SpanFilter::from);
+        let in_span: Vec<bool> = data.tags.iter().map(|t| span.as_ref().is_none_or(|f| f.keeps(data, t))).collect();
         let keep = |s: &Sample| {
             let prefix_ok = prefix.is_none_or(|p| s.tag.is_some_and(|t| data.tags[t as usize].prefix == p));
             let process_ok = process.is_none_or(|p| data.threads[s.thread as usize].process == p);
-            prefix_ok && process_ok && tasks.is_none_or(|t| t == s.tag.is_some())
+            let span_ok = span.is_none() || s.tag.is_some_and(|t| in_span[t as usize]);
+            prefix_ok && process_ok && span_ok && tasks.is_none_or(|t| t == s.tag.is_some())
         };
-        Ok(py.detach(|| flamegraph::svg(data, title, by, &keep)))
+        Ok(py.detach(|| flamegraph::svg(data, title, shown, &keep)))
+    }
+
+    /// The samples of a span (a name or id, or a name path outermost first) and the spans in it.
+    fn only_span(&self, py: Python<'_>, span: SpanArg) -> Self {
+        let filter = SpanFilter::from(span);
+        PyProfile { data: Arc::new(py.detach(|| filter.select(&self.data))) }
     }
 
     /// The samples of the process at `index` in `processes_json()`.

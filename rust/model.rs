@@ -392,6 +392,18 @@ impl ProfileData {
         one
     }
 
+    /// The samples `keep` keeps, with every process and span.
+    pub fn filtered(&self, keep: impl Fn(&Sample) -> bool) -> ProfileData {
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(self);
+        for s in self.samples.iter().filter(|s| keep(s)) {
+            out.copy_sample(self, &mut map, s, None);
+        }
+        let mut kept = out.finish(self.processes.clone(), self.metadata.clone());
+        kept.spans = self.spans.clone();
+        kept
+    }
+
     /// The span path of `tag`, outermost first: names where known, else the id alone.
     pub fn span_names<'a>(&'a self, tag: &'a Tag) -> Vec<&'a str> {
         match (&tag.span, tag.span.as_ref().and_then(|id| self.spans.get(id))) {

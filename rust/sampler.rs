@@ -426,7 +426,9 @@ impl<'a> Loop<'a> {
         let mut store = self.shared.store.lock();
         let mut ids = Vec::new();
         for t in &self.stacks {
-            if !keep.keeps(t.active, t.holds_gil) || t.frames.is_empty() {
+            // A tag that changed during the read (Err) was a task's at selection.
+            let in_task = !matches!(t.tag, Ok(None));
+            if !keep.keeps(t.active, t.holds_gil, in_task) || t.frames.is_empty() {
                 continue;
             }
             let tag = t.tag.clone().unwrap_or_else(|()| {

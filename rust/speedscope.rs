@@ -1,10 +1,10 @@
 //! Writer for speedscope's file format (https://www.speedscope.app/file-format-schema.json):
-//! weights in seconds, stacks root first. Merged profiles come first, as `by` asks:
-//! one per task prefix, or the whole cluster by task, with stacks cut to the task's
-//! own code. Then one profile per thread with its raw stacks.
+//! weights in seconds (wall or CPU), stacks root first. Merged profiles come first,
+//! as `by` asks: one per task prefix, or the whole cluster by task or by span, with
+//! stacks cut to the task's own code. Then one profile per thread with its raw stacks.
 
 use crate::model::{ProfileData, Sample};
-use crate::views::{By, View, NO_TASK};
+use crate::views::{By, Shown, View, Weight};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -55,27 +55,45 @@ struct Profile {
 }
 
 const TASK_FILE: &str = "dask task";
+const SPAN_FILE: &str = "dask span";
 
-/// Synthetic root frames, appended after the real frames: one per task key or
-/// prefix (indexed by tag), and by task one for untagged samples.
-fn root_frames<'a>(data: &'a ProfileData, by: By, frames: &mut Vec<SFrame<'a>>) -> (Vec<Option<u32>>, Option<u32>) {
-    let mut by_name: HashMap<&str, u32> = HashMap::new();
-    let mut root = |name: &'a str| {
-        *by_name.entry(name).or_insert_with(|| {
-            frames.push(SFrame { name, file: TASK_FILE, line: None });
-            frames.len() as u32 - 1
-        })
-    };
-    let by_tag = data
-        .tags
-        .iter()
-        .map(|tag| match by {
-            By::Thread => None,
-            By::Task => Some(root(&tag.key)),
-            By::Prefix => Some(root(&tag.prefix)),
-        })
-        .collect();
-    (by_tag, (by == By::Task).then(|| root(NO_TASK)))
+/// Synthetic root frames, appended after the real frames: per tag, the frames `by`
+/// roots its samples at; and in the merged view by task or span, those of untagged
+/// samples (threads keep untagged stacks as they are).
+struct Roots {
+    by_tag: Vec<Vec<u32>>,
+    untagged: Vec<u32>,
+}
+
+impl Roots {
+    fn new<'a>(data: &'a ProfileData, view: &View<'a>, by: By, frames: &mut Vec<SFrame<'a>>) -> Roots {
+        let mut ids: HashMap<(&str, &str), u32> = HashMap::new();
+        let mut ids_of = |names: Vec<&'a str>| -> Vec<u32> {
+            let spans = if by == By::Span { names.len().saturating_sub(1) } else { 0 };
+            let files = std::iter::repeat(SPAN_FILE).take(spans).chain(std::iter::repeat(TASK_FILE));
+            names
+                .into_iter()
+                .zip(files)
+                .map(|(name, file)| {
+                    *ids.entry((name, file)).or_insert_with(|| {
+                        frames.push(SFrame { name, file, line: None });
+                        frames.len() as u32 - 1
+                    })
+                })
+                .collect()
+        };
+        let by_tag = (0..data.tags.len() as u32).map(|t| ids_of(view.roots(Some(t), by))).collect();
+        let untagged = if matches!(by, By::Task | By::Span) { ids_of(view.roots(None, by)) } else { Vec::new() };
+        Roots { by_tag, untagged }
+    }
+
+    fn of(&self, s: &Sample, merged: bool) -> &[u32] {
+        match s.tag {
+            Some(t) => &self.by_tag[t as usize],
+            None if merged => &self.untagged,
+            None => &[],
+        }
+    }
 }
 
 /// Builds one sampled profile; consecutive identical samples merge into one longer
@@ -84,22 +102,25 @@ fn root_frames<'a>(data: &'a ProfileData, by: By, frames: &mut Vec<SFrame<'a>>) 
 struct Sampled {
     samples: Vec<Vec<u32>>,
     weights: Vec<f64>,
-    last: Option<(Option<u32>, u32)>,
+    last: Option<(Vec<u32>, u32)>,
     task_seconds: f64,
 }
 
 impl Sampled {
-    fn add(&mut self, s: &Sample, root: Option<u32>, frames: &[u32]) {
-        let weight = s.weight_us as f64 / 1e6;
+    fn add(&mut self, s: &Sample, weight: Weight, roots: &[u32], frames: &[u32]) {
+        let weight = weight.of(s) as f64 / 1e6;
+        if weight == 0.0 {
+            return;
+        }
         if s.tag.is_some() {
             self.task_seconds += weight;
         }
-        if self.last == Some((root, s.stack)) {
+        if matches!(&self.last, Some((r, stack)) if r == roots && *stack == s.stack) {
             *self.weights.last_mut().unwrap() += weight;
             return;
         }
-        self.last = Some((root, s.stack));
-        self.samples.push(root.into_iter().chain(frames.iter().copied()).collect());
+        self.last = Some((roots.to_vec(), s.stack));
+        self.samples.push(roots.iter().chain(frames).copied().collect());
         self.weights.push(weight);
     }
 
@@ -125,38 +146,38 @@ fn time_order(data: &ProfileData) -> Vec<&Sample> {
     order
 }
 
-/// The merged profiles `by` asks for, largest first: samples of every thread in time order.
-fn merged(data: &ProfileData, by: By, by_tag: &[Option<u32>], no_task: Option<u32>) -> Vec<Profile> {
-    let mut out: Vec<Profile> = match by {
+/// The merged profiles `shown.by` asks for, largest first: samples of every thread in time order.
+fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<Profile> {
+    let weight = shown.weight;
+    let mut out: Vec<Profile> = match shown.by {
         By::Thread => return Vec::new(),
-        By::Task => {
-            let view = View::new(data);
+        By::Task | By::Span => {
             let mut all = Sampled::default();
             for s in time_order(data) {
-                let root = s.tag.and_then(|t| by_tag[t as usize]).or(no_task);
-                all.add(s, root, view.frames(s.stack, s.tag.is_some()));
+                all.add(s, weight, roots.of(s, true), view.frames(s.stack, s.tag.is_some()));
             }
-            vec![all.finish("whole cluster by task (task code only)".into())]
+            let by = if shown.by == By::Task { "task" } else { "span" };
+            vec![all.finish(format!("whole cluster by {by} (task code only)"))]
         }
         By::Prefix => {
-            let view = View::new(data);
             let mut per_prefix: HashMap<&str, Sampled> = HashMap::new();
             for s in time_order(data) {
                 if let Some(t) = s.tag {
-                    per_prefix.entry(&data.tags[t as usize].prefix).or_default().add(s, None, view.frames(s.stack, true));
+                    per_prefix.entry(&data.tags[t as usize].prefix).or_default().add(s, weight, &[], view.frames(s.stack, true));
                 }
             }
             per_prefix.into_iter().map(|(prefix, p)| p.finish(format!("{prefix} (all threads, task code only)"))).collect()
         }
     };
     out.sort_by(|a, b| b.end_value.total_cmp(&a.end_value).then_with(|| a.name.cmp(&b.name)));
+    out.retain(|p| !p.samples.is_empty());
     out
 }
 
-fn thread_profile(data: &ProfileData, thread: u32, by_tag: &[Option<u32>]) -> Profile {
+fn thread_profile(data: &ProfileData, thread: u32, weight: Weight, roots: &Roots) -> Profile {
     let mut p = Sampled::default();
     for s in data.samples.iter().filter(|s| s.thread == thread) {
-        p.add(s, s.tag.and_then(|t| by_tag[t as usize]), &data.stacks[s.stack as usize]);
+        p.add(s, weight, roots.of(s, false), &data.stacks[s.stack as usize]);
     }
     p.finish(data.thread_label(thread))
 }
@@ -169,19 +190,21 @@ fn active(profiles: &[Profile], merged: usize) -> usize {
     candidates.max_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal)).unwrap_or(0)
 }
 
-/// The document; it holds no profile when `data` holds no samples.
-pub fn write(data: &ProfileData, by: By, name: &str) -> Vec<u8> {
+/// The document; it holds no profile when `data` holds no samples (or, weighted by
+/// CPU, none with CPU time).
+pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
     let mut frames: Vec<SFrame> = data
         .frames
         .iter()
         .map(|f| SFrame { name: &f.name, file: &f.file, line: (f.line > 0).then_some(f.line) })
         .collect();
-    let (by_tag, no_task) = root_frames(data, by, &mut frames);
-    let mut profiles = merged(data, by, &by_tag, no_task);
+    let view = View::new(data);
+    let roots = Roots::new(data, &view, shown.by, &mut frames);
+    let mut profiles = merged(data, &view, shown, &roots);
     let n_merged = profiles.len();
     let mut threads: Vec<u32> = (0..data.threads.len() as u32).collect();
     threads.sort_by_key(|&t| data.thread_label(t));
-    profiles.extend(threads.into_iter().map(|t| thread_profile(data, t, &by_tag)).filter(|p| !p.samples.is_empty()));
+    profiles.extend(threads.into_iter().map(|t| thread_profile(data, t, shown.weight, &roots)).filter(|p| !p.samples.is_empty()));
     let file = File {
         schema: "https://www.speedscope.app/file-format-schema.json",
         shared: Shared { frames },
@@ -189,7 +212,7 @@ pub fn write(data: &ProfileData, by: By, name: &str) -> Vec<u8> {
         profiles,
         name,
         exporter: format!("dask-pyspy {}", env!("CARGO_PKG_VERSION")),
-        metadata: json!({"metadata": data.metadata, "processes": data.processes}),
+        metadata: json!({"metadata": data.metadata, "processes": data.processes, "spans": data.spans}),
     };
     serde_json::to_vec(&file).expect("speedscope documents always serialise")
 }
@@ -198,6 +221,11 @@ pub fn write(data: &ProfileData, by: By, name: &str) -> Vec<u8> {
 mod tests {
     use super::*;
     use crate::model::tests::profile;
+    use crate::model::Span;
+
+    fn wall(by: By) -> Shown {
+        Shown { by, weight: Weight::Wall }
+    }
 
     fn doc(by: By) -> Value {
         let data = profile(
@@ -212,7 +240,7 @@ mod tests {
                 (2, &["main", "i"], None),
             ],
         );
-        serde_json::from_slice(&write(&data, by, "test")).unwrap()
+        serde_json::from_slice(&write(&data, wall(by), "test")).unwrap()
     }
 
     fn names(d: &Value, profile: usize) -> Vec<Vec<String>> {
@@ -261,14 +289,32 @@ mod tests {
             &[(1, &["pool", "f"], Some("f-1")), (2, &["pool", "g"], Some("g-2")), (1, &["pool", "g"], Some("g-3")), (3, &["pool", "h"], None)],
         );
         data.frames[0].file = "/usr/lib/python3/threading.py".into();
-        let d: Value = serde_json::from_slice(&write(&data, By::Prefix, "t")).unwrap();
+        let d: Value = serde_json::from_slice(&write(&data, wall(By::Prefix), "t")).unwrap();
         assert_eq!(d["profiles"][0]["name"], "g (all threads, task code only)", "largest prefix first");
         assert_eq!(names(&d, 0), [["g"]], "cut to the task's code; consecutive samples of one stack merge");
         assert_eq!(names(&d, 1), [["f"]]);
         assert_eq!(names(&d, 2), [["f", "pool", "f"], ["g", "pool", "g"]], "threads keep raw stacks");
         assert_eq!(d["activeProfileIndex"], 0);
-        let d: Value = serde_json::from_slice(&write(&data, By::Task, "t")).unwrap();
+        let d: Value = serde_json::from_slice(&write(&data, wall(By::Task), "t")).unwrap();
         assert_eq!(names(&d, 0), [vec!["f-1", "f"], vec!["g-2", "g"], vec!["g-3", "g"], vec!["(no task)", "pool", "h"]]);
         assert_eq!(d["activeProfileIndex"], 0);
+    }
+
+    #[test]
+    fn span_view_roots_at_the_span_path_and_cpu_weights() {
+        let mut data = profile("w", &[(1, &["pool", "f"], Some("f-1")), (2, &["pool", "g"], Some("g-2")), (3, &["pool", "h"], None)]);
+        data.tags[0].span = Some("id-parse".into());
+        data.tags[1].span = Some("gone".into());
+        let span = Span { names: vec!["load".into(), "parse".into()], ids: vec!["id-load".into(), "id-parse".into()] };
+        data.spans.insert("id-parse".into(), span);
+        data.samples[0].cpu_us = 4_000;
+        let d: Value = serde_json::from_slice(&write(&data, wall(By::Span), "t")).unwrap();
+        assert_eq!(d["profiles"][0]["name"], "whole cluster by span (task code only)");
+        let stacks = names(&d, 0);
+        assert_eq!(stacks[0][..3], ["load", "parse", "f"], "span path, then the prefix");
+        assert_eq!(stacks[1][..2], ["gone", "g"], "a span the scheduler forgot keeps its id as name");
+        assert_eq!(stacks[2][0], "(no task)");
+        let d: Value = serde_json::from_slice(&write(&data, Shown { by: By::Span, weight: Weight::Cpu }, "t")).unwrap();
+        assert_eq!(d["profiles"][0]["weights"], json!([0.004]), "only CPU time counts");
     }
 }

@@ -1,17 +1,56 @@
-//! Totals for reports: time per process, per task prefix (with its top functions),
-//! per thread state, and the functions with the most self time.
+//! Totals for reports: time per process, per task prefix and per span (each with its
+//! top functions), and the functions with the most self time. Every row splits its
+//! wall time into holding the GIL, running without it and waiting, beside the CPU
+//! time its threads used.
 
-use crate::model::{ProfileData, FLAG_ACTIVE, FLAG_GIL};
+use crate::model::{ProfileData, Sample, FLAG_ACTIVE, FLAG_GIL};
+use crate::views::Weight;
 use serde::Serialize;
 use std::collections::HashMap;
 
 const TOP_FUNCTIONS: usize = 8;
 
+/// Where wall time went, in seconds; `gil + no_gil + waiting` is the row's wall time.
+#[derive(Serialize, Clone, Copy, Default, Debug)]
+pub struct Split {
+    /// CPU time the threads used (0 where the reader did not measure it).
+    pub cpu: f64,
+    /// Holding the GIL (running Python, or a C call that kept it).
+    pub gil: f64,
+    /// On a CPU without the GIL (a numpy kernel, I/O in C that released it).
+    pub no_gil: f64,
+    /// Neither: blocked on I/O, a lock or a sleep (tasks' threads; others with `idle`).
+    pub waiting: f64,
+}
+
+impl Split {
+    fn add(&mut self, s: &Sample) {
+        let wall = s.weight_us as f64 / 1e6;
+        self.cpu += Weight::Cpu.of(s) as f64 / 1e6;
+        let slot = match (s.flags & FLAG_GIL != 0, s.flags & FLAG_ACTIVE != 0) {
+            (true, _) => &mut self.gil,
+            (false, true) => &mut self.no_gil,
+            (false, false) => &mut self.waiting,
+        };
+        *slot += wall;
+    }
+
+    fn merge(&mut self, other: &Split) {
+        self.cpu += other.cpu;
+        self.gil += other.gil;
+        self.no_gil += other.no_gil;
+        self.waiting += other.waiting;
+    }
+}
+
 #[derive(Serialize, Clone)]
 pub struct FunctionTime {
     pub name: String,
     pub file: String,
+    /// Self wall time.
     pub seconds: f64,
+    #[serde(flatten)]
+    pub split: Split,
 }
 
 #[derive(Serialize)]
@@ -22,69 +61,94 @@ pub struct ProcessTime {
     pub threads: usize,
 }
 
+/// A group of samples (a task prefix, a span, everything): its totals and the self
+/// time of the functions at the top of its stacks.
 #[derive(Serialize)]
-pub struct PrefixTime {
-    pub prefix: String,
+pub struct Group {
     pub samples: usize,
     pub seconds: f64,
-    /// Self time of the functions at the top of this prefix's stacks.
+    #[serde(flatten)]
+    pub split: Split,
     pub top: Vec<FunctionTime>,
 }
 
-/// Seconds by thread state; "waiting" is only sampled with `idle=True`.
-#[derive(Serialize, Default)]
-pub struct States {
-    pub running_with_gil: f64,
-    pub running_without_gil: f64,
-    pub waiting_holding_gil: f64,
-    pub waiting: f64,
+#[derive(Serialize)]
+pub struct PrefixTime {
+    pub prefix: String,
+    #[serde(flatten)]
+    pub group: Group,
+}
+
+/// A span with the spans nested in it.
+#[derive(Serialize)]
+pub struct SpanTime {
+    /// Names, outermost first; a span no one named is its id.
+    pub path: Vec<String>,
+    #[serde(flatten)]
+    pub group: Group,
 }
 
 #[derive(Serialize)]
 pub struct Summary {
-    pub samples: usize,
-    pub seconds: f64,
     pub first: Option<f64>,
     pub last: Option<f64>,
     pub processes: Vec<ProcessTime>,
     pub prefixes: Vec<PrefixTime>,
+    pub spans: Vec<SpanTime>,
     pub untagged_seconds: f64,
-    pub states: States,
-    pub top: Vec<FunctionTime>,
+    /// Whether any sample carries CPU time.
+    pub cpu_measured: bool,
+    /// Every sample: `samples`, `seconds` and the rest at the top level.
+    #[serde(flatten)]
+    pub all: Group,
 }
 
-/// Self time per function (name + file, any line), largest first.
+/// Samples added up, with self time (and its split) per leaf frame.
 #[derive(Default)]
-struct SelfTime(HashMap<u32, f64>);
+struct Tally {
+    samples: usize,
+    seconds: f64,
+    split: Split,
+    leaves: HashMap<u32, (f64, Split)>,
+}
 
-impl SelfTime {
-    fn add(&mut self, data: &ProfileData, stack: u32, seconds: f64) {
-        if let Some(&leaf) = data.stacks[stack as usize].last() {
-            *self.0.entry(leaf).or_default() += seconds;
+impl Tally {
+    fn add(&mut self, data: &ProfileData, s: &Sample) {
+        let wall = s.weight_us as f64 / 1e6;
+        self.samples += 1;
+        self.seconds += wall;
+        self.split.add(s);
+        if let Some(&leaf) = data.stacks[s.stack as usize].last() {
+            let e = self.leaves.entry(leaf).or_default();
+            e.0 += wall;
+            e.1.add(s);
         }
     }
 
-    fn top(&self, data: &ProfileData) -> Vec<FunctionTime> {
-        let mut by_function: HashMap<(&str, &str), f64> = HashMap::new();
-        for (&frame, &s) in &self.0 {
+    /// Self time per function (name + file, any line), largest first.
+    fn finish(self, data: &ProfileData) -> Group {
+        let mut by_function: HashMap<(&str, &str), (f64, Split)> = HashMap::new();
+        for (frame, (wall, split)) in self.leaves {
             let f = &data.frames[frame as usize];
-            *by_function.entry((&f.name, &f.file)).or_default() += s;
+            let e = by_function.entry((&f.name, &f.file)).or_default();
+            e.0 += wall;
+            e.1.merge(&split);
         }
-        let mut out: Vec<FunctionTime> = by_function
+        let mut top: Vec<FunctionTime> = by_function
             .into_iter()
-            .map(|((name, file), seconds)| FunctionTime { name: name.into(), file: file.into(), seconds })
+            .map(|((name, file), (seconds, split))| FunctionTime { name: name.into(), file: file.into(), seconds, split })
             .collect();
-        out.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.name.cmp(&b.name)));
-        out.truncate(TOP_FUNCTIONS);
-        out
+        top.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.name.cmp(&b.name)));
+        top.truncate(TOP_FUNCTIONS);
+        Group { samples: self.samples, seconds: self.seconds, split: self.split, top }
     }
 }
 
 pub fn summarize(data: &ProfileData) -> Summary {
     let mut per_process: Vec<(usize, f64, Vec<u64>)> = vec![(0, 0.0, Vec::new()); data.processes.len()];
-    let mut per_prefix: HashMap<&str, (usize, f64, SelfTime)> = HashMap::new();
-    let mut all = SelfTime::default();
-    let mut states = States::default();
+    let mut per_prefix: HashMap<&str, Tally> = HashMap::new();
+    let mut per_span: HashMap<Vec<&str>, Tally> = HashMap::new();
+    let mut all = Tally::default();
     let mut untagged = 0.0;
     for s in &data.samples {
         let secs = s.weight_us as f64 / 1e6;
@@ -94,23 +158,17 @@ pub fn summarize(data: &ProfileData) -> Summary {
             p.1 += secs;
             p.2.push(th.ident);
         }
-        match s.tag {
-            Some(t) => {
-                let e = per_prefix.entry(&data.tags[t as usize].prefix).or_default();
-                e.0 += 1;
-                e.1 += secs;
-                e.2.add(data, s.stack, secs);
+        match s.tag.map(|t| &data.tags[t as usize]) {
+            Some(tag) => {
+                per_prefix.entry(&tag.prefix).or_default().add(data, s);
+                let path = data.span_names(tag);
+                for depth in 1..=path.len() {
+                    per_span.entry(path[..depth].to_vec()).or_default().add(data, s);
+                }
             }
             None => untagged += secs,
         }
-        all.add(data, s.stack, secs);
-        let slot = match (s.flags & FLAG_ACTIVE != 0, s.flags & FLAG_GIL != 0) {
-            (true, true) => &mut states.running_with_gil,
-            (true, false) => &mut states.running_without_gil,
-            (false, true) => &mut states.waiting_holding_gil,
-            (false, false) => &mut states.waiting,
-        };
-        *slot += secs;
+        all.add(data, s);
     }
     let processes = data
         .processes
@@ -122,27 +180,25 @@ pub fn summarize(data: &ProfileData) -> Summary {
             ProcessTime { name: p.name.clone(), samples, seconds, threads: idents.len() }
         })
         .collect();
-    let mut prefixes: Vec<PrefixTime> = per_prefix
+    let mut prefixes: Vec<PrefixTime> =
+        per_prefix.into_iter().map(|(prefix, t)| PrefixTime { prefix: prefix.into(), group: t.finish(data) }).collect();
+    prefixes.sort_by(|a, b| b.group.seconds.total_cmp(&a.group.seconds).then_with(|| a.prefix.cmp(&b.prefix)));
+    let mut spans: Vec<SpanTime> = per_span
         .into_iter()
-        .map(|(prefix, (samples, seconds, self_time))| PrefixTime {
-            prefix: prefix.into(),
-            samples,
-            seconds,
-            top: self_time.top(data),
-        })
+        .map(|(path, t)| SpanTime { path: path.into_iter().map(String::from).collect(), group: t.finish(data) })
         .collect();
-    prefixes.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.prefix.cmp(&b.prefix)));
+    // Outermost spans first, each followed by its nested ones.
+    spans.sort_by(|a, b| a.path.cmp(&b.path));
     let times = data.samples.iter().map(|s| s.time_ns as f64 / 1e9);
     Summary {
-        samples: data.samples.len(),
-        seconds: data.total_seconds(),
         first: times.clone().reduce(f64::min),
         last: times.reduce(f64::max),
         processes,
         prefixes,
+        spans,
         untagged_seconds: untagged,
-        states,
-        top: all.top(data),
+        cpu_measured: data.samples.iter().any(|s| s.cpu_us > 0),
+        all: all.finish(data),
     }
 }
 
@@ -150,6 +206,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
 mod tests {
     use super::*;
     use crate::model::tests::profile;
+    use crate::model::Span;
 
     #[test]
     fn totals_by_prefix_state_and_function() {
@@ -158,13 +215,42 @@ mod tests {
             &[(1, &["main", "f"], Some("f-1")), (1, &["main", "f"], Some("f-2")), (2, &["main", "g"], Some("g-1")), (2, &["main"], None)],
         );
         let s = summarize(&data);
-        assert_eq!(s.samples, 4);
+        assert_eq!(s.all.samples, 4);
         assert_eq!(s.processes[0].threads, 2);
         assert_eq!(s.prefixes[0].prefix, "f");
-        assert_eq!(s.prefixes[0].samples, 2);
-        assert_eq!(s.prefixes[0].top[0].name, "f");
+        assert_eq!(s.prefixes[0].group.samples, 2);
+        assert_eq!(s.prefixes[0].group.top[0].name, "f");
         assert!((s.untagged_seconds - 0.01).abs() < 1e-9);
-        assert!((s.states.running_without_gil - 0.04).abs() < 1e-9);
-        assert_eq!(s.top[0].name, "f");
+        assert!((s.all.split.no_gil - 0.04).abs() < 1e-9);
+        assert_eq!(s.all.top[0].name, "f");
+        assert!(!s.cpu_measured);
+    }
+
+    #[test]
+    fn wall_splits_into_gil_no_gil_and_waiting_beside_cpu() {
+        let mut data = profile("w", &[(1, &["read"], Some("io-1")), (2, &["dot"], Some("np-1")), (3, &["loop"], Some("py-1"))]);
+        data.samples[0].flags = 0; // blocked on I/O
+        data.samples[1].cpu_us = 9_000; // a kernel without the GIL
+        data.samples[2].flags = FLAG_ACTIVE | FLAG_GIL;
+        data.samples[2].cpu_us = 20_000; // more than the tick's share: capped
+        let s = summarize(&data);
+        let row = |p: &str| s.prefixes.iter().find(|r| r.prefix == p).unwrap().group.split;
+        assert!(row("io").waiting == 0.01 && row("io").cpu == 0.0);
+        assert!(row("np").no_gil == 0.01 && (row("np").cpu - 0.009).abs() < 1e-9);
+        assert!(row("py").gil == 0.01 && row("py").cpu == 0.01);
+        assert_eq!(s.all.top.iter().find(|f| f.name == "dot").unwrap().split.no_gil, 0.01);
+        assert!(s.cpu_measured);
+    }
+
+    #[test]
+    fn spans_count_their_nested_spans() {
+        let mut data = profile("w", &[(1, &["f"], Some("f-1")), (1, &["g"], Some("g-1")), (1, &["h"], Some("h-1"))]);
+        data.spans.insert("b".into(), Span { names: vec!["load".into(), "parse".into()], ids: vec!["a".into(), "b".into()] });
+        data.spans.insert("a".into(), Span { names: vec!["load".into()], ids: vec!["a".into()] });
+        data.tags[0].span = Some("a".into());
+        data.tags[1].span = Some("b".into());
+        let s = summarize(&data);
+        let paths: Vec<(String, usize)> = s.spans.iter().map(|r| (r.path.join("/"), r.group.samples)).collect();
+        assert_eq!(paths, [("load".to_string(), 2), ("load/parse".to_string(), 1)]);
     }
 }

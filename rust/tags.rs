@@ -6,6 +6,7 @@
 
 use crate::model::Tag;
 use parking_lot::Mutex;
+use rustc_hash::FxHashSet;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -40,6 +41,11 @@ impl ThreadTags {
     /// A consistent copy of every thread's tag, taken before a stack read.
     pub fn snapshot(&self) -> HashMap<u64, ThreadTag> {
         self.tags.lock().clone()
+    }
+
+    /// Threads running a task now.
+    pub fn tagged(&self) -> FxHashSet<u64> {
+        self.tags.lock().iter().filter(|(_, t)| t.tag.is_some()).map(|(&ident, _)| ident).collect()
     }
 
     /// The tags of `idents`, taken right before their stacks are read.

@@ -1,17 +1,20 @@
-//! How stacks are shown: grouped under their task or task prefix, cut to the task's
-//! own code, and with repeated call cycles folded so one deep recursion cannot set
-//! a flame graph's height. The samples themselves are never changed.
+//! How stacks are shown: grouped under their task, task prefix or dask span, cut to
+//! the task's own code, weighted by wall or CPU time, and with repeated call cycles
+//! folded so one deep recursion cannot set a flame graph's height. The samples
+//! themselves are never changed.
 
 use crate::model::{ProfileData, Sample};
 use std::collections::HashMap;
 use std::str::FromStr;
 
-/// What the synthetic root frame of each sample is, so views group by it.
+/// What the synthetic root frames of each sample are, so views group by them:
+/// none, the task key, the task prefix, or the span path and then the prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum By {
     Thread,
     Task,
     Prefix,
+    Span,
 }
 
 impl FromStr for By {
@@ -21,13 +24,53 @@ impl FromStr for By {
             "thread" => Ok(By::Thread),
             "task" => Ok(By::Task),
             "prefix" => Ok(By::Prefix),
-            _ => Err(format!("by must be one of 'thread', 'task', 'prefix', got {s:?}")),
+            "span" => Ok(By::Span),
+            _ => Err(format!("by must be one of 'thread', 'task', 'prefix', 'span', got {s:?}")),
         }
     }
 }
 
+/// What a sample weighs in a view: the wall time it stands for, or the CPU time
+/// its thread used in that time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Weight {
+    Wall,
+    Cpu,
+}
+
+impl FromStr for Weight {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Weight, String> {
+        match s {
+            "wall" => Ok(Weight::Wall),
+            "cpu" => Ok(Weight::Cpu),
+            _ => Err(format!("weight must be one of 'wall', 'cpu', got {s:?}")),
+        }
+    }
+}
+
+impl Weight {
+    /// Microseconds.
+    pub fn of(self, s: &Sample) -> u32 {
+        match self {
+            Weight::Wall => s.weight_us,
+            // A thread's CPU since the last tick can exceed a late tick's share of it.
+            Weight::Cpu => s.cpu_us.min(s.weight_us),
+        }
+    }
+}
+
+/// What a view shows: how stacks are grouped, and what a sample weighs.
+#[derive(Clone, Copy, Debug)]
+pub struct Shown {
+    pub by: By,
+    pub weight: Weight,
+}
+
 /// The root of untagged samples in task views.
 pub const NO_TASK: &str = "(no task)";
+/// The span root of task samples that no span names (local schedulers).
+pub const NO_SPAN: &str = "(no span)";
 
 /// Code that runs tasks rather than being them: thread pools, event loops, and
 /// dask's and distributed's executors (matched as parts of a file's path).
@@ -71,14 +114,23 @@ impl<'a> View<'a> {
         View { data, machinery, function }
     }
 
-    /// The root a sample is grouped under, if `by` groups.
-    pub fn root(&self, sample: &Sample, by: By) -> Option<&'a str> {
-        let tag = sample.tag.map(|t| &self.data.tags[t as usize]);
+    /// The roots a sample of `tag` is grouped under, outermost first (none by thread).
+    pub fn roots(&self, tag: Option<u32>, by: By) -> Vec<&'a str> {
+        let data = self.data;
+        let tag = tag.map(|t| &data.tags[t as usize]);
         match (by, tag) {
-            (By::Thread, _) => None,
-            (_, None) => Some(NO_TASK),
-            (By::Task, Some(t)) => Some(&t.key),
-            (By::Prefix, Some(t)) => Some(&t.prefix),
+            (By::Thread, _) => Vec::new(),
+            (_, None) => vec![NO_TASK],
+            (By::Task, Some(t)) => vec![&t.key],
+            (By::Prefix, Some(t)) => vec![&t.prefix],
+            (By::Span, Some(t)) => {
+                let mut roots = data.span_names(t);
+                if roots.is_empty() {
+                    roots.push(NO_SPAN);
+                }
+                roots.push(&t.prefix);
+                roots
+            }
         }
     }
 
@@ -129,7 +181,8 @@ mod tests {
     #[test]
     fn by_parses_and_rejects() {
         assert_eq!("prefix".parse::<By>(), Ok(By::Prefix));
-        assert!("stack".parse::<By>().unwrap_err().contains("'thread', 'task', 'prefix'"));
+        assert!("stack".parse::<By>().unwrap_err().contains("'thread', 'task', 'prefix', 'span'"));
+        assert!("gpu".parse::<Weight>().unwrap_err().contains("'wall', 'cpu'"));
     }
 
     #[test]
@@ -143,8 +196,10 @@ mod tests {
         assert_eq!(names(&data, view.frames(stack, true)), ["user", "helper"]);
         assert_eq!(view.frames(stack, false).len(), 5, "raw stacks stay available");
         assert_eq!(names(&data, view.frames(data.samples[1].stack, true)), ["pool"], "inside the machinery: its leaf stays");
-        assert_eq!(view.root(&data.samples[0], By::Prefix), Some("user"));
-        assert_eq!(view.root(&data.samples[0], By::Thread), None);
+        assert_eq!(view.roots(data.samples[0].tag, By::Prefix), ["user"]);
+        assert!(view.roots(data.samples[0].tag, By::Thread).is_empty());
+        assert_eq!(view.roots(data.samples[0].tag, By::Span), [NO_SPAN, "user"]);
+        assert_eq!(view.roots(None, By::Span), [NO_TASK]);
     }
 
     #[test]

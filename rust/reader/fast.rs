@@ -146,7 +146,8 @@ impl StackReader for FastReader {
 
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
         out.clear();
-        let select = |t: &ThreadState| want.keeps(t.on_cpu || t.holds_gil, t.holds_gil);
+        let in_task = tags.tagged();
+        let select = |t: &ThreadState| want.keeps(t.on_cpu || t.holds_gil, t.holds_gil, in_task.contains(&t.ident));
         for r in self.read_where(select, tags)? {
             let Ok(frames) = r.frames else { continue };
             out.push(ThreadStack {

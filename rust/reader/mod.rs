@@ -34,9 +34,11 @@ pub struct Want {
 }
 
 impl Want {
-    /// A thread working (on a CPU or holding the GIL) or not, as these options ask.
-    pub fn keeps(&self, active: bool, holds_gil: bool) -> bool {
-        (active || self.idle) && (holds_gil || !self.gil_only)
+    /// A thread working (on a CPU or holding the GIL), or running a task, or else
+    /// waiting, as these options ask. A task's waits are its wall time: a task
+    /// blocked on I/O is kept, so it shows as wall time without CPU.
+    pub fn keeps(&self, active: bool, holds_gil: bool, in_task: bool) -> bool {
+        (active || in_task || self.idle) && (holds_gil || !self.gil_only)
     }
 }
 

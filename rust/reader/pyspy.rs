@@ -114,7 +114,8 @@ impl StackReader for PySpyReader {
                 cpu_ns: self.cpu_since_last_tick(t.os_thread_id),
                 tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
-            if want.keeps(stack.active, stack.holds_gil) && !t.frames.is_empty() {
+            let in_task = before.get(&t.thread_id).is_some_and(|b| b.tag.is_some());
+            if want.keeps(stack.active, stack.holds_gil, in_task) && !t.frames.is_empty() {
                 let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
                 out.push(ThreadStack { frames, ..stack });
             }
