@@ -52,3 +52,28 @@ async def coroutine_task(seconds: float) -> float:
 
     await asyncio.sleep(seconds)
     return seconds
+
+
+def wait_io(i: int, seconds: float = 0.3) -> int:
+    """Blocked on a socket: wall time without CPU or the GIL."""
+    import socket
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(seconds)
+        try:
+            a.recv(1)
+        except TimeoutError:
+            pass
+    return i
+
+
+def matmul(i: int, n: int = 600, rounds: int = 8) -> int:
+    """A numpy kernel: CPU time without the GIL."""
+    import numpy as np
+
+    m = np.random.default_rng(i).random((n, n))
+    for _ in range(rounds):
+        m = m @ m
+        m /= m.max()
+    return i
