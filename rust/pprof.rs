@@ -18,6 +18,8 @@ pub mod proto {
         pub sample_type: Vec<ValueType>,
         #[prost(message, repeated, tag = "2")]
         pub sample: Vec<Sample>,
+        #[prost(message, repeated, tag = "3")]
+        pub mapping: Vec<Mapping>,
         #[prost(message, repeated, tag = "4")]
         pub location: Vec<Location>,
         #[prost(message, repeated, tag = "5")]
@@ -62,9 +64,23 @@ pub mod proto {
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Mapping {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(bool, tag = "7")]
+        pub has_functions: bool,
+        #[prost(bool, tag = "8")]
+        pub has_filenames: bool,
+        #[prost(bool, tag = "9")]
+        pub has_line_numbers: bool,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
     pub struct Location {
         #[prost(uint64, tag = "1")]
         pub id: u64,
+        #[prost(uint64, tag = "2")]
+        pub mapping_id: u64,
         #[prost(message, repeated, tag = "4")]
         pub line: Vec<Line>,
     }
@@ -122,6 +138,10 @@ impl Strings {
     }
 }
 
+/// Every location's one mapping: it says the frames are symbolized already, so readers
+/// do not look for a binary to symbolize them with ("Main binary filename not available").
+const MAPPING: proto::Mapping = proto::Mapping { id: 1, has_functions: true, has_filenames: true, has_line_numbers: true };
+
 /// Functions and locations: location id = frame index + 1 (ids must be nonzero).
 fn functions_and_locations(data: &ProfileData, strings: &mut Strings) -> (Vec<proto::Function>, Vec<proto::Location>) {
     let mut functions: Vec<proto::Function> = Vec::new();
@@ -136,7 +156,8 @@ fn functions_and_locations(data: &ProfileData, strings: &mut Strings) -> (Vec<pr
                 functions.push(proto::Function { id: functions.len() as u64 + 1, name, system_name: name, filename: strings.id(&f.file) });
                 functions.len() as u64
             });
-            proto::Location { id: i as u64 + 1, line: vec![proto::Line { function_id, line: f.line.max(0).into() }] }
+            let line = vec![proto::Line { function_id, line: f.line.max(0).into() }];
+            proto::Location { id: i as u64 + 1, mapping_id: MAPPING.id, line }
         })
         .collect();
     (functions, locations)
@@ -194,6 +215,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
         default_sample_type: period_type.r#type,
         sample_type,
         sample,
+        mapping: vec![MAPPING],
         location,
         function,
         string_table: strings.table,
@@ -268,7 +290,8 @@ mod tests {
         let f = &p.function[0];
         assert_eq!((text(&p, f.name), text(&p, f.system_name), text(&p, f.filename)), ("main", "main", "main.py"));
         assert_eq!(p.location.len(), 2);
-        assert!(p.location.iter().all(|l| l.line[0].line == 1));
+        assert!(p.location.iter().all(|l| l.line[0].line == 1 && l.mapping_id == 1));
+        assert!(p.mapping[0].has_functions);
     }
 
     #[test]
