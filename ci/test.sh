@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages: headless Chromium (report, dashboard and speedscope tests), strace
-# (syscall fault injection), Debian's python3 (runs a test as an unprivileged user)
-# and npm (fetches speedscope's app).
+# (syscall fault injection), Debian's python3 (runs a test as an unprivileged user),
+# npm (fetches speedscope's app) and Go (its `go tool pprof` reads our pprof files).
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
@@ -16,6 +16,7 @@ command -v strace >/dev/null || need+=(strace)
 command -v setpriv >/dev/null || need+=(util-linux)
 command -v stress-ng >/dev/null || need+=(stress-ng)
 command -v npm >/dev/null || need+=(npm)
+command -v go >/dev/null || need+=(golang-go)
 [ -x /usr/bin/python3 ] || need+=(python3)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq

@@ -50,14 +50,14 @@ def pyspy() -> None:
     pass
 
 
-@pyspy.command(help="Record the cluster for a while and save the profile (.html report or speedscope .json[.gz]).")
+@pyspy.command(help="Record the cluster for a while and save the profile (.html report, speedscope .json[.gz] or pprof .pb.gz).")
 @click.option("--scheduler", required=True, help="Scheduler address, e.g. tcp://10.0.0.1:8786.")
 @click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to record.")
 @click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
 @click.option("--by", type=click.Choice(["thread", "task", "prefix", "span"]), default="thread", show_default=True)
 @click.option("--span", default=None, help="Only this dask span (a name or id) and the spans in it; a/b for a path of names.")
 @click.option("--weight", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True, help="What a sample weighs in the views.")
-@click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html, .json or .json.gz.")
+@click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).")
 @click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
 def record(scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, output: str, timeout: float) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
@@ -100,7 +100,7 @@ def dump(scheduler: str, workers: Any, timeout: float) -> None:
 
 
 @pyspy.command(help="Profile a realistic workload on a LocalCluster and save the report.")
-@click.option("-o", "--output", default="dask-pyspy-demo.html", show_default=True, help="Output file: .html, .json or .json.gz.")
+@click.option("-o", "--output", default="dask-pyspy-demo.html", show_default=True, help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).")
 @click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="Threads per worker.")
 @click.option("--days", default=20, show_default=True, type=click.IntRange(min=1), help="Size of the timeseries data set.")

@@ -14,8 +14,10 @@ SPEEDSCOPE_SUFFIXES = (".json", ".json.gz")
 
 
 def file_kind(path: str | os.PathLike) -> str:
-    """'speedscope', 'speedscope.gz' or 'html', from the file name."""
+    """'speedscope', 'speedscope.gz', 'pprof' or 'html', from the file name."""
     name = os.fspath(path).lower()
+    if name.endswith(".pb.gz"):
+        return "pprof"
     if name.endswith(".json.gz"):
         return "speedscope.gz"
     if name.endswith(".json"):
@@ -23,8 +25,8 @@ def file_kind(path: str | os.PathLike) -> str:
     if name.endswith(".html"):
         return "html"
     raise ValueError(
-        f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz) "
-        f"or .html (report), got {os.fspath(path)!r}"
+        f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz), "
+        f".pb.gz (pprof) or .html (report), got {os.fspath(path)!r}"
     )
 
 
@@ -193,23 +195,33 @@ class Profile:
         weight = options.weight(self.weight if weight is None else weight)
         return self._native.speedscope(by=by, weight=weight, compress=options.flag("compress", compress))
 
+    def to_pprof(self) -> bytes:
+        """The profile in pprof's format (gzipped protobuf), for `go tool pprof`, Pyroscope or
+        Grafana: one sample per stack, task and thread, in counts, wall and (where measured)
+        CPU nanoseconds, labelled task_key, task_prefix, span, process and thread."""
+        return self._native.pprof()
+
     def save(self, path: str | os.PathLike, by: str | None = None) -> Path:
-        """Write speedscope (`.json`, `.json.gz`) or an HTML report (`.html`), by suffix.
+        """Write speedscope (`.json`, `.json.gz`), pprof (`.pb.gz`) or an HTML report (`.html`), by suffix.
 
         speedscope files open on the merged profile with the most task time (by="task":
         the whole cluster by task; "prefix": one per task prefix; "span": the whole
         cluster by span), then hold one profile per thread with its raw stacks, weighted
-        as `self.weight` says. An empty profile raises ValueError for them.
+        as `self.weight` says. pprof files hold raw stacks, tasks and spans as labels
+        (`by` and `weight` do not apply). An empty profile raises ValueError for both.
         """
         path = check_writable(path)
         kind = file_kind(path)
         if kind != "html" and not self.n_samples:
             raise ValueError(
-                f"cannot save {os.fspath(path)!r}: the profile holds no samples, and speedscope opens no empty "
-                "profile; was the plugin running, and did the window cover the work? (an .html report can be saved)"
+                f"cannot save {os.fspath(path)!r}: the profile holds no samples (speedscope opens no empty profile, "
+                "an empty pprof shows nothing); was the plugin running, and did the window cover the work? "
+                "(an .html report can be saved)"
             )
         if kind == "html":
             data = self.to_html().encode()
+        elif kind == "pprof":
+            data = self.to_pprof()
         else:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)

@@ -4,6 +4,7 @@ mod compress;
 mod config;
 mod flamegraph;
 mod model;
+mod pprof;
 mod reader;
 mod sampler;
 mod speedscope;
@@ -203,6 +204,11 @@ impl PyProfile {
             if compress { compress::gzip(&doc, Compression::default()) } else { doc }
         });
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// The profile in pprof's format, gzipped (see `pprof.rs`).
+    fn pprof<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &py.detach(|| pprof::write(&self.data)))
     }
 
     /// Flame graph of the samples of one task prefix, one process and/or one span
