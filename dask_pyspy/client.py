@@ -85,7 +85,7 @@ def get_profile(
     return client.sync(_get_profile, client, by, **kwargs)
 
 
-SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz"}
+SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz", "pyspy": ".pyspy.gz"}
 
 
 def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:

@@ -14,8 +14,10 @@ SPEEDSCOPE_SUFFIXES = (".json", ".json.gz")
 
 
 def file_kind(path: str | os.PathLike) -> str:
-    """'speedscope', 'speedscope.gz' or 'html', from the file name."""
+    """'speedscope', 'speedscope.gz', 'pyspy' (our lossless file) or 'html', from the file name."""
     name = os.fspath(path).lower()
+    if name.endswith(".pyspy.gz"):
+        return "pyspy"
     if name.endswith(".json.gz"):
         return "speedscope.gz"
     if name.endswith(".json"):
@@ -23,8 +25,8 @@ def file_kind(path: str | os.PathLike) -> str:
     if name.endswith(".html"):
         return "html"
     raise ValueError(
-        f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz) "
-        f"or .html (report), got {os.fspath(path)!r}"
+        f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz), "
+        f".pyspy.gz (dask-pyspy's own file, loads back losslessly) or .html (report), got {os.fspath(path)!r}"
     )
 
 
@@ -89,6 +91,33 @@ class Profile:
     def to_wire(self) -> bytes:
         """Compact gzip bytes keeping every sample and tag, for sending between processes."""
         return self._native.to_wire()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """Read a profile `save()` wrote, by suffix.
+
+        `.pyspy.gz` loads back exactly as saved: every sample with its time, thread
+        state and CPU time, tags with their spans, processes, metadata and `by`.
+
+        speedscope files (`.json`, `.json.gz`) keep what they hold: each thread's
+        stacks and weights, thread names, task tags (by="task" the task keys, and
+        their prefixes; by="prefix" the prefixes alone, which then stand for the keys
+        too), processes, metadata and `by`. Not in them, so not loaded: sample times
+        (all 0), thread states (all running), CPU time and spans. speedscope files of
+        other tools are refused, as they hold no processes or task tags.
+
+        A file that is none of these, or cut short or damaged, raises ValueError
+        naming it; a file that cannot be read raises OSError.
+        """
+        kind = file_kind(path)
+        if kind == "html":
+            raise ValueError(f"cannot load {os.fspath(path)!r}: a report cannot be loaded, only .pyspy.gz, .json or .json.gz files")
+        data = Path(path).read_bytes()
+        try:
+            native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy")
+        except ValueError as e:
+            raise ValueError(f"cannot load {os.fspath(path)!r}: {e}") from None
+        return cls(native, by=by)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -163,21 +192,26 @@ class Profile:
         return self._native.speedscope(by=by, compress=options.flag("compress", compress))
 
     def save(self, path: str | os.PathLike, by: str | None = None) -> Path:
-        """Write speedscope (`.json`, `.json.gz`) or an HTML report (`.html`), by suffix.
+        """Write speedscope (`.json`, `.json.gz`), dask-pyspy's own file (`.pyspy.gz`)
+        or an HTML report (`.html`), by suffix. `load()` reads back the first two.
 
         speedscope files open on the merged profile with the most task time (by="task":
         the whole cluster by task; "prefix": one per task prefix), then hold one profile
         per thread with its raw stacks. An empty profile raises ValueError for them.
+        `.pyspy.gz` (gzip JSON of {"format": "dask-pyspy profile", "version": 1, "by",
+        "profile"}) keeps everything, and records `by`.
         """
         path = check_writable(path)
         kind = file_kind(path)
-        if kind != "html" and not self.n_samples:
+        if kind.startswith("speedscope") and not self.n_samples:
             raise ValueError(
                 f"cannot save {os.fspath(path)!r}: the profile holds no samples, and speedscope opens no empty "
                 "profile; was the plugin running, and did the window cover the work? (an .html report can be saved)"
             )
         if kind == "html":
             data = self.to_html().encode()
+        elif kind == "pyspy":
+            data = self._native.to_file(options.by(self.by if by is None else by))
         else:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)

@@ -2,11 +2,13 @@
 
 mod compress;
 mod config;
+mod files;
 mod flamegraph;
 mod model;
 mod reader;
 mod sampler;
 mod speedscope;
+mod speedscope_read;
 mod store;
 mod summary;
 mod tags;
@@ -159,6 +161,32 @@ impl PyProfile {
     fn to_wire<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let bytes = py.detach(|| compress::gzip(&serde_json::to_vec(&*self.data).expect("profiles serialise"), Compression::fast()));
         PyBytes::new(py, &bytes)
+    }
+
+    /// Our lossless file (`.pyspy.gz`, see `files.rs`), recording the grouping `by`.
+    fn to_file<'py>(&self, py: Python<'py>, by: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let by: By = by.parse().map_err(value_error)?;
+        let bytes = py.detach(|| files::write(&self.data, by));
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// A profile and its grouping from the bytes of a `.pyspy.gz` file (`speedscope`
+    /// False) or of a speedscope file dask-pyspy wrote (True).
+    #[staticmethod]
+    fn from_file(py: Python<'_>, data: &[u8], speedscope: bool) -> PyResult<(Self, &'static str)> {
+        let read = if speedscope { speedscope_read::read } else { files::read };
+        let (data, by) = py.detach(|| read(data)).map_err(value_error)?;
+        Ok((PyProfile { data: Arc::new(data) }, by.as_str()))
+    }
+
+    /// A hash of every table and sample, equal only for equal profiles (in any
+    /// process running this build).
+    fn digest(&self, py: Python<'_>) -> String {
+        py.detach(|| {
+            let mut hasher = std::hash::DefaultHasher::new();
+            std::hash::Hasher::write(&mut hasher, &serde_json::to_vec(&*self.data).expect("profiles serialise"));
+            format!("{:016x}", std::hash::Hasher::finish(&hasher))
+        })
     }
 
     /// One profile of several processes; the same process twice is kept once.

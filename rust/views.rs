@@ -26,6 +26,17 @@ impl FromStr for By {
     }
 }
 
+impl By {
+    /// The name `from_str` reads, for files that record their grouping.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            By::Thread => "thread",
+            By::Task => "task",
+            By::Prefix => "prefix",
+        }
+    }
+}
+
 /// The root of untagged samples in task views.
 pub const NO_TASK: &str = "(no task)";
 
