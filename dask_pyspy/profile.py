@@ -6,9 +6,12 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from dask_pyspy import _native, options
+
+if TYPE_CHECKING:
+    from dask_pyspy.diff import ProfileDiff
 
 SPEEDSCOPE_SUFFIXES = (".json", ".json.gz")
 
@@ -216,6 +219,16 @@ class Profile:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)
         return path
+
+    def diff(self, base: Profile) -> ProfileDiff:
+        """What changed from `base` to this profile: a differential flame graph (time
+        scaled per profile, so runs of different lengths compare) and the functions and
+        task prefixes that gained or lost most; see `ProfileDiff`."""
+        from dask_pyspy.diff import ProfileDiff
+
+        if not isinstance(base, Profile):
+            raise TypeError(f"base must be a Profile, got {type(base).__name__}")
+        return ProfileDiff(json.loads(self._native.diff_json(base._native)))
 
     def to_html(self, title: str = "dask-pyspy report") -> str:
         """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""

@@ -2,6 +2,7 @@
 
 mod compress;
 mod config;
+mod diff;
 mod files;
 mod flamegraph;
 mod model;
@@ -187,6 +188,12 @@ impl PyProfile {
             std::hash::Hasher::write(&mut hasher, &serde_json::to_vec(&*self.data).expect("profiles serialise"));
             format!("{:016x}", std::hash::Hasher::finish(&hasher))
         })
+    }
+
+    /// What changed from `base` to this profile: graphs and tables (`diff.rs`), as JSON.
+    fn diff_json(&self, py: Python<'_>, base: PyRef<'_, PyProfile>) -> String {
+        let base = base.data.clone();
+        py.detach(|| serde_json::to_string(&diff::diff(&base, &self.data)).expect("diffs serialise"))
     }
 
     /// One profile of several processes; the same process twice is kept once.
