@@ -40,7 +40,7 @@ def grind_gain(base: Profile, new: Profile) -> float:
     """The truth: `grind`'s self time in the new run less the base's, summed from each
     profile's own per-thread speedscope stacks (not the code under test)."""
     base_s, new_s = (self_seconds(p.speedscope(by="thread"), "grind") for p in (base, new))
-    assert new_s > 1.5 * base_s > 0, (base_s, new_s)  # the workload slowed grind down
+    assert new_s > 1.3 * base_s > 0, (base_s, new_s)  # the workload slowed grind down (1.9-2.4x seen)
     return new_s - base_s
 
 
@@ -105,7 +105,6 @@ def test_cli_diff_of_saved_files_in_chromium(runs, tmp_path):
         assert frames, "the differential graph draws grind"
         assert all(fill.startswith("rgb(255,") for _, fill in frames), f"grind grew, so it is red: {frames}"
         screenshot(driver, "diff")
-        driver.save_screenshot("/tmp/dask-pyspy-diff.png")
         assert console_errors(driver) == []
     finally:
         driver.quit()
