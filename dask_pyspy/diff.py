@@ -16,9 +16,10 @@ GRAPH_NOTE = (
     "once the base is scaled to the new profile's total, so runs of different lengths compare: "
     "<b style='color:#c00'>red grew</b>, <b style='color:#00c'>blue shrank</b>, the deeper the colour "
     "the larger the change. Hover a frame for its time and its change as a share of the whole. "
-    "Frames are functions (name and file, lines ignored); task stacks start at the task's own code, "
-    "under their task prefix."
+    "Frames are functions (name and file, lines ignored)."
 )
+
+BY_PREFIX_NOTE = " Task stacks start at the task's own code, under their task prefix."
 
 TABLE_NOTE = (
     "Seconds are sampled thread-seconds, not scaled: <i>change s</i> is new minus base. "
@@ -102,7 +103,7 @@ def _sections(diff: ProfileDiff, base: str, new: str) -> Iterator[str]:
     yield _table(["profile", "file", "sampled thread-seconds"],
                  [["base", base, float(diff.base_seconds)], ["new", new, float(diff.new_seconds)]])
     yield "<h2>What changed</h2>"
-    yield f"<p><small>{GRAPH_NOTE}</small></p>"
+    yield f"<p><small>{GRAPH_NOTE}{BY_PREFIX_NOTE if diff.by == 'prefix' else ''}</small></p>"
     yield flame_iframe(diff.svg, "Differential flame graph")
     yield flame_details(diff.base_svg, "Base profile", "The base profile's shape: what shrank or vanished")
     yield "<h2>Biggest changes</h2>"
