@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, TypeVar
 
@@ -108,6 +109,37 @@ def demo(output: str, n_workers: int, threads: int, days: int) -> None:
     from dask_pyspy.demo import run_demo
 
     run_demo(output, n_workers=n_workers, threads=threads, days=days)
+
+
+@pyspy.command(help="Compare two saved profiles (.pyspy.gz, or speedscope .json[.gz] saved by dask-pyspy): "
+               "a differential flame graph and the functions and task prefixes that gained or lost most, as an HTML page.")
+@click.argument("base")
+@click.argument("new")
+@click.option("-o", "--output", default="pyspy-diff.html", show_default=True, help="Output file (.html).")
+def diff(base: str, new: str, output: str) -> None:
+    from dask_pyspy.diff import check_output
+    from dask_pyspy.profile import Profile
+
+    try:
+        check_output(output)
+    except (OSError, ValueError) as e:
+        raise RequestError(f"--output: {e}") from e
+    profiles = []
+    for name, path in (("BASE", base), ("NEW", new)):
+        try:
+            profiles.append(Profile.load(path))
+        except (OSError, ValueError) as e:
+            raise RequestError(f"{name}: {e}") from e
+    changes = profiles[1].diff(profiles[0])
+    title = f"dask-pyspy diff: {os.path.basename(new)} against {os.path.basename(base)}"
+    try:
+        changes.save(output, title=title, base=base, new=new)
+    except OSError as e:
+        raise RequestError(f"--output: {e}") from e
+    click.echo(f"Wrote {output}: {changes.base_seconds:.1f} -> {changes.new_seconds:.1f} sampled thread-seconds")
+    for way in ("gained", "lost"):
+        for row in changes.functions[way][:1]:
+            click.echo(f"most {way}: {row['name']} ({row['file']}) {row['seconds']:+.3f} s")
 
 
 main = pyspy

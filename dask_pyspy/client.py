@@ -96,7 +96,7 @@ def get_profile(
     return client.sync(_get_profile, client, shown, **kwargs)
 
 
-SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz", "pprof": ".pb.gz"}
+SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz", "pprof": ".pb.gz", "pyspy": ".pyspy.gz"}
 
 
 def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:

@@ -6,18 +6,23 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from dask_pyspy import _native, options
+
+if TYPE_CHECKING:
+    from dask_pyspy.diff import ProfileDiff
 
 SPEEDSCOPE_SUFFIXES = (".json", ".json.gz")
 
 
 def file_kind(path: str | os.PathLike) -> str:
-    """'speedscope', 'speedscope.gz', 'pprof' or 'html', from the file name."""
+    """'speedscope', 'speedscope.gz', 'pprof', 'pyspy' (our lossless file) or 'html', from the file name."""
     name = os.fspath(path).lower()
     if name.endswith(".pb.gz"):
         return "pprof"
+    if name.endswith(".pyspy.gz"):
+        return "pyspy"
     if name.endswith(".json.gz"):
         return "speedscope.gz"
     if name.endswith(".json"):
@@ -26,7 +31,8 @@ def file_kind(path: str | os.PathLike) -> str:
         return "html"
     raise ValueError(
         f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz), "
-        f".pb.gz (pprof) or .html (report), got {os.fspath(path)!r}"
+        f".pb.gz (pprof), .pyspy.gz (dask-pyspy's own file, loads back losslessly) or .html (report), "
+        f"got {os.fspath(path)!r}"
     )
 
 
@@ -97,6 +103,33 @@ class Profile:
     def to_wire(self) -> bytes:
         """Compact gzip bytes keeping every sample and tag, for sending between processes."""
         return self._native.to_wire()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """Read a profile `save()` wrote, by suffix.
+
+        `.pyspy.gz` loads back exactly as saved: every sample with its time, thread
+        state and CPU time, tags with their spans, processes, metadata and `by`.
+
+        speedscope files (`.json`, `.json.gz`) keep what they hold: each thread's
+        stacks and weights, thread names, task tags (by="task" the task keys, and
+        their prefixes; by="prefix" the prefixes alone, which then stand for the keys
+        too), processes, metadata and `by`. Not in them, so not loaded: sample times
+        (all 0), thread states (all running), CPU time and spans. speedscope files of
+        other tools are refused, as they hold no processes or task tags.
+
+        A file that is none of these, or cut short or damaged, raises ValueError
+        naming it; a file that cannot be read raises OSError.
+        """
+        kind = file_kind(path)
+        if kind == "html":
+            raise ValueError(f"cannot load {os.fspath(path)!r}: a report cannot be loaded, only .pyspy.gz, .json or .json.gz files")
+        data = Path(path).read_bytes()
+        try:
+            native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy")
+        except ValueError as e:
+            raise ValueError(f"cannot load {os.fspath(path)!r}: {e}") from None
+        return cls(native, by=by)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -202,17 +235,21 @@ class Profile:
         return self._native.pprof()
 
     def save(self, path: str | os.PathLike, by: str | None = None) -> Path:
-        """Write speedscope (`.json`, `.json.gz`), pprof (`.pb.gz`) or an HTML report (`.html`), by suffix.
+        """Write speedscope (`.json`, `.json.gz`), dask-pyspy's own file (`.pyspy.gz`),
+        pprof (`.pb.gz`) or an HTML report (`.html`), by suffix. `load()` reads back the
+        first two.
 
         speedscope files open on the merged profile with the most task time (by="task":
         the whole cluster by task; "prefix": one per task prefix; "span": the whole
         cluster by span), then hold one profile per thread with its raw stacks, weighted
         as `self.weight` says. pprof files hold raw stacks, tasks and spans as labels
         (`by` and `weight` do not apply). An empty profile raises ValueError for both.
+        `.pyspy.gz` (gzip JSON of {"format": "dask-pyspy profile", "version": 1, "by",
+        "profile"}) keeps everything, and records `by`.
         """
         path = check_writable(path)
         kind = file_kind(path)
-        if kind != "html" and not self.n_samples:
+        if kind in ("speedscope", "speedscope.gz", "pprof") and not self.n_samples:
             raise ValueError(
                 f"cannot save {os.fspath(path)!r}: the profile holds no samples (speedscope opens no empty profile, "
                 "an empty pprof shows nothing); was the plugin running, and did the window cover the work? "
@@ -222,10 +259,22 @@ class Profile:
             data = self.to_html().encode()
         elif kind == "pprof":
             data = self.to_pprof()
+        elif kind == "pyspy":
+            data = self._native.to_file(options.by(self.by if by is None else by))
         else:
             data = self.to_bytes(compress=kind == "speedscope.gz", by=by)
         write_atomic(path, data)
         return path
+
+    def diff(self, base: Profile) -> ProfileDiff:
+        """What changed from `base` to this profile: a differential flame graph (time
+        scaled per profile, so runs of different lengths compare) and the functions and
+        task prefixes that gained or lost most; see `ProfileDiff`."""
+        from dask_pyspy.diff import ProfileDiff
+
+        if not isinstance(base, Profile):
+            raise TypeError(f"base must be a Profile, got {type(base).__name__}")
+        return ProfileDiff(json.loads(self._native.diff_json(base._native)))
 
     def to_html(self, title: str = "dask-pyspy report") -> str:
         """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""

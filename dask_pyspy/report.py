@@ -255,13 +255,18 @@ def _download(profile: Profile) -> tuple[str, str]:
 
 
 
+def page_head(title: str) -> str:
+    """A page up to its <body>: no favicon request (the page needs no network), the shared style."""
+    return f"<!DOCTYPE html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'><title>{escape(title)}</title><style>{STYLE}</style></head><body>"
+
+
 def render_html(profile: Profile, title: str = "dask-pyspy report", header: str = "") -> str:
     """The whole report as one HTML page that needs no network; `header` is trusted HTML."""
     summary = profile.summary()
     idle_sampled = any(p["stats"]["config"]["idle"] for p in profile.processes)
     button, data = _download(profile)
     parts = [
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'><title>{escape(title)}</title><style>{STYLE}</style></head><body>",
+        page_head(title),
         f"<h1>{escape(title)}</h1>",
         header,
         button,

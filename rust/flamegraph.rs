@@ -17,16 +17,16 @@ fn clean(text: &str) -> String {
     xml_safe(&text.replace([';', '\n', '\r'], " "))
 }
 
-/// `name (file.py:12)`.
-fn label(f: &Frame) -> String {
+/// `name (file.py:12)`, or `name (file.py)` without `lines`.
+fn label(f: &Frame, lines: bool) -> String {
     let file = f.file.rsplit('/').next().unwrap_or(&f.file);
-    clean(&if f.line > 0 { format!("{} ({}:{})", f.name, file, f.line) } else { format!("{} ({})", f.name, file) })
+    clean(&if lines && f.line > 0 { format!("{} ({}:{})", f.name, file, f.line) } else { format!("{} ({})", f.name, file) })
 }
 
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
 /// `view` shows it: grouped `by` task, prefix or span (tagged stacks then cut to the
-/// task's own code), recursion folded.
-pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Vec<String> {
+/// task's own code), recursion folded; frames by function alone without `lines`.
+pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, lines: bool) -> Vec<String> {
     let view = View::new(data);
     let by = shown.by;
     // Keyed by tag only where the roots depend on it.
@@ -36,7 +36,7 @@ pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool) 
         let tag = if by == By::Thread { None } else { s.tag };
         *weights.entry((tag, s.stack, cut)).or_default() += shown.weight.of(s) as u64;
     }
-    let labels: Vec<String> = data.frames.iter().map(label).collect();
+    let labels: Vec<String> = data.frames.iter().map(|f| label(f, lines)).collect();
     let mut lines: HashMap<String, u64> = HashMap::new();
     for ((tag, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
         let frames = view.folded(view.frames(stack, cut));
@@ -57,10 +57,12 @@ const MIN_WIDTH_PERCENT: f64 = 0.1;
 
 /// An interactive SVG (click to zoom, search); None when no sample matches.
 pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
-    let lines = folded(data, shown, keep);
-    if lines.is_empty() {
-        return None;
-    }
+    render(folded(data, shown, keep, true).iter().map(String::as_str), title, false)
+}
+
+/// The SVG of folded lines, with a second count per line for a differential graph
+/// (red: the second grew; blue: shrank; reversed by `negate`); None without samples.
+pub fn render<'a>(lines: impl IntoIterator<Item = &'a str>, title: &str, negate: bool) -> Option<String> {
     let mut opts = Options::default();
     opts.title = xml_safe(title);
     opts.count_name = "μs".into();
@@ -71,8 +73,10 @@ pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample)
     // Roots on top (an icicle): the wide frames that matter show first, and a deep
     // stack runs down into the frame's scroll instead of pushing them off the page.
     opts.direction = flamegraph::Direction::Inverted;
+    opts.negate_differentials = negate;
     let mut out = Vec::new();
-    flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut out).ok()?;
+    // inferno refuses lines without samples (an error, not an empty graph).
+    flamegraph::from_lines(&mut opts, lines, &mut out).ok()?;
     let svg = String::from_utf8(out).ok()?;
     Some(svg.replacen("<script", &format!("{EMBED_SHIM}<script"), 1))
 }
@@ -89,7 +93,7 @@ mod tests {
     fn folds_and_renders() {
         let mut data = profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
         data.frames[0].name = "<script>alert(1)</script>".into();
-        let lines = folded(&data, WALL, &|_| true);
+        let lines = folded(&data, WALL, &|_| true, true);
         assert_eq!(lines.len(), 2);
         assert!(lines.iter().any(|l| l.ends_with("(f.py:1) 20000")));
         assert!(lines.iter().any(|l| l.ends_with(";g x (g x.py:1) 10000")), "{lines:?}");
@@ -98,5 +102,8 @@ mod tests {
         assert!(!svg.contains("<script>alert(1)"), "names are escaped");
         assert!(svg.contains("&lt;script&gt;alert(1)"));
         assert!(super::svg(&data, "t", WALL, &|_| false).is_none());
+        data.frames[1].line = 7;
+        let by_function = folded(&data, WALL, &|_| true, false);
+        assert!(by_function.iter().any(|l| l.ends_with(";f (f.py) 20000")), "{by_function:?}");
     }
 }

@@ -1,9 +1,10 @@
 //! Property tests: any text in frame names, files, task keys or thread names
-//! survives the exporters (valid JSON, exact round trip) and never becomes markup.
+//! survives the exporters and loaders (valid JSON, exact round trip) and never
+//! becomes markup.
 
 use crate::model::{tests::profile, Frame, Tag};
 use crate::views::{By, Shown, Weight};
-use crate::{flamegraph, speedscope, summary};
+use crate::{diff, files, flamegraph, speedscope, speedscope_read, summary};
 use proptest::prelude::*;
 
 fn hostile() -> impl Strategy<Value = String> {
@@ -33,9 +34,16 @@ proptest! {
             }
             let profiles = doc["profiles"].as_array().unwrap();
             prop_assert!(profiles.iter().any(|p| p["name"].as_str().unwrap().contains(thread.as_str())));
-            let svg = flamegraph::svg(&data, &key, Shown { by, weight: Weight::Wall }, &|_| true).unwrap();
-            prop_assert_eq!(svg.matches("<script").count(), 2, "only the graph's own scripts");
-            prop_assert!(!svg.chars().any(|c| c < ' ' && !matches!(c, '\t' | '\n' | '\r')), "valid XML text");
+            let shown = Shown { by, weight: Weight::Wall };
+            let (back, _) = speedscope_read::read(&speedscope::write(&data, shown, "t")).unwrap();
+            prop_assert!(back.frames.contains(&data.frames[1]) && back.threads.contains(&data.threads[0]));
+            prop_assert_eq!(files::read(&files::write(&data, by)).unwrap(), (data.clone(), by));
+            let svg = flamegraph::svg(&data, &key, shown, &|_| true).unwrap();
+            let diffed = diff::diff(&data, &data).svg.unwrap();
+            for svg in [svg, diffed] {
+                prop_assert_eq!(svg.matches("<script").count(), 2, "only the graph's own scripts");
+                prop_assert!(!svg.chars().any(|c| c < ' ' && !matches!(c, '\t' | '\n' | '\r')), "valid XML text");
+            }
         }
         let s = summary::summarize(&data);
         prop_assert_eq!(&s.prefixes[0].prefix, &key);

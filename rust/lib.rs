@@ -2,12 +2,15 @@
 
 mod compress;
 mod config;
+mod diff;
+mod files;
 mod flamegraph;
 mod model;
 mod pprof;
 mod reader;
 mod sampler;
 mod speedscope;
+mod speedscope_read;
 mod store;
 mod spans;
 mod summary;
@@ -25,7 +28,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use serde_json::{Map, Value};
 use spans::SpanFilter;
-use views::Shown;
+use views::{By, Shown};
 use std::sync::Arc;
 
 fn value_error(e: impl ToString) -> PyErr {
@@ -182,6 +185,38 @@ impl PyProfile {
     fn to_wire<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let bytes = py.detach(|| compress::gzip(&serde_json::to_vec(&*self.data).expect("profiles serialise"), Compression::fast()));
         PyBytes::new(py, &bytes)
+    }
+
+    /// Our lossless file (`.pyspy.gz`, see `files.rs`), recording the grouping `by`.
+    fn to_file<'py>(&self, py: Python<'py>, by: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let by: By = by.parse().map_err(value_error)?;
+        let bytes = py.detach(|| files::write(&self.data, by));
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// A profile and its grouping from the bytes of a `.pyspy.gz` file (`speedscope`
+    /// False) or of a speedscope file dask-pyspy wrote (True).
+    #[staticmethod]
+    fn from_file(py: Python<'_>, data: &[u8], speedscope: bool) -> PyResult<(Self, &'static str)> {
+        let read = if speedscope { speedscope_read::read } else { files::read };
+        let (data, by) = py.detach(|| read(data)).map_err(value_error)?;
+        Ok((PyProfile { data: Arc::new(data) }, by.as_str()))
+    }
+
+    /// A hash of every table and sample, equal only for equal profiles (in any
+    /// process running this build).
+    fn digest(&self, py: Python<'_>) -> String {
+        py.detach(|| {
+            let mut hasher = std::hash::DefaultHasher::new();
+            std::hash::Hasher::write(&mut hasher, &serde_json::to_vec(&*self.data).expect("profiles serialise"));
+            format!("{:016x}", std::hash::Hasher::finish(&hasher))
+        })
+    }
+
+    /// What changed from `base` to this profile: graphs and tables (`diff.rs`), as JSON.
+    fn diff_json(&self, py: Python<'_>, base: PyRef<'_, PyProfile>) -> String {
+        let base = base.data.clone();
+        py.detach(|| serde_json::to_string(&diff::diff(&base, &self.data)).expect("diffs serialise"))
     }
 
     /// One profile of several processes; the same process twice is kept once.

@@ -1,13 +1,14 @@
 //! Writer for speedscope's file format (https://www.speedscope.app/file-format-schema.json):
 //! weights in seconds (wall or CPU), stacks root first. Merged profiles come first,
 //! as `by` asks: one per task prefix, or the whole cluster by task or by span, with
-//! stacks cut to the task's own code. Then one profile per thread with its raw stacks.
+//! stacks cut to the task's own code. Then one profile per thread with its raw stacks,
+//! which is what `speedscope_read.rs` loads back.
 
-use crate::model::{ProfileData, Sample};
+use crate::model::{Process, ProfileData, Sample, Thread};
 use crate::views::{By, Shown, View, Weight};
-use serde::Serialize;
-use serde_json::{json, Value};
-use std::collections::HashMap;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, HashMap};
 
 #[derive(Serialize)]
 struct File<'a> {
@@ -21,7 +22,30 @@ struct File<'a> {
     exporter: String,
     /// Not read by speedscope; keeps the run's facts with the file.
     #[serde(rename = "x-dask-pyspy")]
-    metadata: Value,
+    extension: Extension,
+}
+
+/// What speedscope's format has no place for: the run's facts, which profiles are
+/// which threads, and what the synthetic root frames stand for.
+#[derive(Serialize, Deserialize)]
+pub struct Extension {
+    pub metadata: Map<String, Value>,
+    pub processes: Vec<Process>,
+    /// The grouping: the root frames of thread profiles are task keys or prefixes.
+    /// This and `threads` are missing from files of earlier versions.
+    pub by: Option<String>,
+    pub threads: Option<Vec<ThreadProfile>>,
+    /// By task: each key's prefix.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub prefixes: BTreeMap<String, String>,
+}
+
+/// The thread whose raw stacks the profile at index `profile` holds.
+#[derive(Serialize, Deserialize)]
+pub struct ThreadProfile {
+    pub profile: usize,
+    #[serde(flatten)]
+    pub thread: Thread,
 }
 
 #[derive(Serialize)]
@@ -54,8 +78,10 @@ struct Profile {
     task_seconds: f64,
 }
 
-const TASK_FILE: &str = "dask task";
-const SPAN_FILE: &str = "dask span";
+/// The files of synthetic root frames, which are not code: task keys or prefixes,
+/// and the span names above them.
+pub const TASK_FILE: &str = "dask task";
+pub const SPAN_FILE: &str = "dask span";
 
 /// Synthetic root frames, appended after the real frames: per tag, the frames `by`
 /// roots its samples at; and in the merged view by task or span, those of untagged
@@ -204,7 +230,18 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
     let n_merged = profiles.len();
     let mut threads: Vec<u32> = (0..data.threads.len() as u32).collect();
     threads.sort_by_key(|&t| data.thread_label(t));
-    profiles.extend(threads.into_iter().map(|t| thread_profile(data, t, shown.weight, &roots)).filter(|p| !p.samples.is_empty()));
+    let mut thread_profiles = Vec::new();
+    for t in threads {
+        let p = thread_profile(data, t, shown.weight, &roots);
+        if !p.samples.is_empty() {
+            thread_profiles.push(ThreadProfile { profile: profiles.len(), thread: data.threads[t as usize].clone() });
+            profiles.push(p);
+        }
+    }
+    let prefixes = match shown.by {
+        By::Task => data.tags.iter().map(|t| (t.key.clone(), t.prefix.clone())).collect(),
+        _ => BTreeMap::new(),
+    };
     let file = File {
         schema: "https://www.speedscope.app/file-format-schema.json",
         shared: Shared { frames },
@@ -212,7 +249,13 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
         profiles,
         name,
         exporter: format!("dask-pyspy {}", env!("CARGO_PKG_VERSION")),
-        metadata: json!({"metadata": data.metadata, "processes": data.processes, "spans": data.spans}),
+        extension: Extension {
+            metadata: data.metadata.clone(),
+            processes: data.processes.clone(),
+            by: Some(shown.by.as_str().into()),
+            threads: Some(thread_profiles),
+            prefixes,
+        },
     };
     serde_json::to_vec(&file).expect("speedscope documents always serialise")
 }
@@ -222,6 +265,7 @@ mod tests {
     use super::*;
     use crate::model::tests::profile;
     use crate::model::Span;
+    use serde_json::json;
 
     fn wall(by: By) -> Shown {
         Shown { by, weight: Weight::Wall }

@@ -30,6 +30,18 @@ impl FromStr for By {
     }
 }
 
+impl By {
+    /// The name `from_str` reads, for files that record their grouping.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            By::Thread => "thread",
+            By::Task => "task",
+            By::Prefix => "prefix",
+            By::Span => "span",
+        }
+    }
+}
+
 /// What a sample weighs in a view: the wall time it stands for, or the CPU time
 /// its thread used in that time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -37,7 +37,7 @@ def test_dump_prints_live_stacks(client):
     assert "Process scheduler" in done.stdout and "Thread 0x" in done.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["demo"], ["diff"]])
 def test_help(command):
     done = run(*command, "--help")
     assert done.returncode == 0 and "Usage:" in done.stdout
@@ -98,3 +98,15 @@ def test_unwritable_directory_names_the_given_path(client):
 def test_bad_output_fails_before_recording(client, tmp_path):
     done = run("record", "--scheduler", client.scheduler.address, "-o", str(tmp_path / "x.txt"))
     one_line_error(done, "--output: path must end in")
+
+
+def test_diff_of_bad_files_is_one_line(tmp_path):
+    garbage = tmp_path / "garbage.pyspy.gz"
+    garbage.write_bytes(b"not a profile")
+    missing = str(tmp_path / "missing.json")
+    one_line_error(run("diff", missing, str(garbage)), f"BASE: [Errno 2] No such file or directory: {missing!r}")
+    one_line_error(run("diff", str(garbage), missing), f"BASE: cannot load {str(garbage)!r}: not gzip-compressed")
+    one_line_error(run("diff", str(tmp_path / "a.txt"), missing), "BASE: path must end in .json or .json.gz")
+    one_line_error(run("diff", missing, missing, "-o", str(tmp_path / "d.json")), "--output: path must end in .html")
+    nowhere = str(tmp_path / "nowhere" / "d.html")
+    one_line_error(run("diff", missing, missing, "-o", nowhere), f"--output: cannot write {nowhere!r}: directory")

@@ -11,6 +11,19 @@ def spin(seconds: float) -> None:
         sum(range(200))
 
 
+def grind(seconds: float) -> None:
+    """Busy like `spin`, with the loop in its own body: its time is its own self time."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
+def spin_then_grind(i: int, spin_seconds: float, grind_seconds: float) -> int:
+    spin(spin_seconds)
+    grind(grind_seconds)
+    return i
+
+
 def alpha(i: int, seconds: float = 0.005) -> int:
     spin(seconds)
     return i

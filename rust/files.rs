@@ -1,0 +1,156 @@
+//! Our own lossless profile file, `.pyspy.gz`: gzip JSON of
+//! `{"format": "dask-pyspy profile", "version": 1, "by": "prefix", "profile": ...}`,
+//! where `profile` is the wire format (`model.rs`) itself, so every sample, tag,
+//! span, process and metadata entry loads back as it was. `format` and `version`
+//! keep their meaning in every version, so a reader can say what a file is before
+//! it parses the rest.
+
+use crate::compress;
+use crate::model::ProfileData;
+use crate::views::By;
+use flate2::Compression;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+pub const FORMAT: &str = "dask-pyspy profile";
+pub const VERSION: u64 = 1;
+
+const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
+
+#[derive(Serialize)]
+struct Written<'a> {
+    format: &'static str,
+    version: u64,
+    by: &'static str,
+    profile: &'a ProfileData,
+}
+
+/// Every field optional, so a foreign JSON document gets a message, not serde's.
+#[derive(Deserialize)]
+struct Read<'a> {
+    format: Option<Value>,
+    version: Option<Value>,
+    by: Option<String>,
+    #[serde(borrow)]
+    profile: Option<&'a RawValue>,
+}
+
+pub fn write(data: &ProfileData, by: By) -> Vec<u8> {
+    let file = Written { format: FORMAT, version: VERSION, by: by.as_str(), profile: data };
+    compress::gzip(&serde_json::to_vec(&file).expect("profiles serialise"), Compression::default())
+}
+
+/// Decompressed bytes; an error says whether they were no gzip at all or a cut or damaged one.
+pub fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    if !bytes.starts_with(GZIP_MAGIC) {
+        return Err("not gzip-compressed".into());
+    }
+    compress::gunzip(bytes).map_err(|e| format!("a truncated or corrupt gzip file ({e})"))
+}
+
+pub fn is_gzip(bytes: &[u8]) -> bool {
+    bytes.starts_with(GZIP_MAGIC)
+}
+
+/// The profile and the grouping it was saved with; the version is checked before
+/// the profile is parsed, since another version may lay it out differently.
+pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
+    let json = gunzip(bytes)?;
+    let file: Read = serde_json::from_slice(&json).map_err(|e| format!("not a dask-pyspy profile file ({e})"))?;
+    if file.format.as_ref().and_then(Value::as_str) != Some(FORMAT) {
+        return Err(format!("not a dask-pyspy profile file (no \"format\": \"{FORMAT}\")"));
+    }
+    match file.version.as_ref().and_then(Value::as_u64) {
+        Some(VERSION) => {}
+        Some(v) => {
+            let whose = if v > VERSION { "a newer" } else { "an older" };
+            return Err(format!(
+                "file format version {v} (written by {whose} dask-pyspy); dask-pyspy {} reads version {VERSION} only",
+                env!("CARGO_PKG_VERSION")
+            ));
+        }
+        None => return Err(format!("no valid file format version: {}", file.version.unwrap_or(Value::Null))),
+    }
+    let by: By = file.by.ok_or("no \"by\" grouping")?.parse()?;
+    let profile = file.profile.ok_or("no \"profile\"")?;
+    let data: ProfileData = serde_json::from_str(profile.get()).map_err(|e| format!("a damaged profile ({e})"))?;
+    data.validate().map_err(|e| format!("a damaged profile ({e})"))?;
+    Ok((data, by))
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+    use crate::model::tests::profile;
+    use crate::model::Span;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    /// Two processes, tags with and without spans, large times and idents, float stats.
+    pub fn rich() -> ProfileData {
+        let a = profile("w1", &[(1, &["main", "f"], Some("f-1")), (u64::MAX, &["main", "g"], None)]);
+        let b = profile("w2", &[(7, &["main", "f"], Some("f-2"))]);
+        let mut data = ProfileData::merge(&[&a, &b], json!({"window": [1.5, 2.25], "tasks": {"w1": {"f": {"count": 3}}}}).as_object().unwrap().clone());
+        data.tags[0].span = Some("s1".into());
+        data.spans.insert("s1".into(), Span { names: vec!["load".into()], ids: vec!["s1".into()] });
+        data.samples[0].time_ns = 1_700_000_000_123_456_789;
+        data.samples[1].cpu_us = 4321;
+        data.processes[1].stats = json!({"achieved_rate": 99.999_999_123, "tiny": 1e-300});
+        data
+    }
+
+    fn with_version(version: Value) -> Vec<u8> {
+        let mut doc: Value = serde_json::from_slice(&gunzip(&write(&rich(), By::Task)).unwrap()).unwrap();
+        doc["version"] = version;
+        compress::gzip(&serde_json::to_vec(&doc).unwrap(), Compression::fast())
+    }
+
+    #[test]
+    fn round_trips_exactly() {
+        let data = rich();
+        let (back, by) = read(&write(&data, By::Task)).unwrap();
+        assert_eq!(back, data);
+        assert_eq!(by, By::Task);
+    }
+
+    #[test]
+    fn another_version_names_both() {
+        let err = read(&with_version(json!(2))).unwrap_err();
+        assert!(err.contains("version 2 (written by a newer dask-pyspy)") && err.contains("reads version 1 only"), "{err}");
+        assert!(read(&with_version(json!(0))).unwrap_err().contains("an older"));
+        assert!(read(&with_version(json!("1"))).unwrap_err().contains("no valid file format version: \"1\""));
+    }
+
+    #[test]
+    fn foreign_and_damaged_files_are_named() {
+        let file = write(&rich(), By::Prefix);
+        assert_eq!(read(b"random bytes").unwrap_err(), "not gzip-compressed");
+        assert!(read(&file[..file.len() / 2]).unwrap_err().starts_with("a truncated or corrupt gzip file"));
+        assert!(read(&file[..file.len() - 3]).unwrap_err().starts_with("a truncated or corrupt gzip file"), "a cut trailer");
+        let foreign = |v: Value| read(&compress::gzip(&serde_json::to_vec(&v).unwrap(), Compression::fast())).unwrap_err();
+        assert!(foreign(json!({"a": 1})).contains("no \"format\""));
+        assert!(foreign(json!([1, 2])).starts_with("not a dask-pyspy profile file"));
+        assert!(foreign(json!({"format": FORMAT, "version": 1, "by": "task", "profile": {"frames": []}})).starts_with("a damaged profile"));
+        let mut dangling = rich();
+        dangling.samples[0].stack = 99;
+        assert!(read(&write(&dangling, By::Thread)).unwrap_err().contains("a sample names a thread, stack or tag that does not exist"));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// A cut or damaged file is an error, never a panic or a different profile.
+        #[test]
+        fn damage_never_panics(cut in 0usize..10_000, flip in 0usize..10_000, bit in 0u8..8) {
+            let file = write(&rich(), By::Prefix);
+            let cut = cut % file.len();
+            prop_assert!(read(&file[..cut]).is_err());
+            let mut damaged = file.clone();
+            damaged[flip % file.len()] ^= 1 << bit;
+            if let Ok((back, _)) = read(&damaged) {
+                prop_assert_eq!(back, rich(), "gzip's CRC lets no changed profile through");
+            }
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! Reads back a speedscope file dask-pyspy wrote (`speedscope.rs`): its per-thread
+//! profiles become samples again, a leading "dask task" root frame becomes the
+//! sample's task tag (by span, under the "dask span" frames of its span path), and
+//! processes and metadata come from "x-dask-pyspy".
+//!
+//! What the format does not hold stays lost: sample times (all 0), thread states
+//! and CPU time (every sample is "running"), lines <= 0, by prefix or span the task
+//! keys (each tag's key is its prefix), and spans but for their name paths by span
+//! (a path is its own id). Consecutive equal samples come back as one. Files of
+//! other tools are refused: they hold no processes or tags.
+
+use crate::files;
+use crate::model::{Builder, Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
+use crate::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
+use crate::views::NO_SPAN;
+use std::collections::BTreeMap;
+use crate::views::By;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Doc {
+    #[serde(default)]
+    shared: Shared,
+    #[serde(default)]
+    profiles: Vec<SProfile>,
+    exporter: Option<String>,
+    #[serde(rename = "x-dask-pyspy")]
+    extension: Option<Extension>,
+}
+
+#[derive(Deserialize, Default)]
+struct Shared {
+    frames: Vec<SFrame>,
+}
+
+#[derive(Deserialize)]
+struct SFrame {
+    name: String,
+    file: Option<String>,
+    line: Option<i32>,
+}
+
+#[derive(Deserialize)]
+struct SProfile {
+    #[serde(rename = "type")]
+    kind: String,
+    unit: Option<String>,
+    #[serde(default)]
+    samples: Vec<Vec<usize>>,
+    #[serde(default)]
+    weights: Vec<f64>,
+}
+
+/// A merged sample of more than ~49 days is damage, not a profile.
+const MAX_WEIGHT_SECONDS: f64 = 4.0e6;
+
+/// `seconds` as sample weights in microseconds, split where one would overflow.
+fn weights_us(seconds: f64) -> Result<impl Iterator<Item = u32>, String> {
+    if !(0.0..=MAX_WEIGHT_SECONDS).contains(&seconds) {
+        return Err(format!("a sample weight of {seconds} seconds"));
+    }
+    let mut left = (seconds * 1e6).round() as u64;
+    Ok(std::iter::from_fn(move || {
+        let w = left.min(u32::MAX as u64);
+        left -= w;
+        (w > 0).then_some(w as u32)
+    }))
+}
+
+struct Reader<'a> {
+    doc: &'a Doc,
+    by: By,
+    extension: &'a Extension,
+    out: Builder,
+    /// Speedscope frame index -> our frame id, once used.
+    frames: Vec<Option<u32>>,
+    /// By span: the span paths seen, each its own id.
+    spans: BTreeMap<String, Span>,
+}
+
+impl Reader<'_> {
+    fn frame(&mut self, index: usize) -> Result<u32, String> {
+        let f = self.doc.shared.frames.get(index).ok_or_else(|| format!("a sample names frame {index}, which does not exist"))?;
+        if matches!(f.file.as_deref(), Some(TASK_FILE | SPAN_FILE)) {
+            return Err(format!("the task frame {:?} below the root of a stack", f.name));
+        }
+        let out = &mut self.out;
+        Ok(*self.frames[index].get_or_insert_with(|| {
+            out.frames.intern(Frame { name: f.name.clone(), file: f.file.clone().unwrap_or_default(), line: f.line.unwrap_or(0) })
+        }))
+    }
+
+    fn root_named(&self, index: usize, file: &str) -> Option<&str> {
+        self.doc.shared.frames.get(index).filter(|f| f.file.as_deref() == Some(file)).map(|f| f.name.as_str())
+    }
+
+    /// The tag the root frames stand for, if `stack` starts with them; and the rest.
+    fn split_root<'s>(&mut self, stack: &'s [usize]) -> Result<(Option<u32>, &'s [usize]), String> {
+        let path: Vec<String> = stack.iter().map_while(|&i| self.root_named(i, SPAN_FILE)).map(String::from).collect();
+        let Some(key) = stack.get(path.len()).and_then(|&i| self.root_named(i, TASK_FILE)).map(String::from) else {
+            return if path.is_empty() { Ok((None, stack)) } else { Err("span frames without a task frame below them".into()) };
+        };
+        let prefix = match self.by {
+            By::Thread => return Err(format!("a task frame {key:?} in a file grouped by thread")),
+            By::Task => self.extension.prefixes.get(&key).cloned().unwrap_or_else(|| key.clone()),
+            By::Prefix | By::Span => key.clone(),
+        };
+        let depth = path.len() + 1;
+        let span = self.span(path);
+        Ok((Some(self.out.tags.intern(Tag { key, prefix, span })), &stack[depth..]))
+    }
+
+    /// The id of a span path read from the file: the path itself.
+    fn span(&mut self, names: Vec<String>) -> Option<String> {
+        if names.is_empty() || names == [NO_SPAN] {
+            return None;
+        }
+        let id = names.join(" / ");
+        self.spans.entry(id.clone()).or_insert_with(|| Span { names, ids: vec![id.clone()] });
+        Some(id)
+    }
+
+    fn thread(&mut self, tp: &ThreadProfile) -> Result<(), String> {
+        let p = self.doc.profiles.get(tp.profile).ok_or_else(|| format!("thread profile {} does not exist", tp.profile))?;
+        if p.kind != "sampled" || p.unit.as_deref() != Some("seconds") || p.samples.len() != p.weights.len() {
+            return Err(format!("profile {} is not a sampled profile in seconds with a weight per sample", tp.profile));
+        }
+        let thread = self.out.threads.intern(tp.thread.clone());
+        for (stack, &seconds) in p.samples.iter().zip(&p.weights) {
+            let (tag, rest) = self.split_root(stack)?;
+            let frames = rest.iter().map(|&i| self.frame(i)).collect::<Result<Vec<u32>, String>>()?;
+            let stack = self.out.stacks.intern(frames);
+            for weight_us in weights_us(seconds)? {
+                self.out.samples.push(Sample { time_ns: 0, thread, stack, tag, weight_us, cpu_us: 0, flags: FLAG_ACTIVE });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The profile and its grouping, from a speedscope document (gzip-compressed or not).
+pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
+    let json = if files::is_gzip(bytes) { files::gunzip(bytes)? } else { bytes.to_vec() };
+    let doc: Doc = serde_json::from_slice(&json).map_err(|e| format!("not a speedscope file ({e})"))?;
+    let Some(extension) = &doc.extension else {
+        if doc.profiles.is_empty() {
+            return Err("not a speedscope file (no \"profiles\")".into());
+        }
+        let exporter = doc.exporter.as_deref().unwrap_or("no exporter named");
+        return Err(format!(
+            "a speedscope file not written by dask-pyspy ({exporter}): only dask-pyspy's load, \
+             since only they hold processes and task tags"
+        ));
+    };
+    let (Some(by), Some(threads)) = (&extension.by, &extension.threads) else {
+        return Err("written by an earlier dask-pyspy, which did not record its threads".into());
+    };
+    let frames = vec![None; doc.shared.frames.len()];
+    let mut reader = Reader { by: by.parse()?, doc: &doc, extension, out: Builder::default(), frames, spans: BTreeMap::new() };
+    for tp in threads {
+        reader.thread(tp)?;
+    }
+    let by = reader.by;
+    let mut data = reader.out.finish(extension.processes.clone(), extension.metadata.clone());
+    data.spans = reader.spans;
+    data.validate()?;
+    Ok((data, by))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::files::tests::rich;
+    use crate::model::tests::profile;
+    use crate::speedscope;
+    use crate::views::{Shown, Weight};
+    use serde_json::{json, Value};
+    use std::collections::BTreeMap;
+
+    fn wall(by: By) -> Shown {
+        Shown { by, weight: Weight::Wall }
+    }
+
+    type Held = BTreeMap<(u64, Option<(String, String)>, Vec<String>), u64>;
+
+    /// Microseconds per (thread, shown tag, stack of frame names): what a file can hold.
+    fn held(data: &ProfileData, shown: impl Fn(&Tag) -> Option<(String, String)>) -> Held {
+        let mut out = BTreeMap::new();
+        for s in &data.samples {
+            let tag = s.tag.and_then(|t| shown(&data.tags[t as usize]));
+            let names = data.stacks[s.stack as usize].iter().map(|&f| data.frames[f as usize].name.clone()).collect();
+            *out.entry((data.threads[s.thread as usize].ident, tag, names)).or_default() += s.weight_us as u64;
+        }
+        out
+    }
+
+    #[test]
+    fn reads_back_what_the_file_holds() {
+        let data = rich();
+        for by in [By::Thread, By::Task, By::Prefix, By::Span] {
+            let (back, by_back) = read(&speedscope::write(&data, wall(by), "t")).unwrap();
+            assert_eq!(by_back, by);
+            assert_eq!((&back.processes, &back.metadata), (&data.processes, &data.metadata));
+            assert_eq!(back.threads.len(), data.threads.len());
+            assert!(back.samples.iter().all(|s| s.time_ns == 0 && s.flags == FLAG_ACTIVE));
+            // By prefix the file holds prefixes only; by thread, no tags at all.
+            let expect = held(&data, |t| match by {
+                By::Thread => None,
+                By::Task => Some((t.key.clone(), t.prefix.clone())),
+                By::Prefix | By::Span => Some((t.prefix.clone(), t.prefix.clone())),
+            });
+            assert_eq!(held(&back, |t| Some((t.key.clone(), t.prefix.clone()))), expect, "{by:?}");
+            // By span the file holds span paths: each comes back as its own id.
+            let paths: Vec<Vec<&str>> = back.tags.iter().map(|t| back.span_names(t)).collect();
+            let expect: Vec<Vec<&str>> = if by == By::Span { vec![vec!["load"], vec![]] } else { vec![vec![]; back.tags.len()] };
+            assert_eq!(paths, expect, "{by:?}");
+        }
+    }
+
+    #[test]
+    fn long_merged_samples_split_instead_of_overflowing() {
+        let mut data = profile("w", &[(1, &["f"], None), (1, &["f"], None)]);
+        data.samples.iter_mut().for_each(|s| s.weight_us = u32::MAX);
+        let (back, _) = read(&speedscope::write(&data, wall(By::Thread), "t")).unwrap();
+        assert_eq!(back.samples.len(), 2);
+        assert_eq!(back.total_seconds(), data.total_seconds());
+    }
+
+    fn doc(by: By) -> Value {
+        serde_json::from_slice(&speedscope::write(&rich(), wall(by), "t")).unwrap()
+    }
+
+    fn err(doc: &Value) -> String {
+        read(&serde_json::to_vec(doc).unwrap()).unwrap_err()
+    }
+
+    #[test]
+    fn foreign_earlier_and_damaged_files_say_so() {
+        let pyspy = json!({"$schema": "https://www.speedscope.app/file-format-schema.json", "exporter": "py-spy@0.3.14",
+                           "shared": {"frames": [{"name": "f"}]}, "profiles": [{"type": "sampled", "unit": "none", "samples": [[0]], "weights": [1]}]});
+        assert!(err(&pyspy).starts_with("a speedscope file not written by dask-pyspy (py-spy@0.3.14)"));
+        assert!(err(&json!([1])).starts_with("not a speedscope file"));
+        assert_eq!(err(&json!({"a": 1})), "not a speedscope file (no \"profiles\")");
+        assert!(read(b"\x00\x01garbage").unwrap_err().starts_with("not a speedscope file"));
+        let mut earlier = doc(By::Prefix);
+        earlier["x-dask-pyspy"].as_object_mut().unwrap().remove("threads");
+        assert!(err(&earlier).contains("earlier dask-pyspy"));
+        let mut d = doc(By::Task);
+        let last = d["profiles"].as_array().unwrap().len() - 1;
+        d["profiles"][last]["samples"][0] = json!([1000]);
+        assert!(err(&d).contains("frame 1000, which does not exist"));
+        let mut d = doc(By::Task);
+        d["profiles"][last]["weights"][0] = json!(-1.0);
+        assert!(err(&d).contains("weight of -1 seconds"));
+        let mut d = doc(By::Task);
+        d["x-dask-pyspy"]["threads"][0]["process"] = json!(5);
+        assert!(err(&d).contains("a thread names a process that does not exist"));
+        let mut d = doc(By::Task);
+        d["x-dask-pyspy"]["threads"][0]["profile"] = json!(99);
+        assert!(err(&d).contains("thread profile 99 does not exist"));
+        let mut d = doc(By::Thread);
+        d["x-dask-pyspy"]["by"] = json!("task");
+        d["profiles"][0]["samples"][0] = json!([0, 1]);
+        d["shared"]["frames"][1]["file"] = json!(TASK_FILE);
+        assert!(err(&d).contains("below the root"));
+    }
+}

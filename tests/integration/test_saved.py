@@ -1,0 +1,110 @@
+"""Saved cluster profiles load back, and two runs compare: `Profile.diff` and
+`dask pyspy diff` on a real cluster, the page opened in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dask_pyspy import Profile
+from tests.conftest import self_seconds
+from tests.integration.browser import console_errors, screenshot, start_chromium
+from tests.integration.test_cli import run
+from tests.integration.workload import spin_then_grind
+
+TASKS = 80
+SPIN = 0.01
+
+
+def window(client, grind_seconds: float) -> Profile:
+    """The profile of TASKS tasks that each spin SPIN s, then grind `grind_seconds`."""
+    start = time.time()
+    # pure=False: keys of their own, never results of the other run.
+    client.gather(client.map(spin_then_grind, range(TASKS), [SPIN] * TASKS, [grind_seconds] * TASKS, pure=False))
+    return client.pyspy_profile(start=start, by="prefix")
+
+
+@pytest.fixture(scope="module")
+def runs(client) -> tuple[Profile, Profile]:
+    """A base run and one whose `grind` takes 3x longer, same tasks otherwise."""
+    return window(client, 0.01), window(client, 0.03)
+
+
+def grind_gain(base: Profile, new: Profile) -> float:
+    """The truth: `grind`'s self time in the new run less the base's, summed from each
+    profile's own per-thread speedscope stacks (not the code under test)."""
+    base_s, new_s = (self_seconds(p.speedscope(by="thread"), "grind") for p in (base, new))
+    assert new_s > 1.3 * base_s > 0, (base_s, new_s)  # the workload slowed grind down (1.9-2.4x seen)
+    return new_s - base_s
+
+
+def test_cluster_profile_loads_back_exactly_in_another_process(runs, tmp_path):
+    spans = {"s-1": {"names": ["etl"], "ids": ["s-1"]}}
+    prof = Profile(runs[0]._native.with_spans(json.dumps(spans)), by="task")
+    assert len(prof.processes) >= 3, "the scheduler and two worker processes"
+    path = prof.save(tmp_path / "cluster.pyspy.gz")
+    back = Profile.load(path)
+    assert back._native.digest() == prof._native.digest()
+    assert (back.by, back.metadata, back.summary()) == (prof.by, prof.metadata, prof.summary())
+    code = "import sys; from dask_pyspy import Profile; print(Profile.load(sys.argv[1])._native.digest())"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == prof._native.digest(), done.stderr
+    assert "Task time across the cluster" in back.to_html()
+
+
+def test_diff_puts_the_slowed_function_on_top(runs):
+    base, new = runs
+    truth = grind_gain(base, new)
+    changes = new.diff(base)
+    top = changes.functions["gained"][0]
+    assert (top["name"], os.path.basename(top["file"])) == ("grind", "workload.py"), changes.functions["gained"][:3]
+    assert abs(top["seconds"] - truth) <= 0.2 * truth, (top, truth)
+    assert top["change_pct"] > 50 and top["share_points"] > 0
+    assert changes.prefixes["gained"][0]["name"] == "spin_then_grind"
+    assert changes.by == "prefix" and changes.svg and changes.base_svg
+    assert changes.new_seconds > changes.base_seconds > 0
+
+
+def grind_frames(driver) -> list[tuple[str, str]]:
+    """(tooltip, fill) of every `grind` frame in the page's first flame graph, once drawn."""
+    driver.switch_to.frame(driver.find_element("css selector", "iframe.flame"))
+    try:
+        return driver.execute_script(
+            "return Array.from(document.querySelectorAll('#frames g')).map(function (g) {"
+            "  return [g.querySelector('title').textContent, g.querySelector('rect').getAttribute('fill')]; })"
+            ".filter(function (f) { return f[0].indexOf('grind (workload.py)') === 0; });"
+        )
+    finally:
+        driver.switch_to.default_content()
+
+
+def test_cli_diff_of_saved_files_in_chromium(runs, tmp_path):
+    base, new = runs
+    truth = grind_gain(base, new)
+    # Either kind of file: the base as speedscope, the new run as our own file.
+    base_path, new_path = base.save(tmp_path / "base.speedscope.json.gz"), new.save(tmp_path / "new.pyspy.gz")
+    out = tmp_path / "diff.html"
+    done = run("diff", str(base_path), str(new_path), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    gained = re.search(r"most gained: grind \(\S*workload\.py\) \+([0-9.]+) s", done.stdout)
+    assert gained and abs(float(gained.group(1)) - truth) <= 0.2 * truth, (done.stdout, truth)
+    html = out.read_text()
+    assert "http://" not in html.replace("http://www.w3.org", ""), "needs no network"
+    driver = start_chromium()
+    try:
+        driver.get(out.as_uri())
+        body = driver.find_element("tag name", "body").text
+        assert "Functions (self time) that gained most" in body and "spin_then_grind" in body
+        frames = grind_frames(driver)
+        assert frames, "the differential graph draws grind"
+        assert all(fill.startswith("rgb(255,") for _, fill in frames), f"grind grew, so it is red: {frames}"
+        screenshot(driver, "diff")
+        assert console_errors(driver) == []
+    finally:
+        driver.quit()
