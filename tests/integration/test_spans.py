@@ -6,13 +6,22 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import uuid
 
 import pytest
 from distributed import span
 
 from tests.conftest import frame_names
 from tests.integration.test_cli import DASK
-from tests.integration.workload import alpha, beta
+from tests.integration.workload import spin_for
+
+
+def tasks(client, prefix: str, n: int) -> list:
+    """`n` tasks of 10 ms, keys of task prefix `prefix`. distributed puts a task group (one
+    prefix) in one span, the span of its first tasks while the group lives: each test
+    uses prefixes of its own, so no earlier test's group decides its spans."""
+    run = uuid.uuid4().hex
+    return [client.submit(spin_for, 0.01, key=f"{prefix}-{run}-{i}") for i in range(n)]
 
 
 def span_weights(doc: dict) -> dict[tuple[str, ...], float]:
@@ -39,53 +48,53 @@ def share(part: dict[tuple[str, ...], float], path: tuple[str, ...]) -> float:
 def test_two_spans_at_once_keep_their_own_tasks(client):
     start = time.time()
     with span("ingest"):
-        a = client.map(alpha, range(300), [0.01] * 300, pure=False)
+        a = tasks(client, "ingest_work", 300)
     with span("train"):
-        b = client.map(beta, range(300), [0.01] * 300, pure=False)
+        b = tasks(client, "train_work", 300)
     client.gather(a + b)  # submitted together: the two spans run at once
     prof = client.pyspy_profile(start=start, by="span")
     weights = span_weights(prof.speedscope())
-    alphas, betas = under(weights, "alpha"), under(weights, "beta")
-    assert share(alphas, ("ingest",)) >= 0.99, alphas
-    assert share(betas, ("train",)) >= 0.99, betas
+    ingest, train = under(weights, "ingest_work"), under(weights, "train_work")
+    assert share(ingest, ("ingest",)) >= 0.99, ingest
+    assert share(train, ("train",)) >= 0.99, train
 
     only = client.pyspy_profile(start=start, span="ingest").summary()
     samples = {p["prefix"]: p["samples"] for p in only["prefixes"]}
     whole = {p["prefix"]: p["samples"] for p in prof.summary()["prefixes"]}
-    assert samples.get("alpha", 0) >= 0.99 * sum(samples.values()), samples
-    assert samples["alpha"] == whole["alpha"], "the filter keeps every sample of the span"
+    assert samples.get("ingest_work", 0) >= 0.99 * sum(samples.values()), samples
+    assert samples["ingest_work"] == whole["ingest_work"], "the filter keeps every sample of the span"
     assert only["untagged_seconds"] == 0
 
 
 def test_nested_spans_and_their_filters(client):
     start = time.time()
     with span("outer") as outer_id:
-        a = client.map(alpha, range(200), [0.01] * 200, pure=False)
+        a = tasks(client, "outer_work", 200)
         with span("inner"):
-            b = client.map(beta, range(200), [0.01] * 200, pure=False)
+            b = tasks(client, "inner_work", 200)
     client.gather(a + b)
     prof = client.pyspy_profile(start=start, by="span")
     weights = span_weights(prof.speedscope())
-    assert share(under(weights, "alpha"), ("outer",)) >= 0.99
-    assert share(under(weights, "beta"), ("outer", "inner")) >= 0.99
+    assert share(under(weights, "outer_work"), ("outer",)) >= 0.99
+    assert share(under(weights, "inner_work"), ("outer", "inner")) >= 0.99
     paths = {tuple(s["path"]): s["samples"] for s in prof.summary()["spans"]}
     assert paths[("outer",)] > paths[("outer", "inner")] > 0, "a span counts the spans nested in it"
 
     def prefixes(**request):
         return {p["prefix"] for p in client.pyspy_profile(start=start, **request).summary()["prefixes"]}
 
-    assert prefixes(span="outer") == {"alpha", "beta"}
-    assert prefixes(span=outer_id) == {"alpha", "beta"}, "by id, with its nested spans"
-    assert prefixes(span="inner") == {"beta"}
-    assert prefixes(span=("outer", "inner")) == {"beta"}
+    assert prefixes(span="outer") == {"outer_work", "inner_work"}
+    assert prefixes(span=outer_id) == {"outer_work", "inner_work"}, "by id, with its nested spans"
+    assert prefixes(span="inner") == {"inner_work"}
+    assert prefixes(span=("outer", "inner")) == {"inner_work"}
     assert prefixes(span=["inner"]) == set(), "a path starts at the outermost span"
 
 
 def test_a_span_the_scheduler_forgot_keeps_a_name(client):
     start = time.time()
     with span("forgotten") as named_id:
-        named = client.map(alpha, range(100), [0.01] * 100, pure=False)
-    default = client.map(beta, range(100), [0.01] * 100, pure=False)
+        named = tasks(client, "named_work", 100)
+    default = tasks(client, "default_work", 100)
     client.gather(named + default)
     default_id = client.run_on_scheduler(_span_of, default[0].key)
     client.run_on_scheduler(_forget, ids=[named_id, default_id])
@@ -132,8 +141,8 @@ def test_record_by_span_from_the_cli(client, tmp_path):
                             "--by", "span", "--span", "cli-span", "-o", str(out)], stderr=subprocess.PIPE, text=True)
     while cli.poll() is None:  # work in the span and outside it until the recording ends
         with span("cli-span"):
-            inside = client.map(alpha, range(40), [0.01] * 40, pure=False)
-        client.gather(inside + client.map(beta, range(40), [0.01] * 40, pure=False))
+            inside = tasks(client, "cli_work", 40)
+        client.gather(inside + tasks(client, "outside_work", 40))
     assert cli.wait(timeout=120) == 0, cli.stderr.read()
     doc = json.loads(out.read_text())
     weights = span_weights(doc)

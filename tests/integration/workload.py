@@ -90,3 +90,8 @@ def matmul(i: int, n: int = 600, rounds: int = 8) -> int:
         m = m @ m
         m /= m.max()
     return i
+
+
+def spin_for(seconds: float) -> float:
+    spin(seconds)
+    return seconds
