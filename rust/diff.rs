@@ -79,10 +79,6 @@ fn prefix_times(data: &ProfileData) -> HashMap<&str, u64> {
     out
 }
 
-fn total_us(data: &ProfileData) -> u64 {
-    data.samples.iter().map(|s| s.weight_us as u64).sum()
-}
-
 /// Each row of either profile with its change, gainers and losers apart.
 fn rank<K: Eq + Hash + Copy + Ord>(
     base: &HashMap<K, u64>,
@@ -135,7 +131,7 @@ pub fn diff(base: &ProfileData, new: &ProfileData) -> Diff {
     let tagged = |d: &ProfileData| d.samples.iter().any(|s| s.tag.is_some());
     // Task keys differ from run to run, prefixes do not.
     let by = if tagged(base) || tagged(new) { By::Prefix } else { By::Thread };
-    let totals = (total_us(base), total_us(new));
+    let totals = (base.total_us(), new.total_us());
     let functions = rank(&self_times(base), &self_times(new), totals, |(name, file)| (name.into(), Some(file.into())));
     let prefixes = rank(&prefix_times(base), &prefix_times(new), totals, |prefix| (prefix.into(), None));
     Diff {

@@ -43,7 +43,7 @@ pub fn write(data: &ProfileData, by: By) -> Vec<u8> {
 
 /// Decompressed bytes; an error says whether they were no gzip at all or a cut or damaged one.
 pub fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
-    if !bytes.starts_with(GZIP_MAGIC) {
+    if !is_gzip(bytes) {
         return Err("not gzip-compressed".into());
     }
     compress::gunzip(bytes).map_err(|e| format!("a truncated or corrupt gzip file ({e})"))

@@ -457,10 +457,15 @@ impl ProfileData {
         Ok(())
     }
 
+    /// Total sampled time in microseconds.
+    pub fn total_us(&self) -> u64 {
+        self.samples.iter().map(|s| s.weight_us as u64).sum()
+    }
+
     /// Total sampled time in seconds.
     pub fn total_seconds(&self) -> f64 {
         // Summed as integers: exact, and an empty sum is 0.0, not -0.0.
-        self.samples.iter().map(|s| s.weight_us as u64).sum::<u64>() as f64 / 1e6
+        self.total_us() as f64 / 1e6
     }
 
     pub fn thread_label(&self, id: u32) -> String {
