@@ -114,16 +114,20 @@ class Profile:
         speedscope files (`.json`, `.json.gz`) keep what they hold: each thread's
         stacks and weights, thread names, task tags (by="task" the task keys, and
         their prefixes; by="prefix" the prefixes alone, which then stand for the keys
-        too), processes, metadata and `by`. Not in them, so not loaded: sample times
-        (all 0), thread states (all running), CPU time and spans. speedscope files of
-        other tools are refused, as they hold no processes or task tags.
+        too; by="span" the prefixes and span paths), processes, metadata and `by`. Not
+        in them, so not loaded: sample times (all 0), thread states (all running), CPU
+        time, and spans but for their paths by="span". speedscope files of other tools
+        are refused, as they hold no processes or task tags.
 
         A file that is none of these, or cut short or damaged, raises ValueError
         naming it; a file that cannot be read raises OSError.
         """
         kind = file_kind(path)
-        if kind == "html":
-            raise ValueError(f"cannot load {os.fspath(path)!r}: a report cannot be loaded, only .pyspy.gz, .json or .json.gz files")
+        unloadable = {"html": "a report", "pprof": "a pprof file"}
+        if kind in unloadable:
+            raise ValueError(
+                f"cannot load {os.fspath(path)!r}: {unloadable[kind]} cannot be loaded, only .pyspy.gz, .json or .json.gz files"
+            )
         data = Path(path).read_bytes()
         try:
             native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy")

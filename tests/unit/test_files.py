@@ -134,6 +134,8 @@ def test_damaged_or_foreign_speedscope_files(tmp_path, name, data, message):
 def test_what_cannot_be_loaded_says_what_can(tmp_path):
     with pytest.raises(ValueError, match=r"cannot load '.*r\.html': a report cannot be loaded"):
         Profile.load(tmp_path / "r.html")
+    with pytest.raises(ValueError, match=r"cannot load '.*p\.pb\.gz': a pprof file cannot be loaded, only \.pyspy\.gz"):
+        Profile.load(tmp_path / "p.pb.gz")
     with pytest.raises(ValueError, match=r"path must end in .*\.pyspy\.gz"):
         Profile.load(tmp_path / "r.txt")
     with pytest.raises(FileNotFoundError, match="missing.pyspy.gz"):
