@@ -388,8 +388,10 @@ class ClusterProfiler:
             parts = [Profile.from_wire(b) for b in replies.values()]
             own = self._own_profile(start, stop) if scheduler else None
             meta = {"window": [start, stop], "workers": addresses, "missing": missing, "collected": time.time(), "span": span}
-            merged = Profile.merge(parts + ([own] if own else []), **meta)
-            merged = merged.with_spans(self._span_names(merged.span_ids))
+            parts += [own] if own else []
+            # Named before merging: naming the merged profile would copy all of it.
+            spans = self._span_names(sorted({i for p in parts for i in p.span_ids}))
+            merged = Profile.merge(parts, spans=spans, **meta)
             return (merged if span is None else merged.only_span(span)).to_wire()
 
         return await off_loop(merge)

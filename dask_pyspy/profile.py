@@ -156,16 +156,19 @@ class Profile:
         return self._native.total_seconds
 
     @classmethod
-    def merge(cls, profiles: list[Profile], by: str = "thread", **metadata: Any) -> Profile:
+    def merge(
+        cls, profiles: list[Profile], by: str = "thread", spans: dict[str, dict[str, list[str]]] | None = None, **metadata: Any
+    ) -> Profile:
         """One profile of several processes; a process seen twice is kept once.
 
-        The `tasks` metadata of each part (per worker) is combined.
+        The `tasks` metadata of each part (per worker) is combined. `spans` names
+        spans (as in `with_spans`), over what the parts knew.
         """
         tasks: dict[str, Any] = {}
         for p in profiles:
             tasks.update(json.loads(p._native.metadata_json()).get("tasks", {}))
         meta = json.dumps({"tasks": tasks, **metadata}, default=str)
-        return cls(_native.Profile.merge([p._native for p in profiles], meta), by=by)
+        return cls(_native.Profile.merge([p._native for p in profiles], meta, json.dumps(spans or {})), by=by)
 
     def summary(self) -> dict[str, Any]:
         """Totals: per process, per task prefix (with top functions), per thread state."""

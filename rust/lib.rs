@@ -29,6 +29,7 @@ use pyo3::types::{PyBytes, PyString};
 use serde_json::{Map, Value};
 use spans::SpanFilter;
 use views::{By, Shown};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 fn value_error(e: impl ToString) -> PyErr {
@@ -159,6 +160,10 @@ impl From<SpanArg> for SpanFilter {
     }
 }
 
+fn parse_spans(spans_json: &str) -> PyResult<BTreeMap<String, Span>> {
+    serde_json::from_str(spans_json).map_err(|e| value_error(format!("spans_json: {e}")))
+}
+
 fn shown(by: &str, weight: &str) -> PyResult<Shown> {
     Ok(Shown { by: by.parse().map_err(value_error)?, weight: weight.parse().map_err(value_error)? })
 }
@@ -219,14 +224,19 @@ impl PyProfile {
         py.detach(|| serde_json::to_string(&diff::diff(&base, &self.data)).expect("diffs serialise"))
     }
 
-    /// One profile of several processes; the same process twice is kept once.
+    /// One profile of several processes; the same process twice is kept once. The
+    /// spans in `spans_json` name the parts' spans, over what the parts knew.
     #[staticmethod]
-    fn merge(py: Python<'_>, parts: Vec<PyRef<'_, PyProfile>>, metadata_json: &str) -> PyResult<Self> {
+    #[pyo3(signature = (parts, metadata_json, spans_json="{}"))]
+    fn merge(py: Python<'_>, parts: Vec<PyRef<'_, PyProfile>>, metadata_json: &str, spans_json: &str) -> PyResult<Self> {
         let metadata = parse_object(metadata_json, "metadata_json")?;
+        let spans = parse_spans(spans_json)?;
         let parts: Vec<Arc<ProfileData>> = parts.iter().map(|p| p.data.clone()).collect();
         let data = py.detach(|| {
             let owned: Vec<&ProfileData> = parts.iter().map(|p| &**p).collect();
-            ProfileData::merge(&owned, metadata)
+            let mut merged = ProfileData::merge(&owned, metadata);
+            merged.spans.extend(spans);
+            merged
         });
         Ok(PyProfile { data: Arc::new(data) })
     }
@@ -308,8 +318,7 @@ impl PyProfile {
 
     /// A copy that knows the spans in `spans_json` ({id: {"names": [...], "ids": [...]}}).
     fn with_spans(&self, spans_json: &str) -> PyResult<Self> {
-        let spans: std::collections::BTreeMap<String, Span> =
-            serde_json::from_str(spans_json).map_err(|e| value_error(format!("spans_json: {e}")))?;
+        let spans = parse_spans(spans_json)?;
         let mut data = (*self.data).clone();
         data.spans.extend(spans);
         Ok(PyProfile { data: Arc::new(data) })
