@@ -6,6 +6,7 @@
 
 use crate::compress;
 use crate::model::{ProfileData, Tag};
+use crate::views::Weight;
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -193,7 +194,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
         let t = totals.entry((s.stack, s.tag, s.thread)).or_default();
         t[0] += 1;
         t[1] += s.weight_us as i64 * 1000;
-        t[2] += s.cpu_us as i64 * 1000;
+        t[2] += Weight::Cpu.of(s) as i64 * 1000;
     }
     let mut keys: Vec<_> = totals.keys().copied().collect();
     keys.sort_unstable();
