@@ -3,6 +3,7 @@
 //! folded so one deep recursion cannot set a flame graph's height. The samples
 //! themselves are never changed.
 
+use crate::config::choose;
 use crate::model::{ProfileData, Sample};
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -17,28 +18,19 @@ pub enum By {
     Span,
 }
 
+const BY_NAMES: [(&str, By); 4] = [("thread", By::Thread), ("task", By::Task), ("prefix", By::Prefix), ("span", By::Span)];
+
 impl FromStr for By {
     type Err = String;
     fn from_str(s: &str) -> Result<By, String> {
-        match s {
-            "thread" => Ok(By::Thread),
-            "task" => Ok(By::Task),
-            "prefix" => Ok(By::Prefix),
-            "span" => Ok(By::Span),
-            _ => Err(format!("by must be one of 'thread', 'task', 'prefix', 'span', got {s:?}")),
-        }
+        choose("by", s, &BY_NAMES)
     }
 }
 
 impl By {
     /// The name `from_str` reads, for files that record their grouping.
     pub fn as_str(self) -> &'static str {
-        match self {
-            By::Thread => "thread",
-            By::Task => "task",
-            By::Prefix => "prefix",
-            By::Span => "span",
-        }
+        BY_NAMES.iter().find(|(_, by)| *by == self).map(|(name, _)| *name).expect("every By is named")
     }
 }
 
@@ -53,11 +45,7 @@ pub enum Weight {
 impl FromStr for Weight {
     type Err = String;
     fn from_str(s: &str) -> Result<Weight, String> {
-        match s {
-            "wall" => Ok(Weight::Wall),
-            "cpu" => Ok(Weight::Cpu),
-            _ => Err(format!("weight must be one of 'wall', 'cpu', got {s:?}")),
-        }
+        choose("weight", s, &[("wall", Weight::Wall), ("cpu", Weight::Cpu)])
     }
 }
 

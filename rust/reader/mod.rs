@@ -83,12 +83,8 @@ pub enum ReaderChoice {
 impl std::str::FromStr for ReaderChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(ReaderChoice::Auto),
-            "fast" => Ok(ReaderChoice::Fast),
-            "pyspy" => Ok(ReaderChoice::Pyspy),
-            _ => Err(format!("reader must be one of 'auto', 'fast', 'pyspy', got {s:?}")),
-        }
+        let names = [("auto", ReaderChoice::Auto), ("fast", ReaderChoice::Fast), ("pyspy", ReaderChoice::Pyspy)];
+        crate::config::choose("reader", s, &names)
     }
 }
 
