@@ -58,9 +58,12 @@ def pyspy() -> None:
 @click.option("--by", type=click.Choice(["thread", "task", "prefix", "span"]), default="thread", show_default=True)
 @click.option("--span", default=None, help="Only this dask span (a name or id) and the spans in it; a/b for a path of names.")
 @click.option("--weight", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True, help="What a sample weighs in the views.")
+@click.option("--aggregate", is_flag=True, help="Each process sends counts per stack and task prefix, not every sample: for big clusters; no timeline.")
 @click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).")
 @click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
-def record(scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, output: str, timeout: float) -> None:
+def record(
+    scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, aggregate: bool, output: str, timeout: float
+) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
     from dask_pyspy.profile import check_writable
 
@@ -78,7 +81,8 @@ def record(scheduler: str, duration: float, workers: Any, by: str, span: str | N
             for _ in bar:
                 time.sleep(duration / steps)
         span_arg = span.split("/") if span and "/" in span else span
-        prof = _ask(lambda: get_profile(client, workers=workers, start=start, stop=time.time(), by=by, span=span_arg, weight=weight))
+        request = dict(workers=workers, by=by, span=span_arg, weight=weight, aggregate=aggregate)
+        prof = _ask(lambda: get_profile(client, start=start, stop=time.time(), **request))
         try:
             save_or_keep(prof, output)
         except (OSError, ValueError) as e:

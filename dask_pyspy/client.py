@@ -34,9 +34,17 @@ async def _call(client: Client, op: str, **kwargs: Any) -> Any:
     return reply
 
 
+def assemble(reply: dict[str, Any], by: str = "thread", weight: str = "wall") -> Profile:
+    """The profile of a scheduler's `pyspy_profile` reply: the processes' parts merged
+    here, in the caller's process, and narrowed to the span it asked for."""
+    merged = Profile.merge_wire(reply["parts"], by=by, weight=weight, spans=reply["spans"], **reply["metadata"])
+    span = reply["metadata"].get("span")
+    return merged if span is None else merged.only_span(span)
+
+
 async def _get_profile(client: Client, shown: dict[str, str], **kwargs: Any) -> Profile:
-    data = await _call(client, "pyspy_profile", **kwargs)
-    return await off_loop(lambda: Profile.from_wire(data, **shown))
+    reply = await _call(client, "pyspy_profile", **kwargs)
+    return await off_loop(assemble, reply, shown["by"], shown["weight"])
 
 
 def _request(
@@ -49,6 +57,7 @@ def _request(
     timeout: float | None = None,
     span: str | list[str] | tuple[str, ...] | None = None,
     weight: str | None = None,
+    aggregate: bool = False,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Checks a profile request; returns how exports show it and the scheduler's arguments."""
     shown = {
@@ -65,7 +74,7 @@ def _request(
     start, stop = options.window(start, stop)
     timeout = None if timeout is None else options.seconds("timeout", timeout)
     request = dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
-    return shown, dict(request, span=options.span(span))
+    return shown, dict(request, span=options.span(span), aggregate=options.flag("aggregate", aggregate))
 
 
 def get_profile(
@@ -79,6 +88,7 @@ def get_profile(
     timeout: float | None = None,
     span: str | list[str] | tuple[str, ...] | None = None,
     weight: str | None = None,
+    aggregate: bool = False,
 ) -> Profile:
     """The cluster's profile of a time window, merged over every selected process.
 
@@ -89,10 +99,16 @@ def get_profile(
     span: only the samples of one dask span and the spans nested in it: a name (every
     span of that name), a span id, or a path of names outermost first.
     weight: what a sample weighs in exports, "wall" or "cpu" time.
-    Workers that fail or time out are named in `profile.metadata["missing"]`.
+    aggregate: each process sends counts per (thread, stack, task prefix, span)
+    instead of every sample, so the size grows with distinct stacks, not time: for
+    big clusters and long windows. Reports and flame graphs are the same; task keys
+    fold into their prefix and there is no timeline (speedscope's time order).
+    A request whose profile would exceed config `pyspy.max-result` is refused
+    before anything is sent. Workers that fail, time out or send an unusable
+    profile are named in `profile.metadata["missing"]`.
     """
     client = client or default_client()
-    shown, kwargs = _request(workers, scheduler, start, stop, last, by, timeout, span, weight)
+    shown, kwargs = _request(workers, scheduler, start, stop, last, by, timeout, span, weight, aggregate)
     return client.sync(_get_profile, client, shown, **kwargs)
 
 

@@ -40,3 +40,15 @@ def timeout(given: Any = None) -> float:
     if given is None:
         return options.seconds("config pyspy.timeout", parse_timedelta(get("timeout")))
     return options.seconds("timeout", given)
+
+
+def max_result() -> int:
+    """Bytes a merged profile may take: config `pyspy.max-result`."""
+    value = get("max-result")
+    try:
+        size = parse_bytes(value) if isinstance(value, str) else value
+    except ValueError:
+        size = None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"config pyspy.max-result must be a size in bytes such as '512MiB' or 536870912, got {value!r}")
+    return size

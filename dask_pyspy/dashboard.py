@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tornado import web
 
 from dask_pyspy._loop import off_loop
-from dask_pyspy.client import StackDump
-from dask_pyspy.profile import Profile
+from dask_pyspy.client import StackDump, assemble
 from dask_pyspy.report import REFRESH_CHOICES, render_dashboard
 
 if TYPE_CHECKING:
@@ -38,9 +37,11 @@ class ProfilePage(_Page):
         refresh = self.get_argument("refresh", "0")
         if refresh not in {str(r) for r in REFRESH_CHOICES}:
             raise web.HTTPError(400, reason=f"refresh must be one of {', '.join(map(str, REFRESH_CHOICES))} seconds (0: off)")
-        data = await self.plugin.profile(start=time.time() - last)
+        reply = await self.plugin.profile(start=time.time() - last)
+        if "error" in reply:
+            raise web.HTTPError(400, reason=reply["error"])
         stacks = await self._stacks()
-        html = await off_loop(lambda: render_dashboard(Profile.from_wire(data), last, stacks, int(refresh)))
+        html = await off_loop(lambda: render_dashboard(assemble(reply), last, stacks, int(refresh)))
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.write(html)
 

@@ -4,6 +4,7 @@ task keys, and answer the `pyspy_profile` / `pyspy_dump` RPCs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -18,16 +19,16 @@ from distributed import Scheduler, Worker
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.protocol.pickle import dumps
 
-from dask_pyspy import config, options
+from dask_pyspy import _native, config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.profile import Profile, task_totals
+from dask_pyspy.profile import task_totals
 from dask_pyspy.sampler import Sampler, process_sampler
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pyspy"
 PRELOAD_NAME = "pyspy-preload"
-HANDLERS = ("pyspy_profile", "pyspy_dump", "pyspy_configure")
+HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
 
 
 class SamplerHold:
@@ -189,7 +190,8 @@ class WorkerProfiler:
             self.holders += 1
             await self._apply(opts)
             if self.holders == 1:
-                install_handlers(self.worker, {"pyspy_profile": self.profile, "pyspy_dump": self.dump, "pyspy_configure": self.configure})
+                handlers = {"pyspy_profile": self.profile, "pyspy_size": self.size, "pyspy_dump": self.dump, "pyspy_configure": self.configure}
+                install_handlers(self.worker, handlers)
 
     async def detach(self) -> None:
         """One holder fewer; the last one tears the profiler down."""
@@ -219,15 +221,19 @@ class WorkerProfiler:
             raise RuntimeError(f"sampling is off on worker {self.worker.address}: {self.hold.error}")
         return self.hold.sampler
 
-    async def profile(self, start: float | None = None, stop: float | None = None) -> bytes:
+    async def profile(self, start: float | None = None, stop: float | None = None, aggregate: bool = False) -> bytes:
+        """The window in the wire format, with the task log and span names."""
         sampler = self._check()
 
         def export() -> bytes:
             tasks = {self.worker.address: self.tasks.summary(start, stop)}
-            p = sampler.profile(start, stop, name=self.worker.address)
-            return p.with_metadata(tasks=tasks).with_spans(dict(self.spans.spans)).to_wire()
+            return sampler.export(start, stop, aggregate, self.worker.address, {"tasks": tasks}, dict(self.spans.spans))
 
         return await off_loop(export)
+
+    async def size(self, start: float | None = None, stop: float | None = None, aggregate: bool = False) -> dict[str, int]:
+        """What `profile` would send: samples, and the decoded profile's approximate bytes."""
+        return await off_loop(self._check().window_size, start, stop, aggregate)
 
     async def dump(self) -> dict[str, Any]:
         sampler = self._check()
@@ -261,6 +267,44 @@ class PySpyWorkerPlugin(WorkerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         self.profiler.tasks.transition(key, start, finish)
+
+
+SCHEDULER = "scheduler"
+SLACK_BYTES = 1 << 20  # samples a process takes between saying its size and sending
+
+
+def too_large(total: int, cap: int, sizes: dict[str, dict[str, int]], aggregate: bool) -> str:
+    samples = sum(size["samples"] for size in sizes.values())
+    shorter = "a shorter window (last=, or start= and stop=)"
+    return (
+        f"the profile would take about {total / 2**20:.0f} MiB ({samples} samples from {len(sizes)} processes), "
+        f"over config pyspy.max-result ({cap / 2**20:.0f} MiB): ask for {shorter if aggregate else 'aggregate=True or ' + shorter}, "
+        "or fewer workers, or raise pyspy.max-result"
+    )
+
+
+def checked_parts(replies: dict[str, Any], sizes: dict[str, dict[str, int]], missing: dict[str, str]) -> tuple[dict[str, bytes], list[str]]:
+    """The replies that are wire bytes no larger than announced, by process, and the
+    span ids they hold; the rest are named in `missing`. Only heads are read: the
+    client decodes the samples (and names a part it cannot decode)."""
+    parts, span_ids = {}, set()
+    for name, data in replies.items():
+        announced = sizes[name]["bytes"]
+        allowed = announced * 11 // 10 + SLACK_BYTES
+        try:
+            if not isinstance(data, bytes):
+                raise ValueError(f"an answer of type {type(data).__name__}, not a profile")
+            if len(data) > allowed:
+                raise ValueError(f"{len(data)} bytes, more than the {announced} it announced")
+            head = json.loads(_native.Profile.wire_head(data))
+            if head["memory_bytes"] > allowed:
+                raise ValueError(f"a profile of {head['memory_bytes']} bytes, more than the {announced} it announced")
+        except ValueError as e:
+            missing[name] = f"an unusable profile: {e}"
+            continue
+        parts[name] = data
+        span_ids.update(head["span_ids"])
+    return parts, sorted(span_ids)
 
 
 class ClusterProfiler:
@@ -355,12 +399,6 @@ class ClusterProfiler:
             out[span_id] = {"names": list(span.name), "ids": path[::-1]}
         return out
 
-    def _own_profile(self, start: float | None, stop: float | None) -> Profile | None:
-        sampler = self.hold.sampler
-        if sampler is None:
-            return None
-        return sampler.profile(start, stop, name=f"scheduler {self.scheduler.address}")
-
     async def profile(
         self,
         workers: Any = None,
@@ -369,32 +407,55 @@ class ClusterProfiler:
         stop: float | None = None,
         timeout: float | None = None,
         span: str | list[str] | None = None,
-    ) -> bytes | dict[str, str]:
-        """Every selected process's samples of `[start, stop]`, merged, as wire bytes;
-        with `span`, only the samples of that span (see `Profile.only_span`)."""
+        aggregate: bool = False,
+    ) -> dict[str, Any]:
+        """Every selected process's samples of `[start, stop]` as wire parts, for the
+        client to merge (`dask_pyspy.client.assemble`): the scheduler only relays them,
+        so its memory stays near the bytes it receives. First each process says how
+        large its part is; a request over `pyspy.max-result` is refused before any
+        sample moves."""
         try:
             start, stop = options.window(start, stop)
             addresses = self.select_workers(workers)
             timeout = config.timeout(timeout)
             span = options.span(span)
+            aggregate = options.flag("aggregate", aggregate)
+            scheduler = options.flag("scheduler", scheduler)
+            cap = config.max_result()
         except ValueError as e:
             return rejected(e)
         stop = max(time.time(), start or 0.0) if stop is None else stop
-        replies, missing = await self._ask_workers(addresses, "pyspy_profile", timeout, start=start, stop=stop)
-        if scheduler and self.hold.sampler is None:
-            missing["scheduler"] = f"sampling is off on the scheduler: {self.hold.error}"
+        window = {"start": start, "stop": stop, "aggregate": aggregate}
+        own = self.hold.sampler if scheduler else None
+        sizes, missing = await self._sizes(addresses, own, timeout, window)
+        if scheduler and own is None:
+            missing[SCHEDULER] = f"sampling is off on the scheduler: {self.hold.error}"
+        total = sum(size["bytes"] for size in sizes.values())
+        if total > cap:
+            return rejected(ValueError(too_large(total, cap, sizes, aggregate)))
+        replies, failed = await self._ask_workers([a for a in sizes if a != SCHEDULER], "pyspy_profile", timeout, **window)
+        missing.update(failed)
+        if own is not None:
+            name = f"scheduler {self.scheduler.address}"
+            replies[SCHEDULER] = await off_loop(own.export, start, stop, aggregate, name, {}, {})
+        parts, span_ids = await off_loop(checked_parts, replies, sizes, missing)
+        meta = {"window": [start, stop], "workers": addresses, "missing": missing, "collected": time.time(), "span": span, "aggregate": aggregate}
+        return {"parts": parts, "spans": self._span_names(span_ids), "metadata": meta}
 
-        def merge() -> bytes:
-            parts = [Profile.from_wire(b) for b in replies.values()]
-            own = self._own_profile(start, stop) if scheduler else None
-            meta = {"window": [start, stop], "workers": addresses, "missing": missing, "collected": time.time(), "span": span}
-            parts += [own] if own else []
-            # Named before merging: naming the merged profile would copy all of it.
-            spans = self._span_names(sorted({i for p in parts for i in p.span_ids}))
-            merged = Profile.merge(parts, spans=spans, **meta)
-            return (merged if span is None else merged.only_span(span)).to_wire()
-
-        return await off_loop(merge)
+    async def _sizes(
+        self, addresses: list[str], own: Sampler | None, timeout: float, window: dict[str, Any]
+    ) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+        """What each process would send (the scheduler's own with `own`); one that cannot say is missing."""
+        replies, missing = await self._ask_workers(addresses, "pyspy_size", timeout, **window)
+        sizes = {}
+        for addr, reply in replies.items():
+            if isinstance(reply, dict) and all(isinstance(reply.get(k), int) for k in ("samples", "bytes")):
+                sizes[addr] = reply
+            else:
+                missing[addr] = f"an unreadable size reply: {reply!r:.100}"
+        if own is not None:
+            sizes[SCHEDULER] = await off_loop(own.window_size, window["start"], window["stop"], window["aggregate"])
+        return sizes, missing
 
     async def dump(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:
         try:
@@ -405,7 +466,7 @@ class ClusterProfiler:
         replies, missing = await self._ask_workers(addresses, "pyspy_dump", timeout)
         sampler = self.hold.sampler
         if scheduler and sampler is not None:
-            replies["scheduler"] = {"process": f"scheduler {self.scheduler.address}", "pid": os.getpid(), **await off_loop(sampler.dump)}
+            replies[SCHEDULER] = {"process": f"scheduler {self.scheduler.address}", "pid": os.getpid(), **await off_loop(sampler.dump)}
         return {"processes": replies, "missing": missing}
 
 

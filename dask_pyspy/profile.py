@@ -164,11 +164,30 @@ class Profile:
         The `tasks` metadata of each part (per worker) is combined. `spans` names
         spans (as in `with_spans`), over what the parts knew.
         """
-        tasks: dict[str, Any] = {}
-        for p in profiles:
-            tasks.update(json.loads(p._native.metadata_json()).get("tasks", {}))
-        meta = json.dumps({"tasks": tasks, **metadata}, default=str)
+        meta = json.dumps(metadata, default=str)
         return cls(_native.Profile.merge([p._native for p in profiles], meta, json.dumps(spans or {})), by=by)
+
+    @classmethod
+    def merge_wire(
+        cls,
+        parts: dict[str, bytes],
+        by: str = "thread",
+        weight: str = "wall",
+        spans: dict[str, dict[str, list[str]]] | None = None,
+        **metadata: Any,
+    ) -> Profile:
+        """One profile of processes' `to_wire` bytes, by name, merged as each is decoded
+        with the GIL released (as `merge` does for profiles). A part that cannot be
+        decoded is left out and named, with why, in `metadata["missing"]`.
+
+        Parts a worker aggregated (`pyspy_profile(aggregate=True)`) hold one sample per
+        thread, stack, task prefix, span and thread state, with the time and count of
+        the samples it stands for: task keys are folded into their prefix, and sample
+        times are the first of each, so timelines mean nothing in them.
+        """
+        meta = json.dumps(metadata, default=str)
+        native = _native.Profile.merge_wire(list(parts.items()), meta, json.dumps(spans or {}))
+        return cls(native, by=by, weight=weight)
 
     def summary(self) -> dict[str, Any]:
         """Totals: per process, per task prefix (with top functions), per thread state."""

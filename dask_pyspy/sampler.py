@@ -174,16 +174,40 @@ class Sampler:
         """The samples taken between `start` and `stop` (Unix seconds; None: open end)."""
         start, stop = options.window(start, stop)
         options.by(by)
+        self._check_started()
+        self.name_threads()
+        native = self._native.profile(*self._bounds(start, stop), name or f"{socket.gethostname()}:{os.getpid()}", socket.gethostname())
+        return Profile(native, by=by)
+
+    def export(
+        self,
+        start: float | None,
+        stop: float | None,
+        aggregate: bool,
+        name: str,
+        metadata: dict[str, Any],
+        spans: dict[str, dict[str, list[str]]],
+    ) -> bytes:
+        """The window in the wire format (see `Profile.to_wire`) without a `Profile` in
+        between; `aggregate` folds it (see `Profile.merge_wire`)."""
+        self._check_started()
+        self.name_threads()
+        meta, named = json.dumps(metadata, default=str), json.dumps(spans)
+        return self._native.export(*self._bounds(start, stop), aggregate, name, socket.gethostname(), meta, named)
+
+    def window_size(self, start: float | None, stop: float | None, aggregate: bool) -> dict[str, int]:
+        """What `export` would hold: samples taken, and the decoded profile's approximate bytes."""
+        self._check_started()
+        samples, size = self._native.window_size(*self._bounds(start, stop), aggregate)
+        return {"samples": samples, "bytes": size}
+
+    def _check_started(self) -> None:
         if not self._native.has_started:
             raise RuntimeError("the sampler was never started: call start() before profile()")
-        self.name_threads()
-        native = self._native.profile(
-            0.0 if start is None else start,
-            time.time() if stop is None else stop,
-            name or f"{socket.gethostname()}:{os.getpid()}",
-            socket.gethostname(),
-        )
-        return Profile(native, by=by)
+
+    @staticmethod
+    def _bounds(start: float | None, stop: float | None) -> tuple[float, float]:
+        return 0.0 if start is None else start, time.time() if stop is None else stop
 
     def dump(self) -> dict[str, Any]:
         """Every thread's stack now (leaf first), with its task and state."""

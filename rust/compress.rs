@@ -18,6 +18,16 @@ pub fn gunzip(data: &[u8]) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Decompresses at most `limit` bytes: more is an error, not a memory blow-up.
+pub fn gunzip_at_most(data: &[u8], limit: usize) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(limit.min(data.len().saturating_mul(16)));
+    GzDecoder::new(data).take(limit as u64 + 1).read_to_end(&mut out)?;
+    if out.len() > limit {
+        return Err(std::io::Error::other(format!("decompresses to more than the {limit} bytes its header says")));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -27,5 +37,7 @@ mod tests {
         assert!(z.len() < data.len() / 10);
         assert_eq!(super::gunzip(&z).unwrap(), data);
         assert!(super::gunzip(b"not gzip").is_err());
+        assert_eq!(super::gunzip_at_most(&z, data.len()).unwrap(), data);
+        assert!(super::gunzip_at_most(&z, data.len() - 1).unwrap_err().to_string().contains("more than"));
     }
 }

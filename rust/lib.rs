@@ -16,13 +16,14 @@ mod spans;
 mod summary;
 mod tags;
 mod views;
+mod wire;
 
 #[cfg(test)]
 mod hostile_tests;
 
 use config::SamplerConfig;
 use flate2::Compression;
-use model::{ProfileData, Sample, Span, Tag};
+use model::{Merger, ProfileData, Sample, Span, Tag};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
@@ -30,6 +31,7 @@ use serde_json::{Map, Value};
 use spans::SpanFilter;
 use views::{By, Shown};
 use std::collections::BTreeMap;
+use store::Window;
 use std::sync::Arc;
 
 fn value_error(e: impl ToString) -> PyErr {
@@ -135,8 +137,41 @@ impl PySampler {
 
     /// The samples captured between `start` and `stop` (Unix seconds).
     fn profile(&self, py: Python<'_>, start: f64, stop: f64, process_name: String, host: String) -> PyProfile {
-        let data = py.detach(|| self.inner.profile(secs_to_ns(start), secs_to_ns(stop), process_name, host));
+        let window = Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold: false };
+        let data = py.detach(|| self.inner.profile(window, process_name, host, Map::new()));
         PyProfile { data: Arc::new(data) }
+    }
+
+    /// The samples between `start` and `stop` (aggregated with `fold`) in the wire
+    /// format, with `metadata_json` and the spans of `spans_json`: one copy of the
+    /// window, straight to bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn export<'py>(
+        &self,
+        py: Python<'py>,
+        start: f64,
+        stop: f64,
+        fold: bool,
+        process_name: String,
+        host: String,
+        metadata_json: &str,
+        spans_json: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let metadata = parse_object(metadata_json, "metadata_json")?;
+        let spans = parse_spans(spans_json)?;
+        let window = Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold };
+        let bytes = py.detach(|| {
+            let mut data = self.inner.profile(window, process_name, host, metadata);
+            data.spans = spans;
+            wire::encode(&data)
+        });
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// What `export` would hold: (samples taken, approximate memory in bytes).
+    fn window_size(&self, start: f64, stop: f64, fold: bool) -> (u64, u64) {
+        let size = self.inner.window_size(Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold });
+        (size.samples, size.bytes)
     }
 
     fn _inject_panic(&self) {
@@ -175,21 +210,50 @@ struct PyProfile {
 
 #[pymethods]
 impl PyProfile {
-    /// Reads a profile sent by another process (gzip JSON).
+    /// Reads a profile sent by another process (`wire.rs`).
     #[staticmethod]
     fn from_wire(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
-        let parsed = py.detach(|| -> Result<ProfileData, String> {
-            let raw = compress::gunzip(data).map_err(|e| e.to_string())?;
-            let data: ProfileData = serde_json::from_slice(&raw).map_err(|e| e.to_string())?;
-            data.validate().map(|()| data)
-        });
-        let data = parsed.map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
+        let data = py.detach(|| wire::decode(data)).map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
         Ok(PyProfile { data: Arc::new(data) })
     }
 
     fn to_wire<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let bytes = py.detach(|| compress::gzip(&serde_json::to_vec(&*self.data).expect("profiles serialise"), Compression::fast()));
-        PyBytes::new(py, &bytes)
+        PyBytes::new(py, &py.detach(|| wire::encode(&self.data)))
+    }
+
+    /// The head of wire bytes (what they hold, without the samples), as JSON.
+    #[staticmethod]
+    fn wire_head(data: &[u8]) -> PyResult<String> {
+        let head = wire::read_head(data).map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
+        Ok(serde_json::to_string(&head).expect("heads serialise"))
+    }
+
+    /// One profile of the named parts in wire bytes, merged as each is decoded, with
+    /// `metadata_json` and the spans of `spans_json`. A part that does not decode is
+    /// left out and named, with why, under the metadata's `missing`.
+    #[staticmethod]
+    fn merge_wire(py: Python<'_>, parts: Vec<(String, Bound<'_, PyBytes>)>, metadata_json: &str, spans_json: &str) -> PyResult<Self> {
+        let mut metadata = parse_object(metadata_json, "metadata_json")?;
+        let spans = parse_spans(spans_json)?;
+        let parts: Vec<(String, &[u8])> = parts.iter().map(|(name, b)| (name.clone(), b.as_bytes())).collect();
+        let data = py.detach(|| {
+            let mut merger = Merger::default();
+            let mut missing = match metadata.remove("missing") {
+                Some(Value::Object(m)) => m,
+                _ => Map::new(),
+            };
+            for (name, bytes) in parts {
+                match wire::decode(bytes) {
+                    Ok(part) => merger.add(&part),
+                    Err(e) => drop(missing.insert(name, Value::String(format!("an unreadable profile: {e}")))),
+                }
+            }
+            metadata.insert("missing".into(), Value::Object(missing));
+            let mut merged = merger.finish(metadata);
+            merged.spans.extend(spans);
+            merged
+        });
+        Ok(PyProfile { data: Arc::new(data) })
     }
 
     /// Our lossless file (`.pyspy.gz`, see `files.rs`), recording the grouping `by`.
@@ -332,13 +396,24 @@ impl PyProfile {
         ids
     }
 
+    /// A copy as another process named `name`, its task keys suffixed with
+    /// `key_suffix`: benchmarks build many workers' parts from one real part.
+    fn _as_process(&self, py: Python<'_>, name: &str, key_suffix: &str) -> Self {
+        let mut data = py.detach(|| (*self.data).clone());
+        for p in &mut data.processes {
+            (p.name, p.token) = (name.to_owned(), format!("{}-{name}", p.token));
+        }
+        data.tags.iter_mut().for_each(|t| t.key.push_str(key_suffix));
+        PyProfile { data: Arc::new(data) }
+    }
+
     fn processes_json(&self) -> String {
         serde_json::to_string(&self.data.processes).expect("processes serialise")
     }
 
     #[getter]
-    fn n_samples(&self) -> usize {
-        self.data.samples.len()
+    fn n_samples(&self) -> u64 {
+        self.data.n_samples()
     }
 
     #[getter]

@@ -66,6 +66,8 @@ pub struct Sample {
     pub weight_us: u32,
     /// CPU time the thread used since the previous tick (0 where not measured).
     pub cpu_us: u32,
+    /// Samples this one stands for: 1, or more in an aggregated profile (see `Folder`).
+    pub count: u32,
     pub flags: u8,
 }
 
@@ -84,6 +86,9 @@ mod sample_columns {
         tag: Vec<i64>,
         weight_us: Vec<u32>,
         cpu_us: Vec<u32>,
+        /// Empty: every sample counts once.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        count: Vec<u32>,
         flags: Vec<u8>,
     }
 
@@ -104,6 +109,7 @@ mod sample_columns {
             tag: samples.iter().map(|x| x.tag.map_or(-1, i64::from)).collect(),
             weight_us: samples.iter().map(|x| x.weight_us).collect(),
             cpu_us: samples.iter().map(|x| x.cpu_us).collect(),
+            count: if samples.iter().all(|x| x.count == 1) { Vec::new() } else { samples.iter().map(|x| x.count).collect() },
             flags: samples.iter().map(|x| x.flags).collect(),
         };
         columns.serialize(s)
@@ -112,7 +118,8 @@ mod sample_columns {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Sample>, D::Error> {
         let c = Columns::deserialize(d)?;
         let n = c.time_delta_ns.len();
-        if [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()].iter().any(|&l| l != n) {
+        let columns = [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()];
+        if columns.iter().any(|&l| l != n) || !(c.count.is_empty() || c.count.len() == n) {
             return Err(D::Error::custom("sample columns differ in length"));
         }
         let mut time = 0i64;
@@ -126,6 +133,7 @@ mod sample_columns {
                     tag: u32::try_from(c.tag[i]).ok(),
                     weight_us: c.weight_us[i],
                     cpu_us: c.cpu_us[i],
+                    count: c.count.get(i).copied().unwrap_or(1),
                     flags: c.flags[i],
                 }
             })
@@ -251,6 +259,19 @@ pub struct Builder {
     pub samples: Vec<Sample>,
 }
 
+/// Where `Builder::fold_sample` keeps each folded sample. Task keys fold into their
+/// prefix, so an aggregated profile grows with distinct stacks, not with tasks.
+#[derive(Default)]
+pub struct Folder {
+    index: FxHashMap<(u32, u32, Option<u32>, u8), usize>,
+}
+
+impl Folder {
+    fn tag(tag: &Tag) -> Tag {
+        Tag { key: tag.prefix.clone(), ..tag.clone() }
+    }
+}
+
 /// Maps ids of one source's tables to the builder's, filled lazily.
 pub struct Remap {
     frames: Vec<Option<u32>>,
@@ -282,6 +303,33 @@ fn remapped(slot: &mut Option<u32>, make: impl FnOnce() -> u32) -> u32 {
 impl Builder {
     /// Adds `sample` from `src`; `process` overrides the thread's process index when merging.
     pub fn copy_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, process: Option<u32>) {
+        let copied = self.remap(src, map, sample, process, |tag| tag.clone());
+        self.samples.push(copied);
+    }
+
+    /// Adds `sample` from `src` into the sample of `folder` with the same thread,
+    /// stack, task prefix, span and state.
+    pub fn fold_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, folder: &mut Folder) {
+        let s = self.remap(src, map, sample, None, Folder::tag);
+        let slot = folder.index.entry((s.thread, s.stack, s.tag, s.flags)).or_insert(usize::MAX);
+        let into = self.samples.get_mut(*slot).filter(|into| into.weight_us.checked_add(s.weight_us).is_some() && into.count < u32::MAX);
+        match into {
+            Some(into) => {
+                into.weight_us += s.weight_us;
+                into.cpu_us = into.cpu_us.saturating_add(s.cpu_us);
+                into.count += s.count;
+            }
+            None => {
+                // New, or full: a long window's time goes on in a fresh sample.
+                *slot = self.samples.len();
+                self.samples.push(s);
+            }
+        }
+    }
+
+    /// `sample` with its ids in this builder's tables, interning what it uses; `tag`
+    /// makes the tag to intern from the source's.
+    fn remap(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, process: Option<u32>, tag: impl Fn(&Tag) -> Tag) -> Sample {
         let stack = remapped(&mut map.stacks[sample.stack as usize], || {
             let frames = src
                 .stack(sample.stack)
@@ -290,15 +338,13 @@ impl Builder {
                 .collect();
             self.stacks.intern(frames)
         });
-        let tag = sample
-            .tag
-            .map(|t| remapped(&mut map.tags[t as usize], || self.tags.intern(src.tag(t).clone())));
+        let tag = sample.tag.map(|t| remapped(&mut map.tags[t as usize], || self.tags.intern(tag(src.tag(t)))));
         let thread = remapped(&mut map.threads[sample.thread as usize], || {
             let mut th = src.thread(sample.thread).clone();
             th.process = process.unwrap_or(th.process);
             self.threads.intern(th)
         });
-        self.samples.push(Sample { stack, tag, thread, ..*sample });
+        Sample { stack, tag, thread, ..*sample }
     }
 
     pub fn finish(self, processes: Vec<Process>, metadata: Map<String, Value>) -> ProfileData {
@@ -312,6 +358,53 @@ impl Builder {
             metadata,
             spans: BTreeMap::new(),
         }
+    }
+}
+
+/// Merges profiles one at a time, so each can be dropped once added. Samples keep
+/// each part's order (time order within a process); parts are not interleaved.
+#[derive(Default)]
+pub struct Merger {
+    out: Builder,
+    processes: Vec<Process>,
+    spans: BTreeMap<String, Span>,
+    tasks: Map<String, Value>,
+}
+
+impl Merger {
+    pub fn add(&mut self, part: &ProfileData) {
+        let mut map = Remap::for_source(part);
+        let mut offsets = Vec::with_capacity(part.processes.len());
+        for p in &part.processes {
+            let known = self.processes.iter().any(|q| q.token == p.token);
+            offsets.push((!known).then_some(self.processes.len() as u32));
+            if !known {
+                self.processes.push(p.clone());
+            }
+        }
+        for s in &part.samples {
+            if let Some(offset) = offsets[part.threads[s.thread as usize].process as usize] {
+                self.out.copy_sample(part, &mut map, s, Some(offset));
+            }
+        }
+        self.spans.extend(part.spans.iter().map(|(id, s)| (id.clone(), s.clone())));
+        if let Some(Value::Object(tasks)) = part.metadata.get("tasks") {
+            self.tasks.extend(tasks.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+    }
+
+    /// The merged profile: `metadata`, with the parts' `tasks` (per process) combined.
+    pub fn finish(self, mut metadata: Map<String, Value>) -> ProfileData {
+        if let Some(Value::Object(given)) = metadata.get("tasks") {
+            let mut tasks = self.tasks;
+            tasks.extend(given.iter().map(|(k, v)| (k.clone(), v.clone())));
+            metadata.insert("tasks".into(), Value::Object(tasks));
+        } else if !self.tasks.is_empty() {
+            metadata.insert("tasks".into(), Value::Object(self.tasks));
+        }
+        let mut merged = self.out.finish(self.processes, metadata);
+        merged.spans = self.spans;
+        merged
     }
 }
 
@@ -354,30 +447,11 @@ impl Tables for Builder {
 impl ProfileData {
     /// Combines profiles of several processes; a process seen twice (same token) is kept once.
     pub fn merge(parts: &[&ProfileData], metadata: Map<String, Value>) -> ProfileData {
-        let mut out = Builder::default();
-        let mut processes: Vec<Process> = Vec::new();
+        let mut merger = Merger::default();
         for part in parts {
-            let mut map = Remap::for_source(*part);
-            let mut offsets = Vec::with_capacity(part.processes.len());
-            let mut keep = Vec::with_capacity(part.processes.len());
-            for p in &part.processes {
-                keep.push(!processes.iter().any(|q| q.token == p.token));
-                offsets.push(processes.len() as u32);
-                if *keep.last().unwrap() {
-                    processes.push(p.clone());
-                }
-            }
-            for s in &part.samples {
-                let proc = part.threads[s.thread as usize].process as usize;
-                if keep[proc] {
-                    out.copy_sample(*part, &mut map, s, Some(offsets[proc]));
-                }
-            }
+            merger.add(part);
         }
-        out.samples.sort_by_key(|s| s.time_ns);
-        let mut merged = out.finish(processes, metadata);
-        merged.spans = parts.iter().flat_map(|p| p.spans.iter().map(|(id, s)| (id.clone(), s.clone()))).collect();
-        merged
+        merger.finish(metadata)
     }
 
     /// The samples of one process only.
@@ -457,6 +531,20 @@ impl ProfileData {
         Ok(())
     }
 
+    /// Approximate memory the profile takes: samples and tables.
+    pub fn memory_bytes(&self) -> usize {
+        fn table<T: Footprint>(items: &[T]) -> usize {
+            items.iter().map(|i| i.heap_bytes() + std::mem::size_of::<T>()).sum()
+        }
+        let samples = self.samples.len() * std::mem::size_of::<Sample>();
+        samples + table(&self.frames) + table(&self.stacks) + table(&self.tags) + table(&self.threads)
+    }
+
+    /// Samples taken, counting each aggregated one as the samples it stands for.
+    pub fn n_samples(&self) -> u64 {
+        self.samples.iter().map(|s| s.count as u64).sum()
+    }
+
     /// Total sampled time in microseconds.
     pub fn total_us(&self) -> u64 {
         self.samples.iter().map(|s| s.weight_us as u64).sum()
@@ -496,7 +584,7 @@ pub mod tests {
             let stack = b.stacks.intern(stack);
             let tag = tag.map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into(), span: None }));
             let thread = b.threads.intern(Thread { process: 0, ident: *ident, name: Some(format!("T{ident}")) });
-            b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, cpu_us: 0, flags: FLAG_ACTIVE });
+            b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, cpu_us: 0, count: 1, flags: FLAG_ACTIVE });
         }
         let proc = Process { name: token.into(), pid: 1, host: "h".into(), token: token.into(), stats: Value::Null };
         b.finish(vec![proc], Map::new())

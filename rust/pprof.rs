@@ -192,7 +192,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
     let mut totals: FxHashMap<(u32, Option<u32>, u32), [i64; 3]> = FxHashMap::default();
     for s in &data.samples {
         let t = totals.entry((s.stack, s.tag, s.thread)).or_default();
-        t[0] += 1;
+        t[0] += s.count as i64;
         t[1] += s.weight_us as i64 * 1000;
         t[2] += Weight::Cpu.of(s) as i64 * 1000;
     }

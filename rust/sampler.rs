@@ -7,7 +7,7 @@
 use crate::config::SamplerConfig;
 use crate::model::{Frame, Process, ProfileData, FLAG_ACTIVE, FLAG_GIL};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
-use crate::store::{Recorded, Store};
+use crate::store::{Recorded, Store, Window, WindowSize};
 use crate::tags::ThreadTags;
 use nix::time::{clock_gettime, ClockId};
 use parking_lot::{Condvar, Mutex};
@@ -219,8 +219,8 @@ impl Sampler {
         })
     }
 
-    /// The samples of `[start_ns, stop_ns]` as a profile of this process.
-    pub fn profile(&self, start_ns: u64, stop_ns: u64, process_name: String, host: String) -> ProfileData {
+    /// The samples of `window` as a profile of this process.
+    pub fn profile(&self, window: Window, process_name: String, host: String, metadata: Map<String, Value>) -> ProfileData {
         let process = Process {
             name: process_name,
             pid: std::process::id(),
@@ -228,9 +228,13 @@ impl Sampler {
             token: self.token.clone(),
             stats: self.stats(),
         };
-        let mut data = self.shared.store.lock().window(start_ns, stop_ns, process, Map::new());
+        let mut data = self.shared.store.lock().window(window, process, metadata);
         data.resolve_thread_names(|ident| self.shared.tags.name(ident));
         data
+    }
+
+    pub fn window_size(&self, window: Window) -> WindowSize {
+        self.shared.store.lock().window_size(window)
     }
 
     /// Every thread's stack (leaf first), with its task and state: asks the sampling

@@ -131,7 +131,7 @@ impl Reader<'_> {
             let frames = rest.iter().map(|&i| self.frame(i)).collect::<Result<Vec<u32>, String>>()?;
             let stack = self.out.stacks.intern(frames);
             for weight_us in weights_us(seconds)? {
-                self.out.samples.push(Sample { time_ns: 0, thread, stack, tag, weight_us, cpu_us: 0, flags: FLAG_ACTIVE });
+                self.out.samples.push(Sample { time_ns: 0, thread, stack, tag, weight_us, cpu_us: 0, count: 1, flags: FLAG_ACTIVE });
             }
         }
         Ok(())

@@ -3,7 +3,8 @@
 //! the tables themselves grow (thread churn, many task keys), compacting them to
 //! what the remaining samples still use.
 
-use crate::model::{Builder, Frame, Process, ProfileData, Remap, Sample, Tag, Thread};
+use crate::model::{Builder, Folder, Frame, Process, ProfileData, Remap, Sample, Tag, Thread};
+use rustc_hash::FxHashSet;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
@@ -19,6 +20,24 @@ pub struct StoreStats {
     pub bytes: usize,
     pub max_bytes: usize,
     pub oldest_ns: Option<u64>,
+}
+
+/// Which samples an export takes: those captured in `[start_ns, stop_ns]`, folded
+/// into an aggregated profile with `fold` (see `Folder`).
+#[derive(Clone, Copy, Debug)]
+pub struct Window {
+    pub start_ns: u64,
+    pub stop_ns: u64,
+    pub fold: bool,
+}
+
+/// What a window export would hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct WindowSize {
+    /// Samples taken in the window.
+    pub samples: u64,
+    /// Approximate memory of the exported profile.
+    pub bytes: u64,
 }
 
 /// One sample to record, its frames already interned (root first).
@@ -81,7 +100,7 @@ impl Store {
         let thread = Thread { process: 0, ident: r.ident, name: r.name };
         let thread = t.threads.find(&thread).unwrap_or_else(|| t.threads.intern(thread));
         let (time_ns, weight_us, cpu_us, flags) = (r.time_ns, r.weight_us, r.cpu_us, r.flags);
-        self.ring.push_back(Sample { time_ns, thread, stack, tag, weight_us, cpu_us, flags });
+        self.ring.push_back(Sample { time_ns, thread, stack, tag, weight_us, cpu_us, count: 1, flags });
         self.recorded += 1;
         self.enforce_cap();
     }
@@ -126,16 +145,40 @@ impl Store {
         self.compactions += 1;
     }
 
-    /// The samples captured in `[start_ns, stop_ns]`, with just the tables they use.
-    pub fn window(&self, start_ns: u64, stop_ns: u64, process: Process, metadata: Map<String, Value>) -> ProfileData {
-        let lo = self.ring.partition_point(|s| s.time_ns < start_ns);
-        let hi = self.ring.partition_point(|s| s.time_ns <= stop_ns);
+    /// The samples of `window`, with just the tables they use.
+    pub fn window(&self, window: Window, process: Process, metadata: Map<String, Value>) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(&self.tables);
-        for s in self.ring.range(lo..hi.max(lo)) {
-            out.copy_sample(&self.tables, &mut map, s, None);
+        let mut folder = Folder::default();
+        for s in self.range(window) {
+            if window.fold {
+                out.fold_sample(&self.tables, &mut map, s, &mut folder);
+            } else {
+                out.copy_sample(&self.tables, &mut map, s, None);
+            }
         }
         out.finish(vec![process], metadata)
+    }
+
+    /// Roughly the memory an export of `window` would take: its samples and at most
+    /// the tables; and the samples it stands for.
+    pub fn window_size(&self, window: Window) -> WindowSize {
+        let samples = self.range(window);
+        let taken = samples.len() as u64;
+        let kept = if window.fold {
+            let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
+            samples.map(|s| (s.thread, s.stack, prefix(s.tag), s.flags)).collect::<FxHashSet<_>>().len()
+        } else {
+            samples.len()
+        };
+        // Interners hold each item twice; a profile's tables once.
+        WindowSize { samples: taken, bytes: (kept * SAMPLE_BYTES + self.tables_bytes() / 2) as u64 }
+    }
+
+    fn range(&self, window: Window) -> std::collections::vec_deque::Iter<'_, Sample> {
+        let lo = self.ring.partition_point(|s| s.time_ns < window.start_ns);
+        let hi = self.ring.partition_point(|s| s.time_ns <= window.stop_ns);
+        self.ring.range(lo..hi.max(lo))
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -159,6 +202,10 @@ mod tests {
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
+    }
+
+    fn all(start_ns: u64, stop_ns: u64) -> Window {
+        Window { start_ns, stop_ns, fold: false }
     }
 
     fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {
@@ -216,7 +263,7 @@ mod tests {
         assert!(st.compactions > 0);
         // Tables only hold what live samples use.
         assert_eq!(s.tables.counts()[2], st.samples_held);
-        let w = s.window(0, u64::MAX, proc(), Map::new());
+        let w = s.window(all(0, u64::MAX), proc(), Map::new());
         assert_eq!(w.samples.len(), st.samples_held);
         assert!(w.tags.iter().all(|t| t.key.starts_with("task-")));
     }
@@ -227,10 +274,29 @@ mod tests {
         for t in 0..10 {
             push(&mut s, t * 100, &["main", if t < 5 { "early" } else { "late" }], None);
         }
-        let w = s.window(500, 900, proc(), Map::new());
+        let w = s.window(all(500, 900), proc(), Map::new());
         assert_eq!(w.samples.len(), 5);
         assert_eq!(w.frames.len(), 2, "only the frames the window uses");
         assert!(w.frames.iter().any(|f| f.name == "late"));
-        assert!(s.window(2000, 3000, proc(), Map::new()).samples.is_empty());
+        assert!(s.window(all(2000, 3000), proc(), Map::new()).samples.is_empty());
+    }
+
+    #[test]
+    fn folded_window_sums_per_stack_and_prefix() {
+        let mut s = Store::new(1 << 20);
+        for t in 0..10 {
+            let key = format!("load-{}", t % 5);
+            let tag = Tag { key: key.clone(), prefix: "load".into(), span: None };
+            let leaf = if t % 2 == 0 { "read" } else { "parse" };
+            s.record(t, 1, ["main", leaf].iter().map(|n| frame(n)), Some(&tag), 10_000 + t as u32, 1);
+        }
+        push(&mut s, 10, &["main", "idle"], None);
+        let folded = Window { start_ns: 0, stop_ns: 100, fold: true };
+        let w = s.window(folded, proc(), Map::new());
+        assert_eq!(w.samples.len(), 3, "read and parse under prefix load, and the untagged one");
+        assert_eq!((w.n_samples(), w.total_us()), (11, 10 * 10_000 + 45 + 10_000));
+        assert!(w.tags.iter().all(|t| t.key == "load"), "keys fold into their prefix");
+        assert_eq!(s.window_size(folded).samples, 11);
+        assert!(s.window_size(folded).bytes < s.window_size(all(0, 100)).bytes);
     }
 }

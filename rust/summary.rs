@@ -115,7 +115,7 @@ struct Tally {
 impl Tally {
     fn add(&mut self, data: &ProfileData, s: &Sample) {
         let wall = s.weight_us as f64 / 1e6;
-        self.samples += 1;
+        self.samples += s.count as usize;
         self.seconds += wall;
         self.split.add(s);
         if let Some(&leaf) = data.stacks[s.stack as usize].last() {
@@ -144,8 +144,20 @@ impl Tally {
     }
 }
 
+/// Distinct thread idents with samples, per process.
+fn sampled_threads(data: &ProfileData) -> Vec<usize> {
+    let mut used = vec![false; data.threads.len()];
+    data.samples.iter().for_each(|s| used[s.thread as usize] = true);
+    let mut idents: Vec<(u32, u64)> = data.threads.iter().zip(used).filter(|(_, used)| *used).map(|(t, _)| (t.process, t.ident)).collect();
+    idents.sort_unstable();
+    idents.dedup();
+    let mut out = vec![0; data.processes.len()];
+    idents.iter().for_each(|&(process, _)| out[process as usize] += 1);
+    out
+}
+
 pub fn summarize(data: &ProfileData) -> Summary {
-    let mut per_process: Vec<(usize, f64, Vec<u64>)> = vec![(0, 0.0, Vec::new()); data.processes.len()];
+    let mut per_process: Vec<(usize, f64)> = vec![(0, 0.0); data.processes.len()];
     let mut per_prefix: HashMap<&str, Tally> = HashMap::new();
     let mut per_span: HashMap<Vec<&str>, Tally> = HashMap::new();
     let mut all = Tally::default();
@@ -154,9 +166,8 @@ pub fn summarize(data: &ProfileData) -> Summary {
         let secs = s.weight_us as f64 / 1e6;
         let th = &data.threads[s.thread as usize];
         if let Some(p) = per_process.get_mut(th.process as usize) {
-            p.0 += 1;
+            p.0 += s.count as usize;
             p.1 += secs;
-            p.2.push(th.ident);
         }
         match s.tag.map(|t| &data.tags[t as usize]) {
             Some(tag) => {
@@ -174,11 +185,8 @@ pub fn summarize(data: &ProfileData) -> Summary {
         .processes
         .iter()
         .zip(per_process)
-        .map(|(p, (samples, seconds, mut idents))| {
-            idents.sort_unstable();
-            idents.dedup();
-            ProcessTime { name: p.name.clone(), samples, seconds, threads: idents.len() }
-        })
+        .zip(sampled_threads(data))
+        .map(|((p, (samples, seconds)), threads)| ProcessTime { name: p.name.clone(), samples, seconds, threads })
         .collect();
     let mut prefixes: Vec<PrefixTime> =
         per_prefix.into_iter().map(|(prefix, t)| PrefixTime { prefix: prefix.into(), group: t.finish(data) }).collect();

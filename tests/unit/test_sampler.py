@@ -211,6 +211,23 @@ def test_save_and_wire_round_trip(sampler, tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "no temporary files left behind"
 
 
+def test_export_and_merge_of_wire_parts(sampler):
+    sampler.start()
+    with Threads(("alpha", busy_alpha, ())):
+        time.sleep(0.5)
+    stop = time.time()
+    part = sampler.export(None, stop, False, "me", {"tasks": {"me": {"alpha": {"count": 1}}}}, {})
+    folded = sampler.export(None, stop, True, "me", {}, {})
+    assert len(folded) < len(part)
+    size = sampler.window_size(None, stop, False)
+    assert size["samples"] == Profile.from_wire(part).n_samples == Profile.from_wire(folded).n_samples > 0
+    assert sampler.window_size(None, stop, True)["bytes"] < size["bytes"]
+    merged = Profile.merge_wire({"me": part, "broken": part[:-40], "junk": b"junk"}, by="task", missing={"w": "gone"})
+    missing = merged.metadata["missing"]
+    assert set(missing) == {"w", "broken", "junk"} and "an unreadable profile: a damaged body" in missing["broken"]
+    assert merged.n_samples == size["samples"] and merged.metadata["tasks"] == {"me": {"alpha": {"count": 1}}}
+
+
 def test_memory_cap_and_dropped_samples_reported():
     s = Sampler(rate=2000, idle=True, max_memory=2**20, cpu_budget=1.0)
     with Threads(*[(f"deep{i}", deep, (i,)) for i in range(16)]):

@@ -1,0 +1,314 @@
+//! The wire format between the processes of a cluster: a JSON head the scheduler
+//! reads without touching the samples, then the tables and sample columns as gzip'd
+//! protobuf (packed varints: a sample is a few bytes before compression).
+//!
+//! Layout: `MAGIC`, the head's length (u32, little-endian), the head, the body.
+
+use crate::compress;
+use crate::model::{Frame, Process, ProfileData, Sample, Span, Tag, Thread};
+use flate2::Compression;
+use prost::Message;
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// The name and version of the format: a part from another version is refused.
+const MAGIC: &[u8; 8] = b"DPSPY\0w2";
+
+/// What a part holds, readable without decompressing it.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Head {
+    pub processes: Vec<Process>,
+    pub metadata: Map<String, Value>,
+    /// Names of spans, as far as the sender knew them.
+    pub spans: BTreeMap<String, Span>,
+    /// Every span id the tags name, named or not.
+    pub span_ids: Vec<String>,
+    /// Samples taken (an aggregated sample counts as the samples it stands for).
+    pub samples: u64,
+    /// Approximate memory the decoded profile takes.
+    pub memory_bytes: u64,
+    /// The body's size before compression: decompression stops there.
+    pub body_bytes: u64,
+}
+
+/// Tables and sample columns; strings are indices into `strings`, optional ones + 1.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Body {
+    #[prost(string, repeated, tag = "1")]
+    strings: Vec<String>,
+    #[prost(uint32, repeated, tag = "2")]
+    frame_name: Vec<u32>,
+    #[prost(uint32, repeated, tag = "3")]
+    frame_file: Vec<u32>,
+    #[prost(sint32, repeated, tag = "4")]
+    frame_line: Vec<i32>,
+    #[prost(uint32, repeated, tag = "5")]
+    stack_len: Vec<u32>,
+    #[prost(uint32, repeated, tag = "6")]
+    stack_frames: Vec<u32>,
+    #[prost(uint32, repeated, tag = "7")]
+    tag_key: Vec<u32>,
+    #[prost(uint32, repeated, tag = "8")]
+    tag_prefix: Vec<u32>,
+    #[prost(uint32, repeated, tag = "9")]
+    tag_span: Vec<u32>,
+    #[prost(uint32, repeated, tag = "10")]
+    thread_process: Vec<u32>,
+    #[prost(uint64, repeated, tag = "11")]
+    thread_ident: Vec<u64>,
+    #[prost(uint32, repeated, tag = "12")]
+    thread_name: Vec<u32>,
+    /// Each sample's time minus the previous one's: mostly 0 or one tick.
+    #[prost(sint64, repeated, tag = "13")]
+    time_delta_ns: Vec<i64>,
+    #[prost(uint32, repeated, tag = "14")]
+    thread: Vec<u32>,
+    #[prost(uint32, repeated, tag = "15")]
+    stack: Vec<u32>,
+    #[prost(uint32, repeated, tag = "16")]
+    tag: Vec<u32>,
+    #[prost(uint32, repeated, tag = "17")]
+    weight_us: Vec<u32>,
+    #[prost(uint32, repeated, tag = "18")]
+    cpu_us: Vec<u32>,
+    /// Empty: every sample counts once.
+    #[prost(uint32, repeated, tag = "19")]
+    count: Vec<u32>,
+    #[prost(uint32, repeated, tag = "20")]
+    flags: Vec<u32>,
+}
+
+#[derive(Default)]
+struct Strings<'a> {
+    index: FxHashMap<&'a str, u32>,
+    table: Vec<String>,
+}
+
+impl<'a> Strings<'a> {
+    fn id(&mut self, s: &'a str) -> u32 {
+        *self.index.entry(s).or_insert_with(|| {
+            self.table.push(s.to_owned());
+            self.table.len() as u32 - 1
+        })
+    }
+
+    fn optional(&mut self, s: Option<&'a str>) -> u32 {
+        s.map_or(0, |s| self.id(s) + 1)
+    }
+}
+
+fn body(data: &ProfileData) -> Body {
+    let mut st = Strings::default();
+    let mut b = Body::default();
+    for f in &data.frames {
+        b.frame_name.push(st.id(&f.name));
+        b.frame_file.push(st.id(&f.file));
+        b.frame_line.push(f.line);
+    }
+    for s in &data.stacks {
+        b.stack_len.push(s.len() as u32);
+        b.stack_frames.extend_from_slice(s);
+    }
+    for t in &data.tags {
+        b.tag_key.push(st.id(&t.key));
+        b.tag_prefix.push(st.id(&t.prefix));
+        b.tag_span.push(st.optional(t.span.as_deref()));
+    }
+    for t in &data.threads {
+        b.thread_process.push(t.process);
+        b.thread_ident.push(t.ident);
+        b.thread_name.push(st.optional(t.name.as_deref()));
+    }
+    let mut last = 0i64;
+    for s in &data.samples {
+        b.time_delta_ns.push(s.time_ns as i64 - last);
+        last = s.time_ns as i64;
+        b.thread.push(s.thread);
+        b.stack.push(s.stack);
+        b.tag.push(s.tag.map_or(0, |t| t + 1));
+        b.weight_us.push(s.weight_us);
+        b.cpu_us.push(s.cpu_us);
+        b.flags.push(s.flags.into());
+    }
+    if data.samples.iter().any(|s| s.count != 1) {
+        b.count = data.samples.iter().map(|s| s.count).collect();
+    }
+    b.strings = st.table;
+    b
+}
+
+fn head(data: &ProfileData, body_bytes: usize) -> Head {
+    let mut span_ids: Vec<String> = data.tags.iter().filter_map(|t| t.span.clone()).collect();
+    span_ids.sort_unstable();
+    span_ids.dedup();
+    Head {
+        processes: data.processes.clone(),
+        metadata: data.metadata.clone(),
+        spans: data.spans.clone(),
+        span_ids,
+        samples: data.n_samples(),
+        memory_bytes: data.memory_bytes() as u64,
+        body_bytes: body_bytes as u64,
+    }
+}
+
+pub fn encode(data: &ProfileData) -> Vec<u8> {
+    let body = body(data).encode_to_vec();
+    let head = serde_json::to_vec(&head(data, body.len())).expect("heads serialise");
+    let mut out = Vec::with_capacity(MAGIC.len() + 4 + head.len() + body.len() / 4);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(head.len() as u32).to_le_bytes());
+    out.extend_from_slice(&head);
+    out.extend_from_slice(&compress::gzip(&body, Compression::fast()));
+    out
+}
+
+/// The head's JSON and the compressed body.
+fn split(bytes: &[u8]) -> Result<(&[u8], &[u8]), String> {
+    let rest = bytes.strip_prefix(MAGIC).ok_or("not a dask-pyspy profile of this version (no wire header)")?;
+    let (len, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
+    let len = u32::from_le_bytes(*len) as usize;
+    if rest.len() < len {
+        return Err("cut short in its header".into());
+    }
+    Ok(rest.split_at(len))
+}
+
+pub fn read_head(bytes: &[u8]) -> Result<Head, String> {
+    let (head, _) = split(bytes)?;
+    serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))
+}
+
+pub fn decode(bytes: &[u8]) -> Result<ProfileData, String> {
+    let (head, body) = split(bytes)?;
+    let head: Head = serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))?;
+    let raw = compress::gunzip_at_most(body, head.body_bytes as usize).map_err(|e| format!("a damaged body ({e})"))?;
+    let body = Body::decode(raw.as_slice()).map_err(|e| format!("a damaged body ({e})"))?;
+    let data = tables(body, head).map_err(|e| format!("a damaged body ({e})"))?;
+    data.validate().map_err(|e| format!("a damaged body ({e})"))?;
+    Ok(data)
+}
+
+fn same_lengths(lengths: &[usize]) -> Result<(), String> {
+    match lengths.windows(2).all(|w| w[0] == w[1]) {
+        true => Ok(()),
+        false => Err("columns differ in length".into()),
+    }
+}
+
+fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
+    same_lengths(&[b.frame_name.len(), b.frame_file.len(), b.frame_line.len()])?;
+    same_lengths(&[b.tag_key.len(), b.tag_prefix.len(), b.tag_span.len()])?;
+    same_lengths(&[b.thread_process.len(), b.thread_ident.len(), b.thread_name.len()])?;
+    let n = b.time_delta_ns.len();
+    same_lengths(&[n, b.thread.len(), b.stack.len(), b.tag.len(), b.weight_us.len(), b.cpu_us.len(), b.flags.len()])?;
+    if !b.count.is_empty() && b.count.len() != n {
+        return Err("columns differ in length".into());
+    }
+    let strings = &b.strings;
+    let string = |i: u32| strings.get(i as usize).cloned().ok_or("a string index out of range");
+    let optional = |i: u32| if i == 0 { Ok(None) } else { string(i - 1).map(Some) };
+    let mut frames = Vec::with_capacity(b.frame_name.len());
+    for i in 0..b.frame_name.len() {
+        frames.push(Frame { name: string(b.frame_name[i])?, file: string(b.frame_file[i])?, line: b.frame_line[i] });
+    }
+    let mut stacks = Vec::with_capacity(b.stack_len.len());
+    let mut rest = b.stack_frames.as_slice();
+    for &len in &b.stack_len {
+        let (stack, tail) = rest.split_at_checked(len as usize).ok_or("stacks longer than their frames")?;
+        stacks.push(stack.to_vec());
+        rest = tail;
+    }
+    let mut tags = Vec::with_capacity(b.tag_key.len());
+    for i in 0..b.tag_key.len() {
+        tags.push(Tag { key: string(b.tag_key[i])?, prefix: string(b.tag_prefix[i])?, span: optional(b.tag_span[i])? });
+    }
+    let mut threads = Vec::with_capacity(b.thread_ident.len());
+    for i in 0..b.thread_ident.len() {
+        threads.push(Thread { process: b.thread_process[i], ident: b.thread_ident[i], name: optional(b.thread_name[i])? });
+    }
+    let mut time = 0i64;
+    let samples = (0..n)
+        .map(|i| {
+            time = time.wrapping_add(b.time_delta_ns[i]);
+            Sample {
+                time_ns: time as u64,
+                thread: b.thread[i],
+                stack: b.stack[i],
+                tag: b.tag[i].checked_sub(1),
+                weight_us: b.weight_us[i],
+                cpu_us: b.cpu_us[i],
+                count: b.count.get(i).copied().unwrap_or(1),
+                flags: b.flags[i] as u8,
+            }
+        })
+        .collect();
+    let Head { processes, metadata, spans, .. } = head;
+    Ok(ProfileData { frames, stacks, tags, threads, processes, samples, metadata, spans })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::files::tests::rich;
+    use crate::model::Builder;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip_keeps_everything() {
+        let data = rich();
+        let bytes = encode(&data);
+        assert_eq!(decode(&bytes).unwrap(), data);
+        let head = read_head(&bytes).unwrap();
+        assert_eq!((head.samples, head.processes.len()), (data.n_samples(), data.processes.len()));
+        assert_eq!(head.span_ids, ["s1"]);
+    }
+
+    #[test]
+    fn aggregated_counts_travel() {
+        let mut data = rich();
+        data.samples[0].count = 7;
+        let back = decode(&encode(&data)).unwrap();
+        assert_eq!(back.samples[0].count, 7);
+        assert_eq!(back.n_samples(), data.n_samples());
+    }
+
+    #[test]
+    fn foreign_and_cut_bytes_are_refused() {
+        let bytes = encode(&rich());
+        assert!(decode(b"{\"frames\": []}").unwrap_err().contains("no wire header"));
+        assert!(decode(&bytes[..10]).unwrap_err().contains("cut short"));
+        assert!(decode(&bytes[..bytes.len() - 5]).unwrap_err().contains("damaged body"));
+        let empty = Builder::default().finish(Vec::new(), Map::new());
+        assert_eq!(decode(&encode(&empty)).unwrap(), empty);
+    }
+
+    #[test]
+    fn a_body_larger_than_its_head_says_is_refused() {
+        let data = rich();
+        let mut h = head(&data, 0);
+        h.body_bytes = 3;
+        let body = body(&data).encode_to_vec();
+        let head = serde_json::to_vec(&h).unwrap();
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&(head.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&head);
+        bytes.extend_from_slice(&compress::gzip(&body, Compression::fast()));
+        assert!(decode(&bytes).unwrap_err().contains("more than the 3 bytes"));
+    }
+
+    proptest! {
+        #[test]
+        fn damaged_parts_never_panic(cut in 0usize..4000, flip in 0usize..4000, bit in 0u8..8) {
+            let mut bytes = encode(&rich());
+            let i = flip % bytes.len();
+            bytes[i] ^= 1 << bit;
+            bytes.truncate(cut.max(1));
+            if let Ok(data) = decode(&bytes) {
+                prop_assert!(data.validate().is_ok());
+            }
+        }
+    }
+}
