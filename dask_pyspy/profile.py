@@ -220,6 +220,14 @@ class Profile:
             title, by=options.by(by), weight=weight, prefix=prefix, process=process, tasks=tasks, span=options.span(span)
         )
 
+    def aggregated(self, keys: bool = False) -> Profile:
+        """The same totals in fewer samples: one per thread, stack, task, span and
+        thread state, with the time and count of the samples it stands for (as
+        `pyspy_profile(aggregate=True)` sends them). Reports, flame graphs and
+        summaries read the same; sample order, so speedscope's time order, is gone.
+        Unless `keys`, task keys fold into their prefix."""
+        return self._derive(self._native.folded(options.flag("keys", keys)))
+
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
         return self._derive(self._native.only_process(index))

@@ -244,13 +244,23 @@ def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
         yield flame_details(svg, proc["name"], f"Flame graph of {proc['name']}, raw stacks")
 
 
-def _download(profile: Profile) -> tuple[str, str]:
+FOLD_ABOVE = 200_000  # samples; a report of more reads a folded copy: same totals, minutes less
+
+
+def _for_views(profile: Profile) -> Profile:
+    return profile.aggregated(keys=True) if profile.n_samples > FOLD_ABOVE else profile
+
+
+def _download(profile: Profile, folded: bool) -> tuple[str, str]:
     """The button and the embedded speedscope file; neither for an empty profile."""
     if not profile.n_samples:
         return "", ""
     data = base64.b64encode(profile.to_bytes(compress=True)).decode()
+    order = (" Its samples are folded by stack, so its time order is not the run's; a profile collected without "
+             "<code>aggregate=True</code> and saved with <code>profile.save('out.speedscope.json.gz')</code> keeps it."
+             if folded else "")
     button = ('<p><button id="download">Download the speedscope profile</button> '
-              "open it at speedscope.app or with the <code>speedscope</code> command, both work offline.</p>")
+              f"open it at speedscope.app or with the <code>speedscope</code> command, both work offline.{order}</p>")
     return button, f'<script id="speedscope-data" type="application/octet-stream">{data}</script>'
 
 
@@ -262,9 +272,10 @@ def page_head(title: str) -> str:
 
 def render_html(profile: Profile, title: str = "dask-pyspy report", header: str = "") -> str:
     """The whole report as one HTML page that needs no network; `header` is trusted HTML."""
+    raw, profile = profile, _for_views(profile)
     summary = profile.summary()
     idle_sampled = any(p["stats"]["config"]["idle"] for p in profile.processes)
-    button, data = _download(profile)
+    button, data = _download(profile, folded=profile is not raw or bool(raw.metadata.get("aggregate")))
     parts = [
         page_head(title),
         f"<h1>{escape(title)}</h1>",
@@ -306,6 +317,7 @@ def render_dashboard(profile: Profile, last: float, stacks: str, refresh: int = 
 
 def render_notebook(profile: Profile) -> str:
     """A compact view for Jupyter: the headline numbers and the whole-cluster flame graph."""
+    profile = _for_views(profile)
     summary = profile.summary()
     head = _table(["processes", "samples", "sampled thread-seconds", "top task prefix"],
                   [[len(profile.processes), summary["samples"], float(summary["seconds"]),

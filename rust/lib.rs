@@ -242,11 +242,8 @@ impl PyProfile {
                 Some(Value::Object(m)) => m,
                 _ => Map::new(),
             };
-            for (name, bytes) in parts {
-                match wire::decode(bytes) {
-                    Ok(part) => merger.add(&part),
-                    Err(e) => drop(missing.insert(name, Value::String(format!("an unreadable profile: {e}")))),
-                }
+            for (name, e) in wire::merge_parts(&parts, &mut merger) {
+                missing.insert(name, Value::String(format!("an unreadable profile: {e}")));
             }
             metadata.insert("missing".into(), Value::Object(missing));
             let mut merged = merger.finish(metadata);
@@ -347,6 +344,12 @@ impl PyProfile {
             prefix_ok && process_ok && span_ok && tasks.is_none_or(|t| t == s.tag.is_some())
         };
         Ok(py.detach(|| flamegraph::svg(data, title, shown, &keep)))
+    }
+
+    /// The same totals in fewer samples, one per thread, stack, tag and thread state,
+    /// without their order; `keys` False folds task keys into their prefix.
+    fn folded(&self, py: Python<'_>, keys: bool) -> Self {
+        PyProfile { data: Arc::new(py.detach(|| self.data.folded(keys))) }
     }
 
     /// The samples of a span (a name or id, or a name path outermost first) and the spans in it.

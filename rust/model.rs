@@ -259,16 +259,21 @@ pub struct Builder {
     pub samples: Vec<Sample>,
 }
 
-/// Where `Builder::fold_sample` keeps each folded sample. Task keys fold into their
-/// prefix, so an aggregated profile grows with distinct stacks, not with tasks.
+/// Where `Builder::fold_sample` keeps each folded sample. Unless `keys`, task keys
+/// fold into their prefix, so an aggregated profile grows with distinct stacks, not
+/// with tasks. A folded sample keeps the time of its first.
 #[derive(Default)]
 pub struct Folder {
+    pub keys: bool,
     index: FxHashMap<(u32, u32, Option<u32>, u8), usize>,
 }
 
 impl Folder {
-    fn tag(tag: &Tag) -> Tag {
-        Tag { key: tag.prefix.clone(), ..tag.clone() }
+    fn tag(tag: &Tag, keys: bool) -> Tag {
+        match keys {
+            true => tag.clone(),
+            false => Tag { key: tag.prefix.clone(), ..tag.clone() },
+        }
     }
 }
 
@@ -310,7 +315,8 @@ impl Builder {
     /// Adds `sample` from `src` into the sample of `folder` with the same thread,
     /// stack, task prefix, span and state.
     pub fn fold_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, folder: &mut Folder) {
-        let s = self.remap(src, map, sample, None, Folder::tag);
+        let keys = folder.keys;
+        let s = self.remap(src, map, sample, None, |t| Folder::tag(t, keys));
         let slot = folder.index.entry((s.thread, s.stack, s.tag, s.flags)).or_insert(usize::MAX);
         let into = self.samples.get_mut(*slot).filter(|into| into.weight_us.checked_add(s.weight_us).is_some() && into.count < u32::MAX);
         match into {
@@ -372,6 +378,11 @@ pub struct Merger {
 }
 
 impl Merger {
+    /// Room for `samples` more samples, so the merged column is not copied as it grows.
+    pub fn reserve(&mut self, samples: usize) {
+        self.out.samples.reserve(samples);
+    }
+
     pub fn add(&mut self, part: &ProfileData) {
         let mut map = Remap::for_source(part);
         let mut offsets = Vec::with_capacity(part.processes.len());
@@ -464,6 +475,19 @@ impl ProfileData {
         let mut one = out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone());
         one.spans = self.spans.clone();
         one
+    }
+
+    /// The same totals in fewer samples, not in time order (see `Folder`).
+    pub fn folded(&self, keys: bool) -> ProfileData {
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(self);
+        let mut folder = Folder { keys, ..Folder::default() };
+        for s in &self.samples {
+            out.fold_sample(self, &mut map, s, &mut folder);
+        }
+        let mut folded = out.finish(self.processes.clone(), self.metadata.clone());
+        folded.spans = self.spans.clone();
+        folded
     }
 
     /// The samples `keep` keeps, with every process and span.

@@ -5,13 +5,15 @@
 //! Layout: `MAGIC`, the head's length (u32, little-endian), the head, the body.
 
 use crate::compress;
-use crate::model::{Frame, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::model::{Frame, Merger, Process, ProfileData, Sample, Span, Tag, Thread};
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 
 /// The name and version of the format: a part from another version is refused.
 const MAGIC: &[u8; 8] = b"DPSPY\0w2";
@@ -27,6 +29,8 @@ pub struct Head {
     pub span_ids: Vec<String>,
     /// Samples taken (an aggregated sample counts as the samples it stands for).
     pub samples: u64,
+    /// Sample rows the body holds.
+    pub entries: u64,
     /// Approximate memory the decoded profile takes.
     pub memory_bytes: u64,
     /// The body's size before compression: decompression stops there.
@@ -149,6 +153,7 @@ fn head(data: &ProfileData, body_bytes: usize) -> Head {
         spans: data.spans.clone(),
         span_ids,
         samples: data.n_samples(),
+        entries: data.samples.len() as u64,
         memory_bytes: data.memory_bytes() as u64,
         body_bytes: body_bytes as u64,
     }
@@ -179,6 +184,43 @@ fn split(bytes: &[u8]) -> Result<(&[u8], &[u8]), String> {
 pub fn read_head(bytes: &[u8]) -> Result<Head, String> {
     let (head, _) = split(bytes)?;
     serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))
+}
+
+/// Named parts merged as they are decoded, the decoding spread over a few threads
+/// and kept in the parts' order; a part that does not decode is returned with why.
+pub fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(String, String)> {
+    let rows: u64 = parts.iter().filter_map(|(_, b)| read_head(b).ok()).map(|h| h.entries).sum();
+    merger.reserve(rows as usize);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().clamp(2, 5) - 1);
+    let next = AtomicUsize::new(0);
+    let mut failed = Vec::new();
+    std::thread::scope(|scope| {
+        // Bounded: at most a few decoded parts wait for the merge at a time.
+        let (send, receive) = mpsc::sync_channel(threads);
+        for _ in 0..threads {
+            let (send, next) = (send.clone(), &next);
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= parts.len() || send.send((i, decode(parts[i].1))).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(send);
+        let mut waiting = BTreeMap::new();
+        let mut due = 0;
+        for (i, decoded) in receive {
+            waiting.insert(i, decoded);
+            while let Some(decoded) = waiting.remove(&due) {
+                match decoded {
+                    Ok(part) => merger.add(&part),
+                    Err(e) => failed.push((parts[due].0.clone(), e)),
+                }
+                due += 1;
+            }
+        }
+    });
+    failed
 }
 
 pub fn decode(bytes: &[u8]) -> Result<ProfileData, String> {

@@ -211,6 +211,25 @@ def test_save_and_wire_round_trip(sampler, tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "no temporary files left behind"
 
 
+def test_aggregated_profiles_and_reports_keep_the_totals(sampler, monkeypatch):
+    from dask_pyspy import report
+
+    sampler.start()
+    with Threads(("alpha", busy_alpha, ()), ("beta", busy_beta, ())):
+        time.sleep(0.5)
+    p = sampler.profile()
+    folded = p.aggregated(keys=True)
+    assert folded.n_samples == p.n_samples and folded.sampled_seconds == p.sampled_seconds
+    def top(prof):
+        return [(f["name"], round(f["seconds"], 6), round(f["cpu"], 6)) for f in prof.summary()["top"]]
+
+    assert top(folded) == top(p)
+    assert folded.speedscope()["profiles"] != p.speedscope()["profiles"], "fewer, longer samples"
+    assert "folded by stack" not in report.render_html(p)
+    monkeypatch.setattr(report, "FOLD_ABOVE", 0)
+    assert "folded by stack" in report.render_html(p)
+
+
 def test_export_and_merge_of_wire_parts(sampler):
     sampler.start()
     with Threads(("alpha", busy_alpha, ())):
