@@ -23,6 +23,7 @@ from distributed import Client, Future
 import dask_pyspy
 import dask_pyspy.client
 from benchmarks.common import Section, spread, table, verdict
+from benchmarks.merge_scale import scale_rows
 from benchmarks.stacks import PREFIXES, TASKS, VARIANTS as PATHS_PER_PREFIX
 
 N_WORKERS = 16
@@ -31,6 +32,7 @@ RATE = 1000  # 10x the default: time runs 10x faster where the machine keeps up
 TARGET = 240_000  # samples per worker: 10 minutes at 100 Hz x 4 busy threads
 IN_FLIGHT = 8 * N_WORKERS * THREADS  # tasks kept queued or running: the scheduler never runs dry
 BYS = ("thread", "task", "prefix")
+MEASURE_TASK_SECONDS = (2.0, 4.0)  # ~20 tasks/s on 64 threads while measuring
 # Each entry is one set of rows; `aggregate` is new, and rows without it say "not available".
 VARIANTS: list[dict[str, Any]] = [{}, {"aggregate": True}]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,10 +90,13 @@ def cluster(logs: str) -> Iterator[tuple[str, int]]:
 # --- the task stream ---
 
 class TaskStream:
-    """Keeps IN_FLIGHT tasks of 50-300 ms queued or running, from a background thread."""
+    """Keeps IN_FLIGHT tasks queued or running, from a background thread: of 50-300 ms
+    while filling, longer (`pace`) while measuring, so dask's own work per task leaves the
+    2 cores room and a stall is the collection's, not the load's."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
+        self.seconds = (0.05, 0.3)
         self.finished = self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="task-stream", daemon=True)
@@ -114,7 +119,7 @@ class TaskStream:
             futures -= done
             batch: dict[str, list[tuple[int, float]]] = {}
             for _ in range(IN_FLIGHT - len(futures)):
-                batch.setdefault(rng.choice(PREFIXES), []).append((rng.randrange(PATHS_PER_PREFIX), rng.uniform(0.05, 0.3)))
+                batch.setdefault(rng.choice(PREFIXES), []).append((rng.randrange(PATHS_PER_PREFIX), rng.uniform(*self.seconds)))
             for prefix, args in batch.items():
                 variants, seconds = zip(*args)
                 futures.update(self.client.map(TASKS[prefix], variants, seconds, pure=False))
@@ -234,8 +239,8 @@ class ReplyMeter:
 
     async def _metered(self, client: Client, op: str, **kwargs: Any) -> Any:
         reply = await self._call(client, op, **kwargs)
-        if op == "pyspy_profile" and isinstance(reply, bytes):
-            self.size, self.arrived = len(reply), time.perf_counter()
+        if op == "pyspy_profile" and isinstance(reply, dict) and "parts" in reply:
+            self.size, self.arrived = sum(map(len, reply["parts"].values())), time.perf_counter()
         return reply
 
 
@@ -427,14 +432,15 @@ def run(quick: bool) -> Section:
         with TaskStream(client) as stream:
             seconds, stores = fill(client, deadline)
             filled, began = stream.finished, time.perf_counter()
+            stream.seconds = MEASURE_TASK_SECONDS
             rig = Rig(client, pid, tmp, meter)
             measured = [measure_variant(rig, variant, repeats) for variant in VARIANTS]
             tasks_per_s = [filled / seconds, (stream.finished - filled) / (time.perf_counter() - began)]
             errors = stream.errors
     part = measured[0].part
-    if part is not None and os.environ.get("PYSPY_BENCH_PART"):
-        with open(os.environ["PYSPY_BENCH_PART"], "wb") as f:
-            f.write(part)
+    real_parts = {kind: m.part for kind, m in zip(("raw", "aggregated"), measured) if m.part is not None}
+    print("  merging copies of one worker's parts", flush=True)
+    scale = scale_rows(real_parts)
     return Section("Collection", intro(repeats, deadline), [
         table(["workers x threads", "fill s", "samples per worker", "samples in all", "equivalent minutes per worker",
                "achieved Hz per worker", "evicted", "store MiB per worker", "distinct stacks (one worker)",
@@ -444,12 +450,16 @@ def run(quick: bool) -> Section:
         table(["operation", "collect s", "of which client decode s", "save s", "total s", "scheduler CPU s off loop",
                "scheduler transient MiB", "x bytes received", "scheduler stall ms", "worker stall ms"],
               [r for m in measured for r in m.rows]),
+        "Towards 1000 workers: copies of one worker's part above (raw, and aggregated), each as its own process "
+        "with task keys of its own, merged in one fresh process as the client merges a collection "
+        "(`python -m benchmarks.merge_scale`); the report drawn from the merged profile after.",
+        table(["part", "workers", "samples", "wire MiB", "merge s", "peak MiB over RSS", "then"], scale),
     ], [n for m in measured for n in m.notes] + [
         f"Only the samples are compressed in time, not the tasks: the fill ran {filled / N_WORKERS:,.0f} tasks per "
         f"worker, so the stores hold that many task keys, where 10 real minutes of 175 ms tasks on {THREADS} busy "
         f"threads would hold ~{600 * THREADS / 0.175:,.0f}.",
-        "The task stream alone keeps both cores busy (dask's own work per task), so wall-clock figures include "
-        "waiting for a core; the scheduler's off-loop CPU seconds are the figure this load moves least.",
+        "While filling, the task stream keeps both cores busy (dask's own work per task); while measuring its tasks "
+        "are longer, so the figures are the collection's more than the load's.",
         f"Tasks that failed during the run: {errors}.",
     ])
 
@@ -462,12 +472,13 @@ def intro(repeats: int, deadline: float) -> str:
         f"{RATE} Hz with cpu_budget=1.0 until each worker holds {TARGET:,} samples (or {deadline:.0f} s pass; the "
         "first table says what was reached); then every sampler is paused, its samples kept, so each collection sees "
         f"the same stores. A task stream runs throughout, the measurements included: {IN_FLIGHT} tasks queued or "
-        f"running, of {len(PREFIXES)} prefixes, 50-300 ms each, 15-40 frames deep along {PATHS_PER_PREFIX} call paths per "
+        f"running, of {len(PREFIXES)} prefixes, 50-300 ms each while filling and {MEASURE_TASK_SECONDS[0]:g}-"
+        f"{MEASURE_TASK_SECONDS[1]:g} s each while measuring, 15-40 frames deep along {PATHS_PER_PREFIX} call paths per "
         "prefix, mostly in 20 ms sleeps with a little pure-Python compute (task threads are sampled while they sleep); "
         "distributed's built-in profiler is off. "
         f"Each operation runs {repeats} time(s), interleaved: median (min-max). Collect = `client.pyspy_profile()` "
         "until it returns; client decode = from the reply's arrival to then. Scheduler CPU = user + system seconds "
-        "of the scheduler's threads but its event loop's (where the collection's merge runs) during the collection. "
+        "of the scheduler's threads but its event loop's (where its part of a collection runs: its own export, reading heads) during the collection. "
         "Stall = worst extra delay of a 5 ms asyncio timer during the collection (not the save), on the scheduler "
         "and on the worst worker; each round ends with a baseline window as long as its median collection (same "
         "load, no collection). Transient memory = the scheduler's VmHWM during the collection minus its VmRSS before "

@@ -238,10 +238,22 @@ def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
         yield flame_details(svg, p["prefix"], f"Flame graph of {p['prefix']} ({p['seconds']:.2f} s)")
     if summary["spans"]:
         yield from _spans_section(profile, summary)
+    yield from _processes_section(profile, summary)
+
+
+MAX_PROCESS_GRAPHS = 32  # a 1000-worker report stays a page, not a thousand graphs
+
+
+def _processes_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
+    """A graph per process, the busiest first, at most MAX_PROCESS_GRAPHS."""
     yield "<h2>Processes</h2>"
-    for i, proc in enumerate(profile.processes):
-        svg = profile.flamegraph_svg(f"Process {proc['name']}", process=i)
-        yield flame_details(svg, proc["name"], f"Flame graph of {proc['name']}, raw stacks")
+    busiest = sorted(range(len(profile.processes)), key=lambda i: -summary["processes"][i]["seconds"])
+    for i in busiest[:MAX_PROCESS_GRAPHS]:
+        name = profile.processes[i]["name"]
+        yield flame_details(profile.flamegraph_svg(f"Process {name}", process=i), name, f"Flame graph of {name}, raw stacks")
+    if len(busiest) > MAX_PROCESS_GRAPHS:
+        yield (f"<p>And {len(busiest) - MAX_PROCESS_GRAPHS} less busy processes: their samples are in the graphs "
+               "above and in the speedscope file; <code>profile.only_process(i)</code> picks one.</p>")
 
 
 FOLD_ABOVE = 200_000  # samples; a report of more reads a folded copy: same totals, minutes less

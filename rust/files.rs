@@ -1,6 +1,6 @@
 //! Our own lossless profile file, `.pyspy.gz`: gzip JSON of
 //! `{"format": "dask-pyspy profile", "version": 1, "by": "prefix", "profile": ...}`,
-//! where `profile` is the wire format (`model.rs`) itself, so every sample, tag,
+//! where `profile` is the profile's JSON form (`model.rs`), so every sample, tag,
 //! span, process and metadata entry loads back as it was. `format` and `version`
 //! keep their meaning in every version, so a reader can say what a file is before
 //! it parses the rest.

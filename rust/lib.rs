@@ -169,8 +169,9 @@ impl PySampler {
     }
 
     /// What `export` would hold: (samples taken, approximate memory in bytes).
-    fn window_size(&self, start: f64, stop: f64, fold: bool) -> (u64, u64) {
-        let size = self.inner.window_size(Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold });
+    fn window_size(&self, py: Python<'_>, start: f64, stop: f64, fold: bool) -> (u64, u64) {
+        let window = Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold };
+        let size = py.detach(|| self.inner.window_size(window));
         (size.samples, size.bytes)
     }
 

@@ -1,0 +1,79 @@
+"""The client's side of a collection at 16 to 1000 workers: merging that many worker
+parts, raw and aggregated, in one process. The parts are copies of a real worker's
+part, each as its own process with task keys of its own.
+
+Run as `python -m benchmarks.merge_scale PART N`: one merge in a fresh process, so its
+peak memory is its own; prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from dask_pyspy import Profile, _native
+from dask_pyspy.report import render_html
+
+WORKER_COUNTS = (16, 64, 256, 1000)
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
+
+
+def _merge_once(part_path: str, n: int) -> dict[str, float]:
+    part = Profile.from_wire(open(part_path, "rb").read())._native
+    parts = {f"w{i}": part._as_process(f"w{i}", f"-w{i}").to_wire() for i in range(n)}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak, so it is the merge's alone
+    before = _status_mib("VmRSS")
+    began = time.perf_counter()
+    merged = Profile.merge_wire(parts)
+    merge_s = time.perf_counter() - began
+    peak = _status_mib("VmHWM") - before
+    began = time.perf_counter()
+    render_html(merged)
+    return {"merge_s": merge_s, "peak_mib": peak, "report_s": time.perf_counter() - began,
+            "wire_mib": sum(map(len, parts.values())) / 2**20, "samples": merged.n_samples}
+
+
+def _available_mib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("MemAvailable"))
+
+
+def _needs_mib(part: bytes, n: int) -> float:
+    """Decoded copies merged, plus their wire bytes, with room for the tables."""
+    head = json.loads(_native.Profile.wire_head(part))
+    return n * (head["memory_bytes"] + len(part)) * 1.5 / 2**20
+
+
+def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
+    """One row per kind of part (e.g. raw, aggregated) and worker count."""
+    rows: list[list[object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, part in parts.items():
+            path = os.path.join(tmp, f"{kind}.bin")
+            with open(path, "wb") as f:
+                f.write(part)
+            for n in WORKER_COUNTS:
+                needs, free = _needs_mib(part, n), _available_mib()
+                if needs > 0.7 * free:
+                    rows.append([kind, n, "-", "-", "-", "-", f"not run: needs ~{needs / 1024:.0f} GiB, {free / 1024:.0f} GiB free"])
+                    continue
+                print(f"  merge {kind} x {n}", flush=True)
+                done = subprocess.run([sys.executable, "-m", "benchmarks.merge_scale", path, str(n)],
+                                      capture_output=True, text=True, check=True)
+                r = json.loads(done.stdout.strip().splitlines()[-1])
+                rows.append([kind, n, f"{r['samples']:,}", f"{r['wire_mib']:.1f}", f"{r['merge_s']:.2f}",
+                             f"{r['peak_mib']:.0f}", f"report {r['report_s']:.1f} s"])
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps(_merge_once(sys.argv[1], int(sys.argv[2]))))
