@@ -200,12 +200,19 @@ fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<P
     out
 }
 
-fn thread_profile(data: &ProfileData, thread: u32, weight: Weight, roots: &Roots) -> Profile {
+fn thread_profile(data: &ProfileData, thread: u32, samples: &[&Sample], weight: Weight, roots: &Roots) -> Profile {
     let mut p = Sampled::default();
-    for s in data.samples.iter().filter(|s| s.thread == thread) {
+    for s in samples {
         p.add(s, weight, roots.of(s, false), &data.stacks[s.stack as usize]);
     }
     p.finish(data.thread_label(thread))
+}
+
+/// Each thread's samples, in their order: one pass, however many threads.
+fn per_thread(data: &ProfileData) -> Vec<Vec<&Sample>> {
+    let mut out = vec![Vec::new(); data.threads.len()];
+    data.samples.iter().for_each(|s| out[s.thread as usize].push(s));
+    out
 }
 
 /// The profile to open: the one with the most task time among the merged profiles
@@ -230,9 +237,10 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
     let n_merged = profiles.len();
     let mut threads: Vec<u32> = (0..data.threads.len() as u32).collect();
     threads.sort_by_key(|&t| data.thread_label(t));
+    let samples = per_thread(data);
     let mut thread_profiles = Vec::new();
     for t in threads {
-        let p = thread_profile(data, t, shown.weight, &roots);
+        let p = thread_profile(data, t, &samples[t as usize], shown.weight, &roots);
         if !p.samples.is_empty() {
             thread_profiles.push(ThreadProfile { profile: profiles.len(), thread: data.threads[t as usize].clone() });
             profiles.push(p);
