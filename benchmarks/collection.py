@@ -375,8 +375,8 @@ def notes_for(variant: dict[str, Any], results: dict[str, list[dict[str, float]]
              f"minus worst in a baseline: scheduler {1000 * sched:+.0f} ms, workers {1000 * work:+.0f} ms: {verdict(max(sched, work) <= 0.05)}."]
     noise = max(max(b["sched"], b["work"]) for b in bases)
     if noise > 0.05:
-        notes.append(f"The baseline itself stalled {1000 * noise:.0f} ms at worst: this machine's load, not the collection, "
-                     "sets the stall figures, and the verdict above cannot resolve 50 ms.")
+        notes.append(f"The baseline itself stalled {1000 * noise:.0f} ms at worst: on this loaded machine the stall "
+                     "verdict cannot resolve differences near 50 ms.")
     if received:
         ratio = max(r["transient"] for r in runs) / received
         notes.append(f"Target (issue 13){name}: scheduler transient memory < 4x the bytes it received from workers. "
