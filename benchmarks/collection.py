@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import random
 import signal
@@ -54,7 +55,13 @@ def spawn(args: list[str], log: str) -> subprocess.Popen:
                DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False")
     with open(log, "wb") as out:
         # A session of its own: the whole process group (nannies' workers too) goes at teardown.
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the benchmark dies, even killed outright (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -76,6 +83,8 @@ def cluster(logs: str) -> Iterator[tuple[str, int]]:
     address = f"tcp://127.0.0.1:{port}"
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     procs = []
+    # A SIGTERM to the benchmark unwinds through the teardown below instead of ending it on the spot.
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         procs.append(spawn([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
                            os.path.join(logs, "scheduler.log")))
@@ -85,6 +94,11 @@ def cluster(logs: str) -> Iterator[tuple[str, int]]:
     finally:
         for proc in reversed(procs):
             stop_group(proc)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 # --- the task stream ---
@@ -366,8 +380,8 @@ def notes_for(variant: dict[str, Any], results: dict[str, list[dict[str, float]]
              f"minus worst in a baseline: scheduler {1000 * sched:+.0f} ms, workers {1000 * work:+.0f} ms: {verdict(max(sched, work) <= 0.05)}."]
     noise = max(max(b["sched"], b["work"]) for b in bases)
     if noise > 0.05:
-        notes.append(f"The baseline itself stalled {1000 * noise:.0f} ms at worst: this machine's load, not the collection, "
-                     "sets the stall figures, and the verdict above cannot resolve 50 ms.")
+        notes.append(f"The baseline itself stalled {1000 * noise:.0f} ms at worst: on this loaded machine the stall "
+                     "verdict cannot resolve differences near 50 ms.")
     if received:
         ratio = max(r["transient"] for r in runs) / received
         notes.append(f"Target (issue 13){name}: scheduler transient memory < 4x the bytes it received from workers. "
