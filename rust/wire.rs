@@ -181,9 +181,12 @@ fn split(bytes: &[u8]) -> Result<(&[u8], &[u8]), String> {
     Ok(rest.split_at(len))
 }
 
-pub fn read_head(bytes: &[u8]) -> Result<Head, String> {
-    let (head, _) = split(bytes)?;
+fn parse_head(head: &[u8]) -> Result<Head, String> {
     serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))
+}
+
+pub fn read_head(bytes: &[u8]) -> Result<Head, String> {
+    parse_head(split(bytes)?.0)
 }
 
 /// Named parts merged as they are decoded, the decoding spread over a few threads
@@ -225,11 +228,15 @@ pub fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(Strin
 
 pub fn decode(bytes: &[u8]) -> Result<ProfileData, String> {
     let (head, body) = split(bytes)?;
-    let head: Head = serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))?;
-    let raw = compress::gunzip_at_most(body, head.body_bytes as usize).map_err(|e| format!("a damaged body ({e})"))?;
-    let body = Body::decode(raw.as_slice()).map_err(|e| format!("a damaged body ({e})"))?;
-    let data = tables(body, head).map_err(|e| format!("a damaged body ({e})"))?;
-    data.validate().map_err(|e| format!("a damaged body ({e})"))?;
+    let head = parse_head(head)?;
+    decode_body(body, head).map_err(|e| format!("a damaged body ({e})"))
+}
+
+fn decode_body(body: &[u8], head: Head) -> Result<ProfileData, String> {
+    let raw = compress::gunzip_at_most(body, head.body_bytes as usize).map_err(|e| e.to_string())?;
+    let body = Body::decode(raw.as_slice()).map_err(|e| e.to_string())?;
+    let data = tables(body, head)?;
+    data.validate()?;
     Ok(data)
 }
 
