@@ -226,7 +226,11 @@ def test_aggregated_profiles_and_reports_keep_the_totals(sampler, monkeypatch):
     assert top(folded, "seconds") == pytest.approx(top(p, "seconds"))
     # CPU is capped per sample at its weight: a folded one caps the sum.
     assert top(folded, "cpu") == pytest.approx(top(p, "cpu"), rel=0.01)
-    assert folded.speedscope()["profiles"] != p.speedscope()["profiles"], "fewer, longer samples"
+    # Never more samples; as many when a busy machine left each thread one unbroken run.
+    def sample_count(prof):
+        return sum(len(q["samples"]) for q in prof.speedscope()["profiles"])
+
+    assert sample_count(folded) <= sample_count(p)
     assert "folded by stack" not in report.render_html(p)
     monkeypatch.setattr(report, "FOLD_ABOVE", 0)
     assert "folded by stack" in report.render_html(p)
