@@ -1,6 +1,11 @@
-//! The sampling thread: reads this process's Python stacks at a steady rate, tags
-//! each sample with the task its thread runs, and stretches its interval so its own
-//! CPU use stays within budget.
+//! The sampling thread: reads this process's Python stacks at random times, one in
+//! each slot of `1 / rate`, tags each sample with the task its thread runs, and
+//! stretches the slots so its own CPU use stays within budget.
+//!
+//! Where a tick falls in its slot is drawn uniformly: work that repeats at (or near)
+//! the sampling period cannot lock onto fixed sample times and always be seen in
+//! the same phase, while the rate stays exact and each sample stands for one slot's
+//! wall time (a stratified sample: less noise than independent random times).
 //!
 //! It never touches the GIL: the readers read interpreter memory directly.
 
@@ -316,6 +321,7 @@ struct Loop<'a> {
     interval: Duration,
     cost_s: Option<f64>,
     stacks: Vec<ThreadStack>,
+    rng: fastrand::Rng,
     /// Reader frame id -> store frame id, valid for `ids_valid_for` (reader epoch, store generation).
     store_ids: FxHashMap<u64, u32>,
     ids_valid_for: (u64, u64),
@@ -332,6 +338,7 @@ impl<'a> Loop<'a> {
             interval: base,
             cost_s: None,
             stacks: Vec::new(),
+            rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
             ids_valid_for: (0, 0),
         }
@@ -339,15 +346,18 @@ impl<'a> Loop<'a> {
 
     fn run(&mut self) {
         let started = Instant::now();
-        // The first tick comes one interval in, so ticks / elapsed is the rate.
-        let mut next = started + self.base;
-        let mut last_tick: Option<Instant> = None;
-        while !self.wait_until(next) {
+        // Time is cut into slots of one interval, so ticks / elapsed is the rate.
+        let mut slot = started;
+        loop {
+            let length = self.interval;
+            let at = slot + length.mul_f64(self.rng.f64());
+            if self.wait_until(at) {
+                break;
+            }
             let now = Instant::now();
-            // A sample stands for the wall time since the previous one, so a
-            // stretched interval does not bias the profile.
-            let weight = last_tick.map_or(self.base, |t| (now - t).min(self.interval * 2));
-            last_tick = Some(now);
+            // A sample stands for its slot; a tick that a stall pushed past its slot
+            // also for the time it came late, up to one more slot.
+            let weight = (now - slot).clamp(length, 2 * length);
             let cpu0 = thread_cpu_ns();
             self.tick(weight);
             let cost = thread_cpu_ns().saturating_sub(cpu0);
@@ -361,12 +371,9 @@ impl<'a> Loop<'a> {
                 stats.reader_stats = self.reader.stats();
             }
             drop(stats);
-            next += self.interval;
-            // After a stall, resume the rhythm instead of firing a burst of ticks.
-            let now = Instant::now();
-            if next + self.interval < now {
-                next = now;
-            }
+            // A late tick's weight reached `now`: the next slot starts there, and a
+            // stall never leads to a burst of ticks.
+            slot = (slot + length).max(now);
         }
         let mut stats = self.shared.stats.lock();
         stats.wall_ns = started.elapsed().as_nanos() as u64;
