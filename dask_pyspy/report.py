@@ -93,12 +93,14 @@ def flame_details(svg: str | None, title: str, summary: str) -> str:
     return f"<details><summary>{escape(summary)}</summary>{flame_iframe(svg, title, deferred=True)}</details>"
 
 
-def _torn(stats: dict[str, Any]) -> tuple[str, str]:
-    """Reads that caught a stack mid-change, as a rate; the last such error as a tooltip."""
+def _lost(stats: dict[str, Any]) -> tuple[str, str]:
+    """Thread-reads left out (stacks that kept changing through every re-read, or a whole
+    failed tick), as a rate; the last whole-tick error as a tooltip."""
     reader = stats.get("reader_stats") or {}
     reads = reader.get("thread_reads") or stats["ticks"]
-    torn = reader.get("torn_reads", 0) + stats["failed_ticks"]
-    return f"{100 * torn / max(reads, 1):.1f}%", stats.get("last_error") or ""
+    # Profiles saved before re-reads were counted dropped reads as "torn_reads".
+    lost = reader.get("lost_reads", reader.get("torn_reads", 0)) + stats["failed_ticks"]
+    return f"{100 * lost / max(reads, 1):.1f}%", stats.get("last_error") or ""
 
 
 def _errors(stats: dict[str, Any]) -> str:
@@ -134,16 +136,17 @@ def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]
     rows = []
     for proc, totals in zip(profile.processes, summary["processes"]):
         s = proc["stats"]
-        torn, last_torn = _torn(s)
+        lost, last_error = _lost(s)
         errors = _errors(s)
         rows.append([proc["name"], proc["pid"], s.get("reader") or "-", totals["threads"], totals["samples"],
                      float(s["requested_rate"]), float(s["achieved_rate"]), _rate_note(s), float(100 * s["cpu_fraction"]),
-                     (f'<span title="{escape(last_torn)}">{torn}</span>',), s["store"]["samples_evicted"],
+                     (f'<span title="{escape(last_error)}">{lost}</span>',), s["store"]["samples_evicted"],
                      (f'<span class="warn">{escape(errors)}</span>',) if errors else ""])
     yield _table(["process", "pid", "reader", "threads", "samples", "requested Hz", "achieved Hz", "why lower",
-                  "sampler CPU %", "reads torn", "evicted samples", "errors"], rows)
-    yield ("<p><small>Reads torn: a stack changed while it was read, so that sample was dropped rather "
-           "than shown wrong; threads that run Python while sampled tear some reads.</small></p>")
+                  "sampler CPU %", "samples lost", "evicted samples", "errors"], rows)
+    yield ("<p><small>Samples lost: a thread whose stack changed while it was copied is read again at once, "
+           "up to three times in the same tick; one still changing after that is left out of the tick rather "
+           "than shown wrong. Normally 0.0%.</small></p>")
     missing = meta.get("missing") or {}
     if missing:
         yield '<p class="warn">Missing from this profile (could not be sampled or did not answer):</p>'

@@ -14,7 +14,10 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-/// A thread read: its state, its frame ids (Err: torn) and its task during the read.
+/// Further reads of a thread whose copy tore, in the same tick.
+const RETRIES: usize = 3;
+
+/// A thread read: its state, its frame ids (Err: lost) and its task during the read.
 pub struct ReadThread {
     pub state: ThreadState,
     pub frames: Result<Vec<u64>, ()>,
@@ -40,7 +43,10 @@ pub struct FastReader {
     codes: CodeCache,
     mode: LineMode,
     thread_reads: u64,
-    torn_reads: u64,
+    /// Reads made again because the thread ran while its frames were copied.
+    retried_reads: u64,
+    /// Threads that could not be read consistently even then: their samples are lost.
+    lost_reads: u64,
 }
 
 impl FastReader {
@@ -56,7 +62,8 @@ impl FastReader {
             codes: CodeCache::new(code_type),
             mode,
             thread_reads: 0,
-            torn_reads: 0,
+            retried_reads: 0,
+            lost_reads: 0,
         })
     }
 
@@ -68,51 +75,68 @@ impl FastReader {
         &mut self.mem
     }
 
-    /// Reads the threads `select` picks; tags are read right before and after the
-    /// one read that copies their frames.
+    /// Reads the threads `select` picks; tags are read right before the first copy of
+    /// their frames and after the last, so a tag covers every copy.
     pub fn read_where(&mut self, select: impl Fn(&ThreadState) -> bool, tags: &ThreadTags) -> Result<Vec<ReadThread>, String> {
         let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch)?;
         for t in states.iter().filter(|t| !t.still) {
             self.last.remove(&t.addr); // it ran: what it held may be gone, read or not
         }
-        let chosen: Vec<&ThreadState> = states.iter().filter(|t| select(t)).collect();
+        let mut chosen: Vec<ThreadState> = states.iter().filter(|t| select(t)).cloned().collect();
         if chosen.is_empty() {
             return Ok(Vec::new());
         }
         let idents: Vec<u64> = chosen.iter().map(|t| t.ident).collect();
         // A thread that did not run keeps its frames: its ids from last time still hold.
-        let kept: Vec<Option<Vec<u64>>> = chosen.iter().map(|t| self.unchanged(t)).collect();
-        let to_read: Vec<&ThreadState> = chosen.iter().zip(&kept).filter(|(_, k)| k.is_none()).map(|(t, _)| *t).collect();
-        let still: Vec<bool> = to_read.iter().map(|t| t.still).collect();
+        let mut frames: Vec<Result<Vec<u64>, ()>> = chosen.iter().map(|t| self.unchanged(t).ok_or(())).collect();
         let before = tags.versions(&idents);
-        let stacks = read_stacks(&to_read, &still, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
-        let mut after = tags.stable_tags(&before, &idents);
-        let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();
-        if self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)? {
-            // A code object read after the stacks may belong to a call that began after
-            // them: the task must not have changed until then either.
-            after = tags.stable_tags(&before, &idents);
-        }
+        self.read_frames(&mut chosen, &mut frames)?;
+        let after = tags.stable_tags(&before, &idents);
         self.thread_reads += chosen.len() as u64;
-        let mut stacks = stacks.into_iter();
+        self.lost_reads += frames.iter().filter(|f| f.is_err()).count() as u64;
         let mut out = Vec::with_capacity(chosen.len());
-        for ((state, tag), kept) in chosen.into_iter().zip(after).zip(kept) {
-            let frames = match kept {
-                Some(ids) => Ok(ids),
-                None => stacks.next().expect("one stack per thread read").and_then(|raw| self.frame_ids(&raw)),
-            };
+        for ((state, tag), frames) in chosen.into_iter().zip(after).zip(frames) {
             if let Ok(ids) = &frames {
                 let epoch = self.codes.epoch;
                 self.last.insert(state.addr, Kept { frame_ref: state.frame_ref, chunk: state.chunk, top: state.top, ids: ids.clone(), epoch });
             }
-            out.push(ReadThread { state: state.clone(), frames, tag });
+            out.push(ReadThread { state, frames, tag });
         }
-        self.torn_reads += out.iter().filter(|r| r.frames.is_err()).count() as u64;
         if self.last.len() > 2 * states.len() + 64 {
             let live: FxHashSet<u64> = states.iter().map(|t| t.addr).collect();
             self.last.retain(|addr, _| live.contains(addr));
         }
         Ok(out)
+    }
+
+    /// Reads the frames of every thread whose `frames` is still Err. A thread whose
+    /// copy tore (it ran while copied) is read again from its current thread state,
+    /// up to `RETRIES` times: dropping it would bias the profile against code that
+    /// changes its stack often, i.e. code making many small calls.
+    fn read_frames(&mut self, threads: &mut [ThreadState], frames: &mut [Result<Vec<u64>, ()>]) -> Result<(), String> {
+        let mut pending: Vec<usize> = (0..threads.len()).filter(|&i| frames[i].is_err()).collect();
+        for attempt in 0..=RETRIES {
+            if pending.is_empty() {
+                break;
+            }
+            let mut reading: Vec<ThreadState> = pending.iter().map(|&i| threads[i].clone()).collect();
+            if attempt > 0 {
+                self.retried_reads += pending.len() as u64;
+                Threads::reread(&mut reading, &self.layout, &mut self.mem, &mut self.batch)?;
+            }
+            // Only a first read may trust `still`: a torn thread ran.
+            let still: Vec<bool> = reading.iter().map(|t| attempt == 0 && t.still).collect();
+            let refs: Vec<&ThreadState> = reading.iter().collect();
+            let stacks = read_stacks(&refs, &still, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
+            let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();
+            self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)?;
+            for ((&i, state), raw) in pending.iter().zip(reading).zip(stacks) {
+                frames[i] = raw.and_then(|raw| self.frame_ids(&raw));
+                threads[i] = state;
+            }
+            pending.retain(|&i| frames[i].is_err());
+        }
+        Ok(())
     }
 
     /// The frame ids read last time, if `t` did not run since and still has the same frames.
@@ -175,7 +199,8 @@ impl StackReader for FastReader {
         json!({
             "python": format!("{}.{}", self.layout.version.0, self.layout.version.1),
             "thread_reads": self.thread_reads,
-            "torn_reads": self.torn_reads,
+            "retried_reads": self.retried_reads,
+            "lost_reads": self.lost_reads,
             "syscalls": self.mem.calls,
             "proc_mem_fallback": self.mem.uses_proc_mem(),
             "thread_list_walks": self.threads.walks,

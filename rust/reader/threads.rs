@@ -30,6 +30,17 @@ pub struct ThreadState {
     pub still: bool,
 }
 
+impl ThreadState {
+    /// Where the thread's frames are, from its thread state's bytes.
+    fn set_stack(&mut self, bytes: &[u8], layout: &Layout) {
+        self.frame_ref = match layout.current_frame {
+            CurrentFrame::Direct(o) | CurrentFrame::ViaCFrame { cframe: o, .. } => u64_at(bytes, o),
+        };
+        self.chunk = u64_at(bytes, layout.tstate_datastack_chunk);
+        self.top = u64_at(bytes, layout.tstate_datastack_top);
+    }
+}
+
 pub struct Threads {
     interp: u64,
     gil_locked: u64,
@@ -118,20 +129,34 @@ impl Threads {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
         let clock = self.clock(native_tid, now);
         let (on_cpu, cpu_ns) = clock.unwrap_or((false, 0));
-        let frame_ref = match layout.current_frame {
-            CurrentFrame::Direct(o) | CurrentFrame::ViaCFrame { cframe: o, .. } => u64_at(bytes, o),
-        };
-        ThreadState {
+        let mut state = ThreadState {
             addr,
             ident: u64_at(bytes, layout.tstate_thread_id),
-            frame_ref,
-            chunk: u64_at(bytes, layout.tstate_datastack_chunk),
-            top: u64_at(bytes, layout.tstate_datastack_top),
+            frame_ref: 0,
+            chunk: 0,
+            top: 0,
             holds_gil: holder == addr,
             on_cpu,
             cpu_ns,
             still: holder != addr && clock == Some((false, 0)),
+        };
+        state.set_stack(bytes, layout);
+        state
+    }
+
+    /// Reads the thread states of `threads` again, for their current stack pointers.
+    pub fn reread(threads: &mut [ThreadState], layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+        batch.clear();
+        for t in threads.iter() {
+            batch.push(t.addr, layout.tstate_len() as usize);
         }
+        mem.read(batch)?;
+        for (i, t) in threads.iter_mut().enumerate() {
+            if let Some(bytes) = batch.get(i) {
+                t.set_stack(bytes, layout);
+            }
+        }
+        Ok(())
     }
 
     /// (ran for most of the time since the last reading, CPU ns used since then);

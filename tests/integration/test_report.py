@@ -143,12 +143,12 @@ def process_row(chromium, html: str, tmp_path) -> dict[str, str]:
     return dict(zip(header, cells))
 
 
-def test_throttling_is_explained_and_torn_reads_are_a_rate(chromium, tmp_path):
+def test_throttling_is_explained_and_lost_samples_are_a_rate(chromium, tmp_path):
     html = sampled_report(Sampler(rate=2000, cpu_budget=0.001), until="throttled_ticks")
     row = process_row(chromium, html, tmp_path)
     assert "held to the CPU budget (0.1% of a core)" in row["why lower"] and "cpu_budget" in row["why lower"]
-    assert re.fullmatch(r"\d+\.\d%", row["reads torn"]), row
-    assert row["errors"] == "", "torn reads and throttling are not errors"
+    assert re.fullmatch(r"\d+\.\d%", row["samples lost"]), row
+    assert row["errors"] == "", "lost samples and throttling are not errors"
     assert console_errors(chromium) == []
 
 
