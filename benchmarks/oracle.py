@@ -132,7 +132,7 @@ def churning(reader: str, seconds: float) -> dict[str, float]:
                 samples += 1
                 mixed += [frames[i]["name"] for i in sample] not in KNOWN
     reads = s.stats()["reader_stats"]
-    return {"samples": samples, "mixed": mixed, "reads": reads.get("thread_reads", 0), "torn": reads.get("torn_reads", 0)}
+    return {"samples": samples, "mixed": mixed, "reads": reads.get("thread_reads", 0), "torn": reads.get("lost_reads", 0)}
 
 
 def run(quick: bool) -> Section:

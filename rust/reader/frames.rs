@@ -4,8 +4,10 @@
 //! rounds: one batch per round for every thread that needs one.
 //!
 //! A thread that runs while its chunk is copied can leave a copy that mixes two
-//! call chains. So the live chunks of threads that may run are copied twice, and a
-//! chain whose frames differ between the copies is torn.
+//! call chains. So the frame pointer and live chunk of threads that may run are
+//! copied several times, back to back in the same read, and a chain is taken only
+//! from a copy that the next one agrees with; else it is torn (and the reader reads
+//! that thread again).
 
 use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
 use super::memory::{u64_at, u8_at, Batch, Memory};
@@ -20,6 +22,13 @@ const MAX_CHUNK: u64 = 64 << 20;
 /// Every chunk is at least this large (CPython's `DATA_STACK_CHUNK_SIZE`), so an
 /// older chunk can be copied whole before its header is known.
 const MIN_CHUNK: u64 = 16 << 10;
+/// Bytes copied past a live chunk's top: room for the frames of a few calls made
+/// since the thread state was read.
+const PAST_TOP: u64 = 1 << 10;
+/// Copies of a thread that may have run, back to back: a thread running many small
+/// calls changes its stack every few hundred nanoseconds, so two copies often differ,
+/// but some consecutive pair of three usually agrees.
+const COPIES: usize = 3;
 
 /// A frame as found: its code object (or other executable) and instruction pointer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -38,6 +47,8 @@ struct Region {
 struct Walker {
     /// Index of the live chunk's copy in the first batch.
     chunk: Option<(u64, usize)>,
+    /// The innermost frame, where the walk began.
+    start: u64,
     regions: Vec<Region>,
     base_frame: Option<u64>,
     next: u64,
@@ -56,6 +67,24 @@ fn slice_at(start: u64, bytes: &[u8], addr: u64, len: u64) -> Option<&[u8]> {
 }
 
 impl Walker {
+    /// A walk of `t`'s frames from one copy of its frame pointer and live chunk.
+    fn new(t: &ThreadState, copy: Snapshot, batch: &Batch, layout: &Layout) -> Walker {
+        let next = batch.get(copy.pointer).map(|b| u64_at(b, 0));
+        let chunk = copy.chunk.filter(|&i| batch.get(i).is_some()).map(|i| (t.chunk, i));
+        Walker {
+            older_chunk: chunk.and_then(|(_, i)| batch.get(i)).map_or(0, |b| u64_at(b, CHUNK_PREVIOUS)),
+            chunk,
+            start: next.unwrap_or(0),
+            regions: Vec::new(),
+            base_frame: layout.tstate_base_frame.map(|o| t.addr + o),
+            next: next.unwrap_or(0),
+            frames: Vec::new(),
+            walked: 0,
+            live: Vec::new(),
+            torn: next.is_none(),
+        }
+    }
+
     fn find<'a>(&'a self, chunks: &'a Batch, addr: u64, len: u64) -> Option<&'a [u8]> {
         let live = self.chunk.and_then(|(start, i)| slice_at(start, chunks.get(i)?, addr, len));
         live.or_else(|| self.regions.iter().find_map(|r| slice_at(r.start, &r.bytes, addr, len)))
@@ -89,9 +118,38 @@ impl Walker {
     }
 }
 
+/// Indices in the first batch of one copy of a thread's innermost frame pointer and
+/// live chunk.
+#[derive(Clone, Copy)]
+struct Snapshot {
+    pointer: usize,
+    chunk: Option<usize>,
+}
+
+/// Where the thread's innermost frame pointer lives.
+fn frame_pointer_at(t: &ThreadState, layout: &Layout) -> u64 {
+    match layout.current_frame {
+        CurrentFrame::Direct(o) => t.addr + o,
+        CurrentFrame::ViaCFrame { current_frame, .. } => t.frame_ref + current_frame,
+    }
+}
+
+/// Queues the frame pointer, then the live chunk up to its top and a little past it
+/// (frames pushed since the thread state was read), within the chunk's least size.
+fn push_copy(batch: &mut Batch, t: &ThreadState, layout: &Layout) -> Snapshot {
+    let pointer = batch.push(frame_pointer_at(t, layout), 8);
+    let live = t.top.wrapping_sub(t.chunk);
+    let extent = if live < MIN_CHUNK { (live + PAST_TOP).min(MIN_CHUNK) } else { live };
+    let chunk = (t.chunk != 0 && live > CHUNK_HEADER && live <= MAX_CHUNK).then(|| batch.push(t.chunk, extent as usize));
+    Snapshot { pointer, chunk }
+}
+
 /// The frames of each thread, innermost first; Err for a thread whose chain was torn.
 /// `batch` receives the live chunks, `round` the reads made on demand; `still[i]`
-/// says thread i cannot have run since its stack was last read.
+/// says thread i cannot have run since its stack was last read. A thread that may
+/// have run is copied `COPIES` times back to back in one read; its chain is walked
+/// from the first copy that the next one agrees with (see `agrees`), and is torn if
+/// there is none.
 pub fn read_stacks(
     threads: &[&ThreadState],
     still: &[bool],
@@ -101,39 +159,32 @@ pub fn read_stacks(
     round: &mut Batch,
 ) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
     batch.clear();
-    let mut first = Vec::with_capacity(threads.len());
-    for t in threads {
-        let frame = match layout.current_frame {
-            CurrentFrame::Direct(_) => None,
-            CurrentFrame::ViaCFrame { current_frame, .. } => Some(batch.push(t.frame_ref + current_frame, 8)),
-        };
-        let live = t.top.wrapping_sub(t.chunk);
-        let chunk = (t.chunk != 0 && live > CHUNK_HEADER && live <= MAX_CHUNK).then(|| batch.push(t.chunk, live as usize));
-        first.push((frame, chunk));
-    }
-    mem.read(batch)?;
-    let mut walkers: Vec<Walker> = threads
+    let copies: Vec<Vec<Snapshot>> = threads
         .iter()
-        .zip(first)
-        .map(|(t, (frame, chunk))| {
-            let next = match frame {
-                None => Some(t.frame_ref),
-                Some(i) => batch.get(i).map(|b| u64_at(b, 0)),
-            };
-            let chunk = chunk.filter(|&i| batch.get(i).is_some()).map(|i| (t.chunk, i));
-            Walker {
-                older_chunk: chunk.and_then(|(_, i)| batch.get(i)).map_or(0, |b| u64_at(b, CHUNK_PREVIOUS)),
-                chunk,
-                regions: Vec::new(),
-                base_frame: layout.tstate_base_frame.map(|o| t.addr + o),
-                next: next.unwrap_or(0),
-                frames: Vec::new(),
-                walked: 0,
-                live: Vec::new(),
-                torn: next.is_none(),
-            }
-        })
+        .zip(still)
+        .map(|(t, &still)| (0..if still { 1 } else { COPIES }).map(|_| push_copy(batch, t, layout)).collect())
         .collect();
+    mem.read(batch)?;
+    // The copy each walk uses, and the one that must agree with it.
+    let mut checked: Vec<Option<Snapshot>> = Vec::with_capacity(threads.len());
+    let mut walkers: Vec<Walker> = Vec::with_capacity(threads.len());
+    for (t, copies) in threads.iter().zip(&copies) {
+        let agreeing = copies.windows(2).find_map(|pair| {
+            let mut w = Walker::new(t, pair[0], batch, layout);
+            w.advance(layout, batch);
+            agrees(&w, pair[1], batch, layout).then_some((w, pair[1]))
+        });
+        let (w, again) = match agreeing {
+            Some((w, again)) => (w, Some(again)),
+            None => {
+                let mut w = Walker::new(t, copies[0], batch, layout);
+                w.torn |= copies.len() > 1;
+                (w, None)
+            }
+        };
+        walkers.push(w);
+        checked.push(again);
+    }
     for _ in 0..MAX_ROUNDS {
         round.clear();
         let mut wanted = Vec::new();
@@ -164,44 +215,39 @@ pub fn read_stacks(
             }
         }
     }
-    recheck(&mut walkers, still, layout, mem, batch, round)?;
+    // Frames walked after frames read on demand are checked too.
+    for (w, again) in walkers.iter_mut().zip(checked) {
+        if let Some(again) = again {
+            w.torn |= !agrees(w, again, batch, layout);
+        }
+    }
     Ok(walkers.into_iter().map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(w.frames) }).collect())
 }
 
-/// Copies the live chunks of threads that may run again and tears every chain
-/// whose frames changed: code and caller everywhere, the instruction below the leaf
-/// (the leaf's own instruction moves on as it runs).
-fn recheck(
-    walkers: &mut [Walker],
-    still: &[bool],
-    layout: &Layout,
-    mem: &mut Memory,
-    first: &Batch,
-    again: &mut Batch,
-) -> Result<(), String> {
-    again.clear();
-    let mut checks = Vec::new();
-    for (n, w) in walkers.iter().enumerate() {
-        if let (false, false, Some((start, i))) = (w.torn, still[n], w.chunk) {
-            checks.push((n, start, i, again.push(start, first.get(i).map_or(0, <[u8]>::len))));
+/// Whether a later copy agrees with the walk of an earlier one: the walk's innermost
+/// frame is still on the later copy's chain (else its slot may have held a stale
+/// frame under a new caller), and every frame walked in the chunk has the same code
+/// and caller, and the same instruction below the leaf (the leaf's moves on as it runs).
+fn agrees(w: &Walker, again: Snapshot, batch: &Batch, layout: &Layout) -> bool {
+    let Some(innermost) = batch.get(again.pointer).map(|b| u64_at(b, 0)) else { return false };
+    let Some((start, i)) = w.chunk else { return innermost == w.start };
+    let (Some(a), Some(b)) = (batch.get(i), again.chunk.and_then(|j| batch.get(j))) else { return false };
+    let fields = |leaf: bool| [layout.frame_code, layout.frame_previous].into_iter().chain((!leaf).then_some(layout.frame_instr));
+    reaches(start, b, innermost, w.start, layout)
+        && w.live.iter().enumerate().all(|(depth, &addr)| fields(depth == 0).all(|f| u64_at(a, addr - start + f) == u64_at(b, addr - start + f)))
+}
+
+/// Whether the chain from `from`, followed in one chunk copy, passes through `target`
+/// (the same frame, or a caller of a deeper one: frames grow upwards in a chunk).
+fn reaches(start: u64, bytes: &[u8], mut from: u64, target: u64, layout: &Layout) -> bool {
+    for _ in 0..MAX_DEPTH {
+        if from == target {
+            return true;
         }
+        let Some(frame) = (from > target).then(|| slice_at(start, bytes, from, layout.frame_size)).flatten() else { return false };
+        from = u64_at(frame, layout.frame_previous);
     }
-    if checks.is_empty() {
-        return Ok(());
-    }
-    mem.read(again)?;
-    for (n, start, i, j) in checks {
-        let w = &mut walkers[n];
-        let (Some(a), Some(b)) = (first.get(i), again.get(j)) else {
-            w.torn = true;
-            continue;
-        };
-        let fields = |leaf: bool| [layout.frame_code, layout.frame_previous].into_iter().chain((!leaf).then_some(layout.frame_instr));
-        w.torn = w.live.iter().enumerate().any(|(depth, &addr)| {
-            fields(depth == 0).any(|f| u64_at(a, addr - start + f) != u64_at(b, addr - start + f))
-        });
-    }
-    Ok(())
+    false
 }
 
 #[cfg(test)]
