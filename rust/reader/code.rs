@@ -136,7 +136,7 @@ impl CodeCache {
         if batch.len() == 0 {
             return Ok(false);
         }
-        mem.read(batch)?;
+        mem.read_merged(batch)?;
         for (addr, identity, probe) in checks {
             let c = &self.codes[&addr];
             let same = batch.get(identity) == Some(&c.identity[..]) && batch.get(probe) == Some(&c.name_probe[..]);

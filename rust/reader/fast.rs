@@ -202,6 +202,8 @@ impl StackReader for FastReader {
             "retried_reads": self.retried_reads,
             "lost_reads": self.lost_reads,
             "syscalls": self.mem.calls,
+            "ranges_read": self.mem.ranges,
+            "bytes_read": self.mem.bytes,
             "proc_mem_fallback": self.mem.uses_proc_mem(),
             "thread_list_walks": self.threads.walks,
             "code_objects_reused": self.codes.reused,

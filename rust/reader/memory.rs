@@ -57,19 +57,35 @@ pub struct Memory {
     /// Set once `process_vm_readv` is refused; every read then goes through it.
     proc_mem: Option<File>,
     pub calls: u64,
+    /// Ranges and bytes read, over all calls.
+    pub ranges: u64,
+    pub bytes: u64,
+    /// Scratch batches of `read_merged`.
+    spans: Batch,
+    alone: Batch,
 }
 
 impl Memory {
     pub fn new() -> Memory {
-        Memory { pid: std::process::id() as libc::pid_t, proc_mem: None, calls: 0 }
+        Memory {
+            pid: std::process::id() as libc::pid_t,
+            proc_mem: None,
+            calls: 0,
+            ranges: 0,
+            bytes: 0,
+            spans: Batch::default(),
+            alone: Batch::default(),
+        }
     }
 
     pub fn uses_proc_mem(&self) -> bool {
         self.proc_mem.is_some()
     }
 
-    /// Reads every request of `batch`; each one's success is kept in the batch.
+    /// Reads every request of `batch`, in order; each one's success is kept in the batch.
     pub fn read(&mut self, batch: &mut Batch) -> Result<(), String> {
+        self.ranges += batch.requests.len() as u64;
+        self.bytes += batch.buf.len() as u64;
         let mut next = 0;
         while next < batch.requests.len() {
             next = match &self.proc_mem {
@@ -87,6 +103,51 @@ impl Memory {
             };
         }
         Ok(())
+    }
+
+    /// Reads every request of `batch` like `read`, in any order: a request that starts
+    /// on a page another already touches is read within the same range, since the
+    /// kernel looks up and pins every range's pages anew. For many small scattered
+    /// requests whose order does not matter (checks of cached objects).
+    pub fn read_merged(&mut self, batch: &mut Batch) -> Result<(), String> {
+        let mut spans = std::mem::take(&mut self.spans);
+        let members = page_spans(&batch.requests, &mut spans);
+        let outcome = if spans.len() < batch.len() { self.read_spans(batch, &mut spans, &members) } else { self.read(batch) };
+        self.spans = spans;
+        outcome
+    }
+
+    /// Reads `spans` and hands each request of `batch` its bytes; the requests of a
+    /// span that failed (an unmapped page inside it) are read again one by one.
+    fn read_spans(&mut self, batch: &mut Batch, spans: &mut Batch, members: &[(usize, usize)]) -> Result<(), String> {
+        self.read(spans)?;
+        let mut alone = std::mem::take(&mut self.alone);
+        alone.clear();
+        let mut retried = Vec::new();
+        for &(span, i) in members {
+            let r = batch.requests[i];
+            match spans.get(span) {
+                Some(bytes) => {
+                    let from = (r.addr - spans.requests[span].addr) as usize;
+                    batch.buf[r.offset..r.offset + r.len].copy_from_slice(&bytes[from..from + r.len]);
+                    batch.requests[i].ok = true;
+                }
+                None => retried.push((i, alone.push(r.addr, r.len))),
+            }
+        }
+        let outcome = if retried.is_empty() { Ok(()) } else { self.read(&mut alone) };
+        for (i, j) in retried {
+            let r = batch.requests[i];
+            batch.requests[i].ok = match alone.get(j) {
+                Some(bytes) => {
+                    batch.buf[r.offset..r.offset + r.len].copy_from_slice(bytes);
+                    true
+                }
+                None => false,
+            };
+        }
+        self.alone = alone;
+        outcome
     }
 
     /// One `process_vm_readv` from request `first`; returns the first request not yet tried.
@@ -141,6 +202,30 @@ fn read_with_file(file: &File, batch: &mut Batch, first: usize) -> usize {
     requests.len()
 }
 
+/// Groups `requests` by address into `spans`: one that starts on a page the current
+/// span touches joins it. Returns (span, request) for every request.
+fn page_spans(requests: &[Request], spans: &mut Batch) -> Vec<(usize, usize)> {
+    const PAGE: u64 = 4096;
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_unstable_by_key(|&i| requests[i].addr);
+    let mut bounds: Vec<(u64, u64)> = Vec::new();
+    let mut members = Vec::with_capacity(requests.len());
+    for i in order {
+        let r = &requests[i];
+        let r_end = r.addr.saturating_add(r.len as u64);
+        match bounds.last_mut() {
+            Some((_, end)) if r.addr / PAGE <= end.saturating_sub(1) / PAGE => *end = (*end).max(r_end),
+            _ => bounds.push((r.addr, r_end)),
+        }
+        members.push((bounds.len() - 1, i));
+    }
+    spans.clear();
+    for (start, end) in bounds {
+        spans.push(start, (end - start) as usize);
+    }
+    members
+}
+
 /// Reads one plain value of our own memory through `mem` (setup paths only).
 pub fn read_u64(mem: &mut Memory, addr: u64) -> Option<u64> {
     let mut batch = Batch::default();
@@ -182,6 +267,24 @@ mod tests {
         assert_eq!(batch.get(1), None);
         assert_eq!(u64_at(batch.get(2).unwrap(), 0), b);
         assert!(mem.calls <= 3);
+    }
+
+    #[test]
+    fn merged_reads_give_each_request_its_bytes() {
+        let page: Vec<u8> = (0..=255u8).cycle().take(3 * 4096).collect();
+        let base = page.as_ptr() as u64;
+        let mut mem = Memory::new();
+        let mut batch = Batch::default();
+        let wanted = [(base + 4100, 16), (base + 10, 8), (base + 4090, 12), (8, 8), (base + 9000, 100), (base + 20, 4)];
+        for (addr, len) in wanted {
+            batch.push(addr, len);
+        }
+        mem.read_merged(&mut batch).unwrap();
+        for (i, (addr, len)) in wanted.into_iter().enumerate() {
+            let expected = (addr >= base).then(|| &page[(addr - base) as usize..(addr - base) as usize + len]);
+            assert_eq!(batch.get(i), expected, "request {i}");
+        }
+        assert!(mem.ranges < wanted.len() as u64, "requests on one page read as one range");
     }
 
     #[test]
