@@ -280,3 +280,59 @@ def test_waiting_threads_are_idle_and_numpy_is_on_cpu_without_the_gil():
         s.stop()
         os.close(r)
         os.close(w)
+
+
+def chain_a1() -> int:
+    return chain_a2()
+
+
+def chain_a2() -> int:
+    return 1
+
+
+def chain_b1() -> int:
+    return chain_b2()
+
+
+def chain_b2() -> int:
+    return 2
+
+
+def churn(stop: threading.Event) -> None:
+    """Two call chains through the same frame slots, each a fraction of a microsecond."""
+    while not stop.is_set():
+        chain_a1()
+        chain_b1()
+
+
+@needs_fast
+def test_churning_threads_are_read_whole_or_not_at_all():
+    """A thread whose stack changes faster than it can be copied: its copies are read
+    again in the same tick until two agree, so few reads are lost, and no kept sample
+    mixes the two chains (a stale frame under a new caller)."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=churn, args=(stop,), name=f"churn-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    s = Sampler(rate=500, cpu_budget=1.0)
+    s.start()
+    try:
+        wait_for(lambda: s.stats()["ticks"] >= 1000, what="1000 ticks")
+    finally:
+        s.stop()
+        stop.set()
+        for t in threads:
+            t.join()
+    doc = s.profile().speedscope()
+    allowed = [["chain_a1", "chain_a2"], ["chain_b1", "chain_b2"], ["Event.is_set"]]
+    kept = 0
+    for profile in doc["profiles"]:
+        if " churn-" in profile["name"]:
+            for sample in profile["samples"]:
+                names = frame_names(doc, sample)
+                below = names[names.index("churn") + 1:]
+                assert any(below == chain[:len(below)] for chain in allowed), names
+                kept += 1
+    reads = s.stats()["reader_stats"]
+    assert kept > 500
+    assert reads["lost_reads"] < 0.05 * reads["thread_reads"], reads

@@ -126,16 +126,93 @@ def test_idle_threads_follow_the_option(idle):
     assert profiles_named(doc, " alpha ")
 
 
-def test_achieved_rate_close_to_requested():
-    s = Sampler(rate=100, cpu_budget=0.5)
+def sample_gaps(s: Sampler, ident: int, tmp_path) -> list[float]:
+    """Seconds between consecutive samples of one thread, from the lossless file."""
+    path = s.profile().save(tmp_path / "gaps.pyspy.gz")
+    doc = json.loads(gzip.decompress(path.read_bytes()))["profile"]
+    thread = next(i for i, t in enumerate(doc["threads"]) if t["ident"] == ident)
+    times, t = [], 0
+    for delta, th in zip(doc["samples"]["time_delta_ns"], doc["samples"]["thread"]):
+        t += delta
+        if th == thread:
+            times.append(t / 1e9)
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def test_sample_times_are_random_and_never_faster_than_asked(tmp_path):
+    """One tick at a random time in each slot of 1/rate: gaps vary widely (uniform
+    times in slots give a coefficient of variation of 0.41), and a loaded machine
+    can only make ticks late, never add any."""
+    s = Sampler(rate=100, idle=True, cpu_budget=1.0)
     s.start()
-    time.sleep(3)
+    wait_for(lambda: s.stats()["ticks"] >= 300)
     s.stop()
+    gaps = sample_gaps(s, threading.get_ident(), tmp_path)
+    assert len(gaps) >= 250
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert cv > 0.2, cv
+    assert mean >= 0.0099, "more ticks than slots"
     stats = s.stats()
-    # Generous slack: the CI machine is shared. Benchmarks hold the tight target.
-    assert 90 <= stats["achieved_rate"] <= 105, stats
+    assert stats["achieved_rate"] <= 101, stats
     assert stats["failed_ticks"] < 0.05 * stats["ticks"]
     assert stats["panic"] is None
+
+
+def churny(until: float) -> None:
+    x = 0
+    while time.perf_counter() < until:
+        for _ in range(10):
+            x = churny_mid(x) & 0xFFFF
+
+
+def churny_mid(x: int) -> int:
+    return churny_leaf(x) + churny_leaf(x)
+
+
+def churny_leaf(x: int) -> int:
+    return x + 1
+
+
+def steady(until: float) -> None:
+    x = 0
+    while time.perf_counter() < until:
+        for _ in range(50):
+            x += 1
+
+
+def alternate(period: float, share: float, truth: dict[str, float], stop: threading.Event) -> None:
+    """Many small calls for `share` of each period, one plain loop for the rest; keeps
+    its own account of the time each got."""
+    now = time.perf_counter()
+    while not stop.is_set():
+        churny(now + share * period)
+        then = time.perf_counter()
+        truth["churny"] += then - now
+        steady(then + (1 - share) * period)
+        now = time.perf_counter()
+        truth["steady"] += now - then
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="py-spy's reader (3.9, 3.10) drops a tick that fails")
+def test_work_at_the_sampling_period_is_sampled_without_bias():
+    """Fixed sample times see work that repeats at their period always in the same
+    phase (a 70/30 split read 60-77%); random ones read it within the sampling error
+    (1500 samples: ~1.2 points)."""
+    rate, truth = 200, {"churny": 0.0, "steady": 0.0}
+    with Threads(("alternating", alternate, (1 / rate, 0.7, truth))):
+        time.sleep(0.2)
+        s = Sampler(rate=rate, idle=True, cpu_budget=1.0)
+        truth.update(churny=0.0, steady=0.0)
+        s.start()
+        wait_for(lambda: s.stats()["ticks"] >= 1500, timeout=120)
+        s.stop()
+    doc = s.profile().speedscope()
+    (profile,) = profiles_named(doc, " alternating ")
+    seconds = weight_by_function(doc, profile)
+    sampled = seconds.get("churny", 0.0) / (seconds.get("churny", 0.0) + seconds.get("steady", 0.0))
+    true = truth["churny"] / (truth["churny"] + truth["steady"])
+    assert abs(sampled - true) <= 0.06, (sampled, true, seconds)
 
 
 def test_budget_throttles_costly_ticks():
