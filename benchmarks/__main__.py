@@ -1,4 +1,5 @@
-"""python -m benchmarks [--quick] [--only overhead,rate,...]: prints and writes benchmarks/RESULTS.md."""
+"""python -m benchmarks [--quick] [--only overhead,rate,...] [--baseline PYTHON]: prints the
+sections and writes them into benchmarks/RESULTS.md, keeping the sections not run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 from benchmarks.common import machine
 
-SECTIONS = ["overhead", "sample_cost", "oracle", "attribution", "rate", "idle", "memory", "collection"]
+SECTIONS = ["overhead", "sample_cost", "oracle", "bias", "attribution", "rate", "idle", "memory", "collection"]
 
 
 def main() -> None:
@@ -17,24 +18,43 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter runs (~15 minutes on 2 cores)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("-o", "--output", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    parser.add_argument("--baseline", metavar="PYTHON",
+                        help="an interpreter with another build of dask-pyspy installed, run beside this one (bias)")
     args = parser.parse_args()
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(chosen) - set(SECTIONS)
     if unknown:
         parser.error(f"--only: unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    parts = ["# dask-pyspy benchmarks", machine(), f"Mode: {'quick' if args.quick else 'full'}."]
+    if args.baseline:
+        importlib.import_module("benchmarks.bias").BASELINE = args.baseline
+    parts = ["# dask-pyspy benchmarks", machine(), "Each section says when and in which mode it last ran."]
+    sections = kept_sections(args.output)
     for name in chosen:
         print(f"== {name}", flush=True)
         began = time.time()
         section = importlib.import_module(f"benchmarks.{name}").run(args.quick)
         # The machine may be shared: the load says how much the figures are worth.
-        section.notes.append(f"Section took {time.time() - began:.0f} s; 1-minute load average at its end "
+        mode = "quick" if args.quick else "full"
+        section.notes.append(f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}); section took {time.time() - began:.0f} s; "
+                             f"1-minute load average at its end "
                              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
-        parts.append(section.markdown())
+        sections[name] = f"<!-- section: {name} -->\n{section.markdown()}"
         print(section.markdown(), flush=True)
+    parts += [sections[name] for name in SECTIONS if name in sections]
     with open(args.output, "w") as f:
         f.write("\n\n".join(parts) + "\n")
     print(f"wrote {args.output}")
+
+
+def kept_sections(path: str) -> dict[str, str]:
+    """The sections an earlier run wrote, by name, so a partial run keeps the others."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return {}
+    chunks = text.split("<!-- section: ")[1:]
+    return {c.split(" -->", 1)[0]: "<!-- section: " + c.rstrip() for c in chunks}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// an occasional costly tick does not cost rate, short enough to follow real change.
 const COST_HORIZON_S: f64 = 0.25;
 /// Ticks between refreshes of the reader's counters in the stats.
-const READER_STATS_EVERY: u64 = 50;
+const READER_STATS_EVERY: u64 = 10;
 pub const ALREADY_RUNNING: &str = "the sampler is already running: call stop() before start()";
 pub const CONFIGURE_RUNNING: &str = "the sampler is running: call stop() before configure()";
 /// How long a live dump waits for the sampling thread to read every thread.

@@ -1,0 +1,84 @@
+"""Sampler figures of every process of a busy LocalCluster, per workload phase, in its
+own process (see rate.py): prints JSON. Imports only dask, distributed, dask_pyspy and
+the standard library, so it runs under another build's interpreter too."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import dask
+import dask.datasets
+from distributed import Client, LocalCluster
+
+import dask_pyspy
+
+
+def cpu_task(i: int, seconds: float = 0.03) -> int:
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        n += sum(range(100))
+    return n
+
+
+def tiny(i: int) -> int:
+    return i + 1
+
+
+def stats() -> list[dict]:
+    from dask_pyspy import sampler
+
+    return [s.stats() for s in list(sampler._running)]
+
+
+def snapshot(client: Client) -> dict[str, dict]:
+    out = {"scheduler": client.run_on_scheduler(stats)[0]}
+    for i, (_, st) in enumerate(sorted(client.run(stats).items())):
+        out[f"worker-{i}"] = st[0]
+    return out
+
+
+def delta(before: dict, after: dict) -> dict[str, float]:
+    """Rate, CPU per tick and lost reads between two stats snapshots of one sampler."""
+    ticks = after["ticks"] - before["ticks"]
+    wall = after["duration_s"] - before["duration_s"]
+    ra, rb = after["reader_stats"], before["reader_stats"]
+    key = "lost_reads" if "lost_reads" in ra else "torn_reads"
+    reads = ra.get("thread_reads", 0) - rb.get("thread_reads", 0)
+    return {
+        "hz": ticks / wall if wall else 0.0,
+        "cpu_share": (after["cpu_s"] - before["cpu_s"]) / wall if wall else 0.0,
+        "us_per_tick": 1e6 * (after["cpu_s"] - before["cpu_s"]) / max(ticks, 1),
+        "reads": reads,
+        "lost": ra.get(key, 0) - rb.get(key, 0) + after["failed_ticks"] - before["failed_ticks"],
+    }
+
+
+def main(quick: bool, reader: str) -> dict:
+    days = 4 if quick else 10
+    phases = {
+        "pandas shuffle": lambda c: dask.datasets.timeseries(
+            start="2000-01-01", end=f"2000-01-{1 + days:02d}", freq="1s", partition_freq="1d"
+        ).set_index("id")[["x", "y"]].mean().compute(),
+        "small tasks": lambda c: c.gather(c.map(tiny, range(2000 if quick else 6000))),
+        "pure Python": lambda c: c.gather(c.map(cpu_task, range(40 if quick else 120))),
+    }
+    out = {}
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        client.gather(client.map(tiny, range(100), key=[f"warm-{i}" for i in range(100)]))
+        client.register_plugin(dask_pyspy.PySpyPlugin(reader=reader))
+        time.sleep(1)
+        for name, phase in phases.items():
+            before = snapshot(client)
+            phase(client)
+            after = snapshot(client)
+            out[name] = {p: delta(before[p], after[p]) for p in after}
+    return out
+
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    print(json.dumps(main(**args)))
