@@ -285,4 +285,58 @@ mod tests {
         let stacks = read_stacks(&[&t], &[true], &layout, &mut Memory::new(), &mut batch, &mut round).unwrap();
         assert_eq!(stacks, vec![Err(())]);
     }
+
+    /// Frames `(code, instr, caller slot)` in slots 0.. of a chunk whose addresses
+    /// are `base`'s, whatever buffer holds the bytes.
+    fn chunk_at(base: u64, layout: &Layout, frames: &[(u64, u64, Option<usize>)]) -> Vec<u8> {
+        let fs = layout.frame_size as usize;
+        let mut bytes = vec![0u8; CHUNK_HEADER as usize + frames.len() * fs];
+        for (k, &(code, instr, caller)) in frames.iter().enumerate() {
+            let at = CHUNK_HEADER as usize + k * fs;
+            let previous = caller.map_or(0, |c| base + CHUNK_HEADER + (c * fs) as u64);
+            for (field, value) in [(layout.frame_code, code), (layout.frame_instr, instr), (layout.frame_previous, previous)] {
+                bytes[at + field as usize..][..8].copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    /// Whether copy `b` (innermost frame in slot `b_leaf`) agrees with the walk of
+    /// copy `a` from slot `a_leaf`; both copies stand for one chunk at `a`'s address.
+    fn copies_agree(layout: &Layout, a: &[(u64, u64, Option<usize>)], a_leaf: usize, b: &[(u64, u64, Option<usize>)], b_leaf: usize) -> bool {
+        let mut first = vec![0u8; CHUNK_HEADER as usize + a.len().max(b.len()) * layout.frame_size as usize];
+        let base = first.as_ptr() as u64;
+        let filled = chunk_at(base, layout, a);
+        first[..filled.len()].copy_from_slice(&filled);
+        let second = chunk_at(base, layout, b);
+        let slot = |k: usize| base + CHUNK_HEADER + k as u64 * layout.frame_size;
+        let (pointer_a, pointer_b) = (slot(a_leaf), slot(b_leaf));
+        let mut batch = Batch::default();
+        let copy_a = Snapshot { pointer: batch.push(&pointer_a as *const u64 as u64, 8), chunk: Some(batch.push(base, first.len())) };
+        let copy_b = Snapshot { pointer: batch.push(&pointer_b as *const u64 as u64, 8), chunk: Some(batch.push(second.as_ptr() as u64, second.len())) };
+        Memory::new().read(&mut batch).unwrap();
+        let t = ThreadState { addr: 0, ident: 1, frame_ref: 0, chunk: base, top: base, holds_gil: true, on_cpu: true, cpu_ns: 0, still: false };
+        let mut w = Walker::new(&t, copy_a, &batch, layout);
+        w.advance(layout, &batch);
+        assert!(!w.torn && w.next == 0, "copy a walks whole");
+        agrees(&w, copy_b, &batch, layout)
+    }
+
+    #[test]
+    fn a_copy_is_taken_only_if_a_later_one_still_holds_its_chain() {
+        let layout = Layout::find((3, 12), false, 0, &mut Memory::new()).unwrap();
+        // main (slot 0) -> f (slot 1) -> g (slot 2); codes 0x100, 0x200, 0x300.
+        let chain = [(0x100, 0x110, None), (0x200, 0x210, Some(0)), (0x300, 0x310, Some(1))];
+        assert!(copies_agree(&layout, &chain, 2, &chain, 2), "unchanged");
+        let moved_on = [(0x100, 0x110, None), (0x200, 0x210, Some(0)), (0x300, 0x318, Some(1))];
+        assert!(copies_agree(&layout, &chain, 2, &moved_on, 2), "the leaf's own instruction moves as it runs");
+        let deeper = [(0x100, 0x110, None), (0x200, 0x210, Some(0)), (0x300, 0x314, Some(1)), (0x400, 0x410, Some(2))];
+        assert!(copies_agree(&layout, &chain, 2, &deeper, 3), "g called on: its frame is still on the chain");
+        assert!(!copies_agree(&layout, &chain, 2, &chain, 1), "g returned: its slot may be reused");
+        let caller_moved = [(0x100, 0x110, None), (0x200, 0x214, Some(0)), (0x300, 0x310, Some(1))];
+        assert!(!copies_agree(&layout, &chain, 2, &caller_moved, 2), "f went on: g is another call");
+        // g returned and f called h in its slot: a walk from the old pointer read g over f.
+        let replaced = [(0x100, 0x110, None), (0x200, 0x218, Some(0)), (0x500, 0x510, Some(1))];
+        assert!(!copies_agree(&layout, &chain, 2, &replaced, 2), "another function in the leaf's slot");
+    }
 }
