@@ -4,6 +4,7 @@
 
 use super::code::LineMode;
 use super::fast::FastReader;
+use super::frees::FreeLog;
 use super::layout::{Layout, CHUNK_HEADER, CHUNK_SIZE};
 use super::memory::{read_u64, Memory};
 use crate::model::Frame;
@@ -41,7 +42,9 @@ pub fn open_fast(py: Python<'_>, mode: LineMode) -> Result<FastReader, String> {
     let interp = unsafe { PyInterpreterState_Main() } as u64;
     let mut mem = Memory::new();
     let layout = Layout::find(version, debug_build, runtime, &mut mem)?;
-    let mut reader = FastReader::new(layout, mem, runtime, interp, code_type, mode)?;
+    // SAFETY: the GIL is held.
+    let frees = FreeLog::new(unsafe { super::frees::watch(version) });
+    let mut reader = FastReader::new(layout, mem, runtime, interp, code_type, frees, mode)?;
     self_check(py, &mut reader, mode).map_err(|e| format!("self-check failed on CPython {}.{}: {e}", v.major, v.minor))?;
     Ok(reader)
 }

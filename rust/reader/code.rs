@@ -1,11 +1,13 @@
 //! Code objects, cached by address: name, file, first line and line table are
-//! copied once, then only checked each tick against address reuse.
+//! copied once, then kept until the interpreter reports the object freed (`frees`).
 //!
 //! A code object can be freed and another allocated at its address, often with
 //! its strings and line table at their predecessors' addresses too (the allocator
-//! reuses freed blocks first). So the check compares the object's string and
-//! table pointers and the start of its qualified name (its hash and first bytes).
+//! reuses freed blocks first). Where frees cannot be watched, each tick checks every
+//! cached object's string and table pointers and the start of its qualified name
+//! (its hash and first bytes).
 
+use super::frees::FreeLog;
 use super::layout::{Layout, OB_SIZE, OB_TYPE};
 use super::linetable::line_at;
 use super::memory::{u32_at, u64_at, Batch, Memory};
@@ -79,6 +81,9 @@ struct Fetch {
 pub struct CodeCache {
     code_type: u64,
     codes: FxHashMap<u64, Code>,
+    frees: FreeLog,
+    /// Cached addresses whose object was freed: fetching one again is a reuse.
+    freed: FxHashSet<u64>,
     /// Addresses seen this tick that are not code objects (e.g. entry frames' None).
     not_code: FxHashSet<u64>,
     frames: Vec<Frame>,
@@ -95,10 +100,12 @@ pub struct CodeCache {
 }
 
 impl CodeCache {
-    pub fn new(code_type: u64) -> CodeCache {
+    pub fn new(code_type: u64, frees: FreeLog) -> CodeCache {
         CodeCache {
             code_type,
             codes: FxHashMap::default(),
+            frees,
+            freed: FxHashSet::default(),
             not_code: FxHashSet::default(),
             frames: Vec::new(),
             frame_ids: FxHashMap::default(),
@@ -118,19 +125,24 @@ impl CodeCache {
         self.tick += 1;
         self.not_code.clear();
         self.trim();
+        let check_all = !self.forget_freed();
         let (span_at, span_len) = layout.code_identity_span();
         let header_len = layout.code_header_len() as usize;
         batch.clear();
         let mut checks = Vec::new();
         let mut fetches = Vec::new();
         for &addr in addrs {
-            match self.codes.get(&addr) {
-                Some(c) => {
+            match self.codes.get_mut(&addr) {
+                Some(c) if check_all => {
                     let identity = batch.push(addr + span_at, span_len as usize);
                     let probe = batch.push(c.name_probe_at, c.name_probe.len());
                     checks.push((addr, identity, probe));
                 }
-                None => fetches.push((addr, batch.push(addr, header_len))),
+                Some(c) => c.last_seen = self.tick,
+                None => {
+                    self.reused += self.freed.remove(&addr) as u64;
+                    fetches.push((addr, batch.push(addr, header_len)))
+                }
             }
         }
         if batch.len() == 0 {
@@ -165,6 +177,22 @@ impl CodeCache {
             self.fetch(pending, layout, mem, batch)?;
         }
         Ok(fresh)
+    }
+
+    /// Drops the cached objects the interpreter freed since the last call; false if
+    /// the frees are not known, so every cached object must be checked instead.
+    fn forget_freed(&mut self) -> bool {
+        let Some(freed) = self.frees.since_last() else { return false };
+        if self.freed.len() > MAX_CODES {
+            self.freed.clear();
+        }
+        for addr in freed {
+            if let Some(old) = self.codes.remove(&addr) {
+                self.bytes -= old.heap_bytes();
+                self.freed.insert(addr);
+            }
+        }
+        true
     }
 
     /// Reads new code objects: headers (if missing), then strings and line tables

@@ -4,6 +4,7 @@
 
 use super::code::{CodeCache, Found, LineMode};
 use super::frames::{read_stacks, RawFrame};
+use super::frees::FreeLog;
 use super::layout::Layout;
 use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
@@ -50,7 +51,7 @@ pub struct FastReader {
 }
 
 impl FastReader {
-    pub fn new(layout: Layout, mut mem: Memory, runtime: u64, interp: u64, code_type: u64, mode: LineMode) -> Result<FastReader, String> {
+    pub fn new(layout: Layout, mut mem: Memory, runtime: u64, interp: u64, code_type: u64, frees: FreeLog, mode: LineMode) -> Result<FastReader, String> {
         let threads = Threads::new(interp, runtime, &layout, &mut mem)?;
         Ok(FastReader {
             layout,
@@ -59,7 +60,7 @@ impl FastReader {
             round: Batch::default(),
             threads,
             last: FxHashMap::default(),
-            codes: CodeCache::new(code_type),
+            codes: CodeCache::new(code_type, frees),
             mode,
             thread_reads: 0,
             retried_reads: 0,

@@ -8,6 +8,7 @@ mod check;
 mod code;
 mod fast;
 mod frames;
+mod frees;
 mod layout;
 mod linetable;
 mod memory;
