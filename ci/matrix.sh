@@ -14,8 +14,13 @@ OLDEST_DASK_ON=3.9
 ROOTS=${DASK_PYSPY_ROOTS:-/var/cache/dask-pyspy-roots}
 LOGS=$ROOTS/logs
 # The archive the host's own apt uses: the only one known to be reachable.
-MIRROR=$(awk '$1 == "URIs:" { print $2; exit }' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-MIRROR=${MIRROR:-http://deb.debian.org/debian}
+MIRROR=$(awk '$1 == "URIs:" { print $2; exit }' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+MIRROR=${MIRROR:-$(awk '$1 == "deb" { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true)}
+if [[ -z $MIRROR ]]; then
+    echo "ci/matrix.sh: no Debian archive in this machine's apt sources (/etc/apt/sources.list.d/*.sources," \
+        "/etc/apt/sources.list); the roots are built from it" >&2
+    exit 2
+fi
 CA=/etc/dask-pyspy-ca.crt
 
 in_root() { # ROOT COMMAND...: a clean environment, so the host's PIP_FIND_LINKS and PATH stay out
