@@ -45,14 +45,18 @@ def delta(before: dict, after: dict) -> dict[str, float]:
     ticks = after["ticks"] - before["ticks"]
     wall = after["duration_s"] - before["duration_s"]
     ra, rb = after["reader_stats"], before["reader_stats"]
-    key = "lost_reads" if "lost_reads" in ra else "torn_reads"
-    reads = ra.get("thread_reads", 0) - rb.get("thread_reads", 0)
+    failed = after["failed_ticks"] - before["failed_ticks"]
+    if "thread_reads" in ra:
+        key = "lost_reads" if "lost_reads" in ra else "torn_reads"
+        reads, lost = ra["thread_reads"] - rb["thread_reads"], ra[key] - rb[key] + failed
+    else:  # py-spy's reader: a failed read loses the whole tick
+        reads, lost = ticks, failed
     return {
         "hz": ticks / wall if wall else 0.0,
         "cpu_share": (after["cpu_s"] - before["cpu_s"]) / wall if wall else 0.0,
         "us_per_tick": 1e6 * (after["cpu_s"] - before["cpu_s"]) / max(ticks, 1),
         "reads": reads,
-        "lost": ra.get(key, 0) - rb.get(key, 0) + after["failed_ticks"] - before["failed_ticks"],
+        "lost": lost,
     }
 
 

@@ -85,6 +85,6 @@ def run(quick: bool) -> Section:
         [table(["reader", "cpu budget", "busy threads", "requested Hz", "achieved Hz", "error",
                 "sampler CPU (of one core)", "throttled ticks"], rows),
          table(["build", "reader", "phase", "process", "achieved Hz", "error", "sampler CPU (of one core)", "us/tick",
-                "reads lost"], busy_rows)],
+                "reads (ticks for pyspy) lost"], busy_rows)],
         notes,
     )
