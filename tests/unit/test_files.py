@@ -136,8 +136,8 @@ def test_what_cannot_be_loaded_says_what_can(tmp_path):
         Profile.load(tmp_path / "r.html")
     with pytest.raises(ValueError, match=r"cannot load '.*p\.pb\.gz': a pprof file cannot be loaded, only \.pyspy\.gz"):
         Profile.load(tmp_path / "p.pb.gz")
-    with pytest.raises(ValueError, match=r"path must end in .*\.pyspy\.gz"):
-        Profile.load(tmp_path / "r.txt")
+    with pytest.raises(ValueError, match=r"cannot load '.*random\.bin': the path must end in \.pyspy\.gz, \.json or \.json\.gz$"):
+        Profile.load(tmp_path / "random.bin")
     with pytest.raises(FileNotFoundError, match="missing.pyspy.gz"):
         Profile.load(tmp_path / "missing.pyspy.gz")
 
