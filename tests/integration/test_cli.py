@@ -56,9 +56,15 @@ def timed_run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return done, time.monotonic() - began
 
 
-def test_unreachable_scheduler():
-    done = run("dump", "--scheduler", "tcp://127.0.0.1:1", "--timeout", "2")
-    one_line_error(done, "cannot reach the scheduler at tcp://127.0.0.1:1")
+def test_unreachable_scheduler_fails_in_seconds(tmp_path):
+    nowhere = ("--scheduler", "tcp://127.0.0.1:1", "-o", str(tmp_path / "x.html"))
+    quick, quick_took = timed_run("record", *nowhere, "--timeout", "0.5")
+    done, took = timed_run("record", *nowhere)
+    one_line_error(quick, "cannot reach the scheduler at tcp://127.0.0.1:1: Timed out trying to connect to tcp://127.0.0.1:1 after 0.5 s")
+    one_line_error(done, "after 2 s")
+    # Both pay the same start-up; the default waits 1.5 s longer (the old 10 s default, 9.5 s).
+    assert took < quick_took + 6, (took, quick_took)
+    one_line_error(run("dump", "--scheduler", "tcp://127.0.0.1:1"), "after 2 s")
 
 
 def test_cluster_without_the_plugin_fails_before_recording(tmp_path):
