@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "pyspy"
 PRELOAD_NAME = "pyspy-preload"
 HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
+# The scheduler's event topic where its handlers' "start" and "close" are logged, so a
+# client can ask whether they are there: calling a missing one logs a traceback there.
+EVENT_TOPIC = "dask-pyspy"
 
 
 class SamplerHold:
@@ -325,6 +328,7 @@ class ClusterProfiler:
         self.sampler_options = opts
         await self.hold.apply(opts)
         install_handlers(self.scheduler, {"pyspy_profile": self.profile, "pyspy_dump": self.dump})
+        self.scheduler.log_event(EVENT_TOPIC, {"action": "start"})
         add_routes(self.scheduler, self)
         await self.scheduler.register_worker_plugin(
             None, dumps(PySpyWorkerPlugin(opts)), name=PLUGIN_NAME, idempotent=False
@@ -349,6 +353,7 @@ class ClusterProfiler:
 
     async def close(self) -> None:
         remove_handlers(self.scheduler)
+        self.scheduler.log_event(EVENT_TOPIC, {"action": "close"})
         await self.hold.release()
 
     def select_workers(self, workers: Any) -> list[str]:
