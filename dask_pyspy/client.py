@@ -107,7 +107,8 @@ def get_profile(
     by: default grouping of exports, "thread", "task", "prefix" or "span".
     timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
     span: only the samples of one dask span and the spans nested in it: a name (every
-    span of that name), a span id, or a path of names outermost first.
+    span of that name), a span id, or a path of names outermost first. A name or path
+    no span on the scheduler has raises ValueError.
     weight: what a sample weighs in exports, "wall" or "cpu" time.
     aggregate: each process sends counts per (thread, stack, task prefix, span)
     instead of every sample, so the size grows with distinct stacks, not time: for

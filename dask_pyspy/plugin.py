@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from typing import Any, Callable
@@ -310,6 +311,38 @@ def checked_parts(replies: dict[str, Any], sizes: dict[str, dict[str, int]], mis
     return parts, sorted(span_ids)
 
 
+def is_span_id(text: str) -> bool:
+    """Whether `text` reads as a span id (distributed makes them with uuid4)."""
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+def listed(items: list[Any], most: int = 20) -> str:
+    shown = ", ".join(map(repr, items[:most]))
+    return shown + (f", ... ({len(items)} in all)" if len(items) > most else "")
+
+
+def check_span(ext: Any, span: str | list[str] | None) -> None:
+    """Refuse a span name or path that no span on the scheduler has, as an unknown
+    worker is refused, rather than answer with no samples. An id passes even when the
+    scheduler does not know it: samples keep the id of a span it cannot name."""
+    if span is None or ext is None:
+        return
+    # .get, and skipping empty lists: distributed's own lookups leave empty entries.
+    if isinstance(span, str):
+        if ext.spans_search_by_tag.get(span) or span in ext.spans or is_span_id(span):
+            return
+        names = sorted(name for name, spans in ext.spans_search_by_tag.items() if spans)
+        raise ValueError(f"span: no span is named {span!r} or has that id; span names: {listed(names)}")
+    if ext.spans_search_by_name.get(tuple(span)) or (len(span) == 1 and is_span_id(span[0])):
+        return
+    paths = sorted(path for path, spans in ext.spans_search_by_name.items() if spans)
+    raise ValueError(f"span: no span has the path {tuple(span)!r}; span paths: {listed(paths)}")
+
+
 class ClusterProfiler:
     """The scheduler's half: its sampler hold, the RPC handlers, the dashboard pages and
     the options every worker samples with. It outlives a re-registered `PySpyPlugin`,
@@ -424,6 +457,7 @@ class ClusterProfiler:
             addresses = self.select_workers(workers)
             timeout = config.timeout(timeout)
             span = options.span(span)
+            check_span(self.scheduler.extensions.get("spans"), span)
             aggregate = options.flag("aggregate", aggregate)
             scheduler = options.flag("scheduler", scheduler)
             cap = config.max_result()
