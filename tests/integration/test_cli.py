@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from distributed import LocalCluster
 
+from dask_pyspy import Profile
 from tests.integration.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -35,6 +37,15 @@ def test_dump_prints_live_stacks(client):
     done = run("dump", "--scheduler", client.scheduler.address)
     assert done.returncode == 0, done.stderr
     assert "Process scheduler" in done.stdout and "Thread 0x" in done.stdout
+
+
+def test_demo_prints_the_profiles_window(tmp_path):
+    out = tmp_path / "demo.pyspy.gz"
+    done = run("demo", "--workers", "1", "--threads", "1", "--days", "1", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    printed = float(re.search(r"Profiled ([0-9.]+) s", done.stdout).group(1))
+    start, stop = Profile.load(out).metadata["window"]
+    assert printed == pytest.approx(stop - start, abs=0.05), done.stdout  # not the cluster's shutdown too
 
 
 @pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["demo"], ["diff"]])
