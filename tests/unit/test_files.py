@@ -150,7 +150,7 @@ def held(prof: Profile) -> dict:
     return {
         "prefixes": [(p["prefix"], rounded(p["seconds"]), [(f["name"], f["file"], rounded(f["seconds"])) for f in p["top"]])
                      for p in s["prefixes"]],
-        "untagged": rounded(s["untagged_seconds"]),
+        "untagged": rounded(s["untagged"]["seconds"]),
         "processes": [(p["name"], p["threads"], rounded(p["seconds"])) for p in s["processes"]],
     }
 
