@@ -28,7 +28,6 @@ from dask_pyspy.sampler import Sampler, process_sampler
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pyspy"
-PRELOAD_NAME = "pyspy-preload"
 HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
 # The scheduler's event topic where its handlers' "start" and "close" are logged, so a
 # client can ask whether they are there: calling a missing one logs a traceback there.
@@ -169,8 +168,8 @@ class TaskLog:
 
 
 class WorkerProfiler:
-    """A worker's half, set up once however many plugins hold it (the worker preload's
-    and the scheduler's): the sampler hold, task tags, the task log and the RPC handlers."""
+    """A worker's half, set up once however many hold it (the worker preload and our
+    plugin): the sampler hold, task tags, the task log and the RPC handlers."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -561,6 +560,16 @@ async def dask_setup(server: Any) -> None:
     if isinstance(server, Scheduler):
         server.add_plugin(PySpyPlugin())  # its start() is awaited when the scheduler starts
     elif isinstance(server, Worker):
-        # A name of its own: the scheduler's plugin then joins this worker's profiler
-        # instead of replacing (tearing down and setting up again) the preload's.
-        await server.plugin_add(PySpyWorkerPlugin(config.sampler_options()), name=PRELOAD_NAME)
+        # The scheduler's plugin, of the same name, replaces this one, so a worker holds one
+        # plugin of ours however it was set up. The preload's own hold on the profiler, until
+        # dask_teardown, keeps the profiler (task log, tags) through that replacement.
+        opts = config.sampler_options()
+        await WorkerProfiler.of(server).attach(opts)
+        await server.plugin_add(PySpyWorkerPlugin(opts), name=PLUGIN_NAME)
+
+
+async def dask_teardown(server: Any) -> None:
+    """Preload hook at close (after the worker's plugins are gone): the preload's hold goes."""
+    profiler = _profilers.get(server) if isinstance(server, Worker) else None
+    if profiler is not None:  # None on a worker whose dask_setup failed
+        await profiler.detach()
