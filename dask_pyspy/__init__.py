@@ -4,7 +4,7 @@ from dask_pyspy import config as _config  # registers the `pyspy` dask config na
 from dask_pyspy._native import __version__
 from dask_pyspy.client import StackDump, dump, get_profile, profile, pyspy_report
 from dask_pyspy.local import PySpyProfiler
-from dask_pyspy.plugin import PySpyPlugin, PySpyWorkerPlugin, dask_setup
+from dask_pyspy.plugin import PySpyPlugin, PySpyWorkerPlugin, dask_setup, dask_teardown
 from dask_pyspy.profile import Profile
 from dask_pyspy.sampler import Sampler
 
@@ -17,6 +17,7 @@ __all__ = [
     "StackDump",
     "__version__",
     "dask_setup",
+    "dask_teardown",
     "dump",
     "get_profile",
     "profile",

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
 
 import click
 
 T = TypeVar("T")
+
+# How long an unreachable scheduler takes to fail; a reachable one accepts at once.
+CONNECT_TIMEOUT = 2.0
+CONNECT_HELP = "Seconds to wait for the scheduler to accept the connection."
 
 
 class RequestError(click.ClickException):
@@ -18,13 +23,23 @@ class RequestError(click.ClickException):
     exit_code = 2
 
 
-def _connect(scheduler: str, timeout: float) -> Any:
+@contextmanager
+def _connect(scheduler: str, timeout: float) -> Iterator[Any]:
+    """A client of the scheduler. `timeout` bounds the connection only, so an unreachable
+    scheduler fails fast; closing gets what a default client gets (twice the connect
+    timeout of distributed's config)."""
+    from dask.config import get
+    from dask.utils import parse_timedelta
     from distributed import Client
 
     try:
-        return Client(scheduler, timeout=timeout)
+        client = Client(scheduler, timeout=timeout)
     except (OSError, TimeoutError, ValueError) as e:
         raise RequestError(f"cannot reach the scheduler at {scheduler}: {e}") from e
+    try:
+        yield client
+    finally:
+        client.close(timeout=2 * parse_timedelta(get("distributed.comm.timeouts.connect")))
 
 
 def _ask(call: Callable[[], T]) -> T:
@@ -60,7 +75,7 @@ def pyspy() -> None:
 @click.option("--weight", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True, help="What a sample weighs in the views.")
 @click.option("--aggregate", is_flag=True, help="Each process sends counts per stack and task prefix, not every sample: for big clusters; no timeline.")
 @click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).")
-@click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
+@click.option("--timeout", default=CONNECT_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), help=CONNECT_HELP)
 def record(
     scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, aggregate: bool, output: str, timeout: float
 ) -> None:
@@ -96,7 +111,7 @@ def record(
 @pyspy.command(help="Print every thread's current stack on every worker and the scheduler, with its task.")
 @click.option("--scheduler", required=True, help="Scheduler address.")
 @click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
-@click.option("--timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to wait for the scheduler.")
+@click.option("--timeout", default=CONNECT_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), help=CONNECT_HELP)
 def dump(scheduler: str, workers: Any, timeout: float) -> None:
     from dask_pyspy.client import dump as dump_stacks
 

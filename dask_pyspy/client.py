@@ -12,6 +12,7 @@ from distributed import Client, default_client
 
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
+from dask_pyspy.plugin import EVENT_TOPIC
 from dask_pyspy.profile import Profile, check_writable, file_kind
 
 logger = logging.getLogger(__name__)
@@ -22,12 +23,21 @@ NO_PLUGIN = (
 )
 
 
+async def _has_plugin(client: Client) -> bool:
+    """Whether the scheduler's handlers are installed, asked without calling one:
+    distributed logs a call to an unknown op with a traceback."""
+    events = await client.scheduler.events(topic=EVENT_TOPIC)
+    return bool(events) and events[-1][1].get("action") == "start"
+
+
 async def _call(client: Client, op: str, **kwargs: Any) -> Any:
     try:
+        if not await _has_plugin(client):
+            raise RuntimeError(NO_PLUGIN)
         reply = await getattr(client.scheduler, op)(**kwargs)
     except OSError as e:  # includes distributed's CommClosedError
         raise OSError(f"lost the connection to the scheduler during {op}: {e}") from e
-    if reply is None:  # distributed answers an unknown op with nothing
+    if reply is None:  # distributed answers an unknown op with nothing (the plugin closed since)
         raise RuntimeError(NO_PLUGIN)
     if isinstance(reply, dict) and "error" in reply:  # the scheduler rejected the request
         raise ValueError(reply["error"])
@@ -97,7 +107,8 @@ def get_profile(
     by: default grouping of exports, "thread", "task", "prefix" or "span".
     timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
     span: only the samples of one dask span and the spans nested in it: a name (every
-    span of that name), a span id, or a path of names outermost first.
+    span of that name), a span id, or a path of names outermost first. A name or path
+    no span on the scheduler has raises ValueError.
     weight: what a sample weighs in exports, "wall" or "cpu" time.
     aggregate: each process sends counts per (thread, stack, task prefix, span)
     instead of every sample, so the size grows with distinct stacks, not time: for

@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from typing import Any, Callable
@@ -27,8 +28,10 @@ from dask_pyspy.sampler import Sampler, process_sampler
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pyspy"
-PRELOAD_NAME = "pyspy-preload"
 HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
+# The scheduler's event topic where its handlers' "start" and "close" are logged, so a
+# client can ask whether they are there: calling a missing one logs a traceback there.
+EVENT_TOPIC = "dask-pyspy"
 
 
 class SamplerHold:
@@ -165,8 +168,8 @@ class TaskLog:
 
 
 class WorkerProfiler:
-    """A worker's half, set up once however many plugins hold it (the worker preload's
-    and the scheduler's): the sampler hold, task tags, the task log and the RPC handlers."""
+    """A worker's half, set up once however many hold it (the worker preload and our
+    plugin): the sampler hold, task tags, the task log and the RPC handlers."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -307,6 +310,38 @@ def checked_parts(replies: dict[str, Any], sizes: dict[str, dict[str, int]], mis
     return parts, sorted(span_ids)
 
 
+def is_span_id(text: str) -> bool:
+    """Whether `text` reads as a span id (distributed makes them with uuid4)."""
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+def listed(items: list[Any], most: int = 20) -> str:
+    shown = ", ".join(map(repr, items[:most]))
+    return shown + (f", ... ({len(items)} in all)" if len(items) > most else "")
+
+
+def check_span(ext: Any, span: str | list[str] | None) -> None:
+    """Refuse a span name or path that no span on the scheduler has, as an unknown
+    worker is refused, rather than answer with no samples. An id passes even when the
+    scheduler does not know it: samples keep the id of a span it cannot name."""
+    if span is None or ext is None:
+        return
+    # .get, and skipping empty lists: distributed's own lookups leave empty entries.
+    if isinstance(span, str):
+        if ext.spans_search_by_tag.get(span) or span in ext.spans or is_span_id(span):
+            return
+        names = sorted(name for name, spans in ext.spans_search_by_tag.items() if spans)
+        raise ValueError(f"span: no span is named {span!r} or has that id; span names: {listed(names)}")
+    if ext.spans_search_by_name.get(tuple(span)) or (len(span) == 1 and is_span_id(span[0])):
+        return
+    paths = sorted(path for path, spans in ext.spans_search_by_name.items() if spans)
+    raise ValueError(f"span: no span has the path {tuple(span)!r}; span paths: {listed(paths)}")
+
+
 class ClusterProfiler:
     """The scheduler's half: its sampler hold, the RPC handlers, the dashboard pages and
     the options every worker samples with. It outlives a re-registered `PySpyPlugin`,
@@ -325,6 +360,7 @@ class ClusterProfiler:
         self.sampler_options = opts
         await self.hold.apply(opts)
         install_handlers(self.scheduler, {"pyspy_profile": self.profile, "pyspy_dump": self.dump})
+        self.scheduler.log_event(EVENT_TOPIC, {"action": "start"})
         add_routes(self.scheduler, self)
         await self.scheduler.register_worker_plugin(
             None, dumps(PySpyWorkerPlugin(opts)), name=PLUGIN_NAME, idempotent=False
@@ -349,6 +385,7 @@ class ClusterProfiler:
 
     async def close(self) -> None:
         remove_handlers(self.scheduler)
+        self.scheduler.log_event(EVENT_TOPIC, {"action": "close"})
         await self.hold.release()
 
     def select_workers(self, workers: Any) -> list[str]:
@@ -419,6 +456,7 @@ class ClusterProfiler:
             addresses = self.select_workers(workers)
             timeout = config.timeout(timeout)
             span = options.span(span)
+            check_span(self.scheduler.extensions.get("spans"), span)
             aggregate = options.flag("aggregate", aggregate)
             scheduler = options.flag("scheduler", scheduler)
             cap = config.max_result()
@@ -522,6 +560,16 @@ async def dask_setup(server: Any) -> None:
     if isinstance(server, Scheduler):
         server.add_plugin(PySpyPlugin())  # its start() is awaited when the scheduler starts
     elif isinstance(server, Worker):
-        # A name of its own: the scheduler's plugin then joins this worker's profiler
-        # instead of replacing (tearing down and setting up again) the preload's.
-        await server.plugin_add(PySpyWorkerPlugin(config.sampler_options()), name=PRELOAD_NAME)
+        # The scheduler's plugin, of the same name, replaces this one, so a worker holds one
+        # plugin of ours however it was set up. The preload's own hold on the profiler, until
+        # dask_teardown, keeps the profiler (task log, tags) through that replacement.
+        opts = config.sampler_options()
+        await WorkerProfiler.of(server).attach(opts)
+        await server.plugin_add(PySpyWorkerPlugin(opts), name=PLUGIN_NAME)
+
+
+async def dask_teardown(server: Any) -> None:
+    """Preload hook at close (after the worker's plugins are gone): the preload's hold goes."""
+    profiler = _profilers.get(server) if isinstance(server, Worker) else None
+    if profiler is not None:  # None on a worker whose dask_setup failed
+        await profiler.detach()

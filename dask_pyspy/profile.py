@@ -122,12 +122,14 @@ class Profile:
         A file that is none of these, or cut short or damaged, raises ValueError
         naming it; a file that cannot be read raises OSError.
         """
-        kind = file_kind(path)
+        loadable = ".pyspy.gz, .json or .json.gz"
+        try:
+            kind = file_kind(path)
+        except ValueError:  # its message names every suffix save() writes, not only these
+            raise ValueError(f"cannot load {os.fspath(path)!r}: the path must end in {loadable}") from None
         unloadable = {"html": "a report", "pprof": "a pprof file"}
         if kind in unloadable:
-            raise ValueError(
-                f"cannot load {os.fspath(path)!r}: {unloadable[kind]} cannot be loaded, only .pyspy.gz, .json or .json.gz files"
-            )
+            raise ValueError(f"cannot load {os.fspath(path)!r}: {unloadable[kind]} cannot be loaded, only {loadable} files")
         data = Path(path).read_bytes()
         try:
             native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy")

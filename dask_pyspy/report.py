@@ -182,7 +182,8 @@ def _prefix_section(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str
     for p in summary["prefixes"]:
         count, secs = wall.get(p["prefix"], [0, 0.0])
         rows.append([p["prefix"], float(p["seconds"]), float(100 * p["seconds"] / total), *_split(p), int(count), float(secs), _top(p["top"])])
-    rows.append(["(no task)", float(summary["untagged_seconds"]), float(100 * summary["untagged_seconds"] / total), *[""] * 6, ""])
+    untagged = summary["untagged"]
+    rows.append(["(no task)", float(untagged["seconds"]), float(100 * untagged["seconds"] / total), *_split(untagged), "", "", _top(untagged["top"])])
     yield _table(["task prefix", "sampled s", "% of samples", *SPLIT_HEADER, "tasks", "task wall s", "top functions (self time)"], rows)
 
 
@@ -223,7 +224,7 @@ def _lead_by(profile: Profile) -> str:
 def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
     """The whole cluster by task (or prefix), then one graph per prefix and per process."""
     by = _lead_by(profile)
-    untagged = 100 * summary["untagged_seconds"] / (summary["seconds"] or 1.0)
+    untagged = 100 * summary["untagged"]["seconds"] / (summary["seconds"] or 1.0)
     what = "CPU time" if profile.weight == "cpu" else "time"
     yield f"<h2>Task {what} across the cluster, by {GROUPS[by]}</h2>"
     yield ("<p><small>Stacks start at each task's own code (the worker's execution machinery is cut; "
@@ -231,7 +232,8 @@ def _graphs_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
            "in a row (recursion) is shown once.</small></p>")
     yield flame_iframe(profile.flamegraph_svg(f"Task {what} by {GROUPS[by]}", by=by, tasks=True), f"Task {what}")
     yield flame_details(profile.flamegraph_svg("Outside tasks", tasks=False), "Outside tasks",
-                        f"Time outside tasks ({untagged:.0f}% of samples: event loops, communication, the scheduler)")
+                        f"Time outside tasks ({untagged:.0f}% of samples: event loops, communication, "
+                        "deserialising and importing, the scheduler)")
     yield flame_details(profile.flamegraph_svg("All processes by thread"), "All processes by thread",
                         "Whole cluster by thread, raw stacks")
     yield "<h2>Task prefixes</h2>"

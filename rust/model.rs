@@ -316,7 +316,11 @@ impl Builder {
     /// stack, task prefix, span and state.
     pub fn fold_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, folder: &mut Folder) {
         let keys = folder.keys;
-        let s = self.remap(src, map, sample, None, |t| Folder::tag(t, keys));
+        let mut s = self.remap(src, map, sample, None, |t| Folder::tag(t, keys));
+        // Capped per sample, as views cap it (`Weight::Cpu`): the fold then sums what the
+        // raw samples show, where capping the sum would let one sample's excess fill
+        // another's gap.
+        s.cpu_us = s.cpu_us.min(s.weight_us);
         let slot = folder.index.entry((s.thread, s.stack, s.tag, s.flags)).or_insert(usize::MAX);
         let into = self.samples.get_mut(*slot).filter(|into| into.weight_us.checked_add(s.weight_us).is_some() && into.count < u32::MAX);
         match into {
@@ -652,6 +656,16 @@ pub mod tests {
         // Recorded names win (ident 2 was recorded as T2 once); the given one fills a gap.
         assert_eq!(names, ["late", "late", "T2", "given"]);
         assert_eq!(p.threads.len(), 3);
+    }
+
+    #[test]
+    fn folding_caps_cpu_per_sample() {
+        let mut p = profile("w", &[(1, &["f"], None), (1, &["f"], None)]);
+        p.samples[0].cpu_us = 25_000; // a late tick's CPU, over its 10 ms share
+        p.samples[1].cpu_us = 2_000;
+        let folded = p.folded(false);
+        assert_eq!(folded.samples.len(), 1);
+        assert_eq!(folded.samples[0].cpu_us, 12_000, "10 ms capped + 2 ms, not min(27, 20) ms");
     }
 
     #[test]

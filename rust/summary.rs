@@ -95,7 +95,8 @@ pub struct Summary {
     pub processes: Vec<ProcessTime>,
     pub prefixes: Vec<PrefixTime>,
     pub spans: Vec<SpanTime>,
-    pub untagged_seconds: f64,
+    /// Samples outside tasks: event loops, communication, deserialising, the scheduler.
+    pub untagged: Group,
     /// Whether any sample carries CPU time.
     pub cpu_measured: bool,
     /// Every sample: `samples`, `seconds` and the rest at the top level.
@@ -161,7 +162,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
     let mut per_prefix: HashMap<&str, Tally> = HashMap::new();
     let mut per_span: HashMap<Vec<&str>, Tally> = HashMap::new();
     let mut all = Tally::default();
-    let mut untagged = 0.0;
+    let mut untagged = Tally::default();
     for s in &data.samples {
         let secs = s.weight_us as f64 / 1e6;
         let th = &data.threads[s.thread as usize];
@@ -177,7 +178,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
                     per_span.entry(path[..depth].to_vec()).or_default().add(data, s);
                 }
             }
-            None => untagged += secs,
+            None => untagged.add(data, s),
         }
         all.add(data, s);
     }
@@ -204,7 +205,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
         processes,
         prefixes,
         spans,
-        untagged_seconds: untagged,
+        untagged: untagged.finish(data),
         cpu_measured: data.samples.iter().any(|s| s.cpu_us > 0),
         all: all.finish(data),
     }
@@ -228,7 +229,8 @@ mod tests {
         assert_eq!(s.prefixes[0].prefix, "f");
         assert_eq!(s.prefixes[0].group.samples, 2);
         assert_eq!(s.prefixes[0].group.top[0].name, "f");
-        assert!((s.untagged_seconds - 0.01).abs() < 1e-9);
+        assert!((s.untagged.seconds - 0.01).abs() < 1e-9);
+        assert_eq!((s.untagged.split.no_gil, s.untagged.top[0].name.as_str()), (0.01, "main"));
         assert!((s.all.split.no_gil - 0.04).abs() < 1e-9);
         assert_eq!(s.all.top[0].name, "f");
         assert!(!s.cpu_measured);

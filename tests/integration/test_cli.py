@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from distributed import LocalCluster
 
+from dask_pyspy import Profile
 from tests.integration.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -37,6 +39,15 @@ def test_dump_prints_live_stacks(client):
     assert "Process scheduler" in done.stdout and "Thread 0x" in done.stdout
 
 
+def test_demo_prints_the_profiles_window(tmp_path):
+    out = tmp_path / "demo.pyspy.gz"
+    done = run("demo", "--workers", "1", "--threads", "1", "--days", "1", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    printed = float(re.search(r"Profiled ([0-9.]+) s", done.stdout).group(1))
+    start, stop = Profile.load(out).metadata["window"]
+    assert printed == pytest.approx(stop - start, abs=0.05), done.stdout  # not the cluster's shutdown too
+
+
 @pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["demo"], ["diff"]])
 def test_help(command):
     done = run(*command, "--help")
@@ -56,9 +67,15 @@ def timed_run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return done, time.monotonic() - began
 
 
-def test_unreachable_scheduler():
-    done = run("dump", "--scheduler", "tcp://127.0.0.1:1", "--timeout", "2")
-    one_line_error(done, "cannot reach the scheduler at tcp://127.0.0.1:1")
+def test_unreachable_scheduler_fails_in_seconds(tmp_path):
+    nowhere = ("--scheduler", "tcp://127.0.0.1:1", "-o", str(tmp_path / "x.html"))
+    quick, quick_took = timed_run("record", *nowhere, "--timeout", "0.5")
+    done, took = timed_run("record", *nowhere)
+    one_line_error(quick, "cannot reach the scheduler at tcp://127.0.0.1:1: Timed out trying to connect to tcp://127.0.0.1:1 after 0.5 s")
+    one_line_error(done, "after 2 s")
+    # Both pay the same start-up; the default waits 1.5 s longer (the old 10 s default, 9.5 s).
+    assert took < quick_took + 6, (took, quick_took)
+    one_line_error(run("dump", "--scheduler", "tcp://127.0.0.1:1"), "after 2 s")
 
 
 def test_cluster_without_the_plugin_fails_before_recording(tmp_path):
@@ -106,7 +123,8 @@ def test_diff_of_bad_files_is_one_line(tmp_path):
     missing = str(tmp_path / "missing.json")
     one_line_error(run("diff", missing, str(garbage)), f"BASE: [Errno 2] No such file or directory: {missing!r}")
     one_line_error(run("diff", str(garbage), missing), f"BASE: cannot load {str(garbage)!r}: not gzip-compressed")
-    one_line_error(run("diff", str(tmp_path / "a.txt"), missing), "BASE: path must end in .json or .json.gz")
+    other = str(tmp_path / "a.txt")
+    one_line_error(run("diff", other, missing), f"BASE: cannot load {other!r}: the path must end in .pyspy.gz, .json or .json.gz")
     one_line_error(run("diff", missing, missing, "-o", str(tmp_path / "d.json")), "--output: path must end in .html")
     nowhere = str(tmp_path / "nowhere" / "d.html")
     one_line_error(run("diff", missing, missing, "-o", nowhere), f"--output: cannot write {nowhere!r}: directory")

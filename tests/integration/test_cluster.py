@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -152,12 +153,18 @@ def test_bad_timeout_in_the_schedulers_config(client):
     assert client.pyspy_profile(last=5).processes, "the scheduler still answers"
 
 
-def test_without_plugin_the_error_says_what_to_do():
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
-        with pytest.raises(RuntimeError, match=r"register_plugin\(dask_pyspy.PySpyPlugin\(\)\).*--preload dask_pyspy"):
-            c.pyspy_profile()
-        with pytest.raises(RuntimeError, match="no dask-pyspy plugin"):
-            c.pyspy_dump()
+def test_without_plugin_the_error_says_what_to_do(caplog):
+    scheduler_log = logging.getLogger("distributed")  # it does not propagate to caplog's root handler
+    scheduler_log.addHandler(caplog.handler)
+    try:
+        with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
+            with pytest.raises(RuntimeError, match=r"register_plugin\(dask_pyspy.PySpyPlugin\(\)\).*--preload dask_pyspy"):
+                c.pyspy_profile()
+            with pytest.raises(RuntimeError, match="no dask-pyspy plugin"):
+                c.pyspy_dump()
+    finally:
+        scheduler_log.removeHandler(caplog.handler)
+    assert "No handler" not in caplog.text and "Traceback" not in caplog.text, "the scheduler logged the call"
 
 
 def test_registering_twice_keeps_one_sampler(client):

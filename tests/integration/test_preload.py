@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import pytest
 from distributed import Client
 
+import dask_pyspy
 from tests.integration.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -25,13 +27,15 @@ class Preloaded(NamedTuple):
     worker_log: Path
 
 
-@pytest.fixture
-def preloaded_cluster(tmp_path):
-    """Both preloads: the scheduler's (through config) and the worker's (--preload)."""
+@contextmanager
+def preloaded(tmp_path: Path, scheduler_preload: bool) -> Iterator[Preloaded]:
+    """A `dask worker --preload dask_pyspy`, and its scheduler, preloaded too (through
+    config) if `scheduler_preload`."""
     scheduler_file = tmp_path / "scheduler.json"
     logs = Preloaded(None, tmp_path / "scheduler.log", tmp_path / "worker.log")
-    env = dict(os.environ, DASK_PYSPY__RATE="150", DASK_PYSPY__CPU_BUDGET="0.3",
-               DASK_DISTRIBUTED__SCHEDULER__PRELOAD='["dask_pyspy"]')
+    env = dict(os.environ, DASK_PYSPY__RATE="150", DASK_PYSPY__CPU_BUDGET="0.3")
+    if scheduler_preload:
+        env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"] = '["dask_pyspy"]'
     procs = [
         subprocess.Popen([DASK, "scheduler", "--scheduler-file", str(scheduler_file), "--port", "0",
                           "--dashboard-address", ":0", "--no-show"], env=env, cwd=tmp_path,
@@ -51,6 +55,13 @@ def preloaded_cluster(tmp_path):
         for p in procs[::-1]:
             p.terminate()
             p.wait(30)
+
+
+@pytest.fixture
+def preloaded_cluster(tmp_path):
+    """Both preloads: the scheduler's (through config) and the worker's (--preload)."""
+    with preloaded(tmp_path, scheduler_preload=True) as cluster:
+        yield cluster
 
 
 def test_preloaded_scheduler_and_worker_profile_with_config(preloaded_cluster):
@@ -77,16 +88,36 @@ def worker_profilers(dask_worker) -> list[tuple[int, int, bool]]:
     return [(p.holders, process_sampler._users, tagged) for p in _profilers.values()]
 
 
+def our_plugins(dask_worker) -> list[str]:
+    from dask_pyspy.plugin import PySpyWorkerPlugin
+
+    return sorted(name for name, plugin in dask_worker.plugins.items() if isinstance(plugin, PySpyWorkerPlugin))
+
+
 def test_both_preloads_set_the_worker_up_once(preloaded_cluster):
     client = preloaded_cluster.client
     deadline = time.monotonic() + 60
-    # The worker preload's plugin, then the scheduler's: both hold one profiler.
+    # The worker preload and the scheduler's plugin (which replaced the preload's) hold one profiler.
     while list(client.run(worker_profilers).values()) != [[(2, 1, True)]]:
         assert time.monotonic() < deadline, client.run(worker_profilers)
         time.sleep(0.2)
-    assert set(client.run(lambda dask_worker: sorted(dask_worker.plugins)).popitem()[1]) >= {"pyspy", "pyspy-preload"}
-    log = preloaded_cluster.worker_log.read_text()
-    assert "Starting Worker plugin pyspy" in log and "Removing Worker plugin" not in log, log
+    assert list(client.run(our_plugins).values()) == [["pyspy"]], "one plugin of ours"
+    # What distributed's own tests count on: a worker holds the plugins the scheduler gives.
+    scheduler_gives = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.worker_plugins))
+    assert list(client.run(lambda dask_worker: sorted(dask_worker.plugins)).values()) == [scheduler_gives]
+
+
+def test_a_plugin_registered_later_keeps_the_preloaded_workers_task_log(tmp_path):
+    with preloaded(tmp_path, scheduler_preload=False) as cluster:
+        client = cluster.client
+        assert list(client.run(our_plugins).values()) == [["pyspy"]], "the preload's own plugin"
+        start = time.time()
+        client.gather(client.map(alpha, range(50)))
+        client.register_plugin(dask_pyspy.PySpyPlugin(rate=150, cpu_budget=0.3))
+        assert list(client.run(our_plugins).values()) == [["pyspy"]], "the scheduler's replaced it"
+        prof = client.pyspy_profile(start=start)
+        (worker,) = client.scheduler_info()["workers"]
+        assert prof.metadata["tasks"][worker]["alpha"]["count"] == 50, "tasks logged before the plugin came"
 
 
 def test_rejected_request_leaves_no_traceback_in_the_scheduler_log(preloaded_cluster):

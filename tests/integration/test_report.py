@@ -152,6 +152,16 @@ def test_throttling_is_explained_and_lost_samples_are_a_rate(chromium, tmp_path)
     assert console_errors(chromium) == []
 
 
+def test_time_outside_tasks_has_its_split_and_top_functions():
+    html = sampled_report(Sampler(rate=200, cpu_budget=0.5), until="ticks")  # busy threads, no tasks
+    row = re.search(r"<tr><td>\(no task\)</td>(.*?)</tr>", html).group(1)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    cpu, shares, top = cells[2], cells[3:6], cells[8]
+    assert float(cpu) >= 0 and sum(float(c.rstrip("%")) for c in shares) == pytest.approx(100, abs=2), cells
+    assert "busy" in top or "spin" in top, top
+    assert "Time outside tasks (100% of samples: event loops, communication, deserialising and importing, the scheduler)" in html
+
+
 def test_a_reader_fallback_is_an_error(chromium, tmp_path, monkeypatch):
     monkeypatch.setenv("DASK_PYSPY_TEST_BREAK_SELF_CHECK", "1")
     html = sampled_report(Sampler(reader="auto"), until="ticks")

@@ -12,7 +12,7 @@ import pytest
 from distributed import span
 
 from tests.conftest import frame_names
-from tests.integration.test_cli import DASK
+from tests.integration.test_cli import DASK, one_line_error, run
 from tests.integration.workload import spin_for
 
 
@@ -63,7 +63,7 @@ def test_two_spans_at_once_keep_their_own_tasks(client):
     whole = {p["prefix"]: p["samples"] for p in prof.summary()["prefixes"]}
     assert samples.get("ingest_work", 0) >= 0.99 * sum(samples.values()), samples
     assert samples["ingest_work"] == whole["ingest_work"], "the filter keeps every sample of the span"
-    assert only["untagged_seconds"] == 0
+    assert only["untagged"]["seconds"] == 0
 
 
 def test_nested_spans_and_their_filters(client):
@@ -87,7 +87,8 @@ def test_nested_spans_and_their_filters(client):
     assert prefixes(span=outer_id) == {"outer_work", "inner_work"}, "by id, with its nested spans"
     assert prefixes(span="inner") == {"inner_work"}
     assert prefixes(span=("outer", "inner")) == {"inner_work"}
-    assert prefixes(span=["inner"]) == set(), "a path starts at the outermost span"
+    with pytest.raises(ValueError, match=r"no span has the path \('inner',\)"):  # a path starts at the outermost span
+        prefixes(span=["inner"])
 
 
 def test_a_span_the_scheduler_forgot_keeps_a_name(client):
@@ -133,6 +134,21 @@ def _forget(ids, dask_scheduler=None):
 def test_bad_span_is_refused(client, span_arg):
     with pytest.raises(ValueError, match="span must be None, a span name or id"):
         client.pyspy_profile(last=1, span=span_arg)
+
+
+def test_an_unknown_span_is_refused_naming_the_known_ones(client, tmp_path):
+    start = time.time()
+    with span("known"):
+        client.gather(tasks(client, "known_work", 40))
+    with pytest.raises(ValueError, match=r"span: no span is named 'nope' or has that id; span names: .*'known'"):
+        client.pyspy_profile(start=start, span="nope")
+    with pytest.raises(ValueError, match=r"span: no span has the path \('known', 'nope'\); span paths: .*\('known',\)"):
+        client.pyspy_profile(start=start, span=("known", "nope"))
+    assert client.pyspy_profile(start=start, span="known").n_samples > 0
+    # An id passes unknown: samples keep the id of a span the scheduler cannot name.
+    assert client.pyspy_profile(start=start, span=str(uuid.uuid4())).n_samples == 0
+    one_line_error(run("record", "--scheduler", client.scheduler.address, "--duration", "0.5", "--span", "nope",
+                       "-o", str(tmp_path / "x.html")), "span: no span is named 'nope'")
 
 
 def test_record_by_span_from_the_cli(client, tmp_path):

@@ -136,8 +136,8 @@ def test_what_cannot_be_loaded_says_what_can(tmp_path):
         Profile.load(tmp_path / "r.html")
     with pytest.raises(ValueError, match=r"cannot load '.*p\.pb\.gz': a pprof file cannot be loaded, only \.pyspy\.gz"):
         Profile.load(tmp_path / "p.pb.gz")
-    with pytest.raises(ValueError, match=r"path must end in .*\.pyspy\.gz"):
-        Profile.load(tmp_path / "r.txt")
+    with pytest.raises(ValueError, match=r"cannot load '.*random\.bin': the path must end in \.pyspy\.gz, \.json or \.json\.gz$"):
+        Profile.load(tmp_path / "random.bin")
     with pytest.raises(FileNotFoundError, match="missing.pyspy.gz"):
         Profile.load(tmp_path / "missing.pyspy.gz")
 
@@ -150,7 +150,7 @@ def held(prof: Profile) -> dict:
     return {
         "prefixes": [(p["prefix"], rounded(p["seconds"]), [(f["name"], f["file"], rounded(f["seconds"])) for f in p["top"]])
                      for p in s["prefixes"]],
-        "untagged": rounded(s["untagged_seconds"]),
+        "untagged": rounded(s["untagged"]["seconds"]),
         "processes": [(p["name"], p["threads"], rounded(p["seconds"])) for p in s["processes"]],
     }
 
