@@ -1,4 +1,5 @@
-"""One run of the bias benchmark, in its own process (see bias.py): prints JSON.
+"""One run of the bias benchmark, in its own process (see bias.py): prints JSON. Its
+alternating workload is also the bias test's.
 
 Imports only dask_pyspy and the standard library, so it runs under another build's
 interpreter too (the side-by-side baseline).
@@ -38,10 +39,11 @@ def steady(until: float) -> None:
             x += 1
 
 
-def alternate(period: float, share: float, running: list[bool], truth: dict[str, float]) -> None:
-    """Churny for `share` of each period, steady for the rest; keeps its own account."""
+def alternate(period: float, share: float, truth: dict[str, float], stop: threading.Event) -> None:
+    """Churny for `share` of each period, steady for the rest; keeps its own account
+    of the time each got."""
     now = time.perf_counter()
-    while running[0]:
+    while not stop.is_set():
         churny(now + share * period)
         then = time.perf_counter()
         truth["churny"] += then - now
@@ -66,10 +68,10 @@ def sampled(doc: dict, thread: str) -> dict[str, float]:
 
 
 def main(rate: float, periods: float, share: float, threads: int, seconds: float) -> dict:
-    running = [True]
+    stop = threading.Event()
     truths = [{"churny": 0.0, "steady": 0.0} for _ in range(threads)]
     period = periods / rate
-    pool = [threading.Thread(target=alternate, args=(period, share, running, truths[i]), name=f"alt-{i}")
+    pool = [threading.Thread(target=alternate, args=(period, share, truths[i], stop), name=f"alt-{i}")
             for i in range(threads)]
     for t in pool:
         t.start()
@@ -81,7 +83,7 @@ def main(rate: float, periods: float, share: float, threads: int, seconds: float
     s.start()
     time.sleep(seconds)
     s.stop()
-    running[0] = False
+    stop.set()
     for t in pool:
         t.join()
     doc = s.profile().speedscope()

@@ -1,10 +1,11 @@
 """Sampler figures of every process of a busy LocalCluster, per workload phase, in its
-own process (see rate.py): prints JSON. Imports only dask, distributed, dask_pyspy and
-the standard library, so it runs under another build's interpreter too."""
+own process (see rate.py): prints JSON. It runs under another build's interpreter too,
+so the checkout comes last on its path: that interpreter's own dask_pyspy comes first."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -14,17 +15,8 @@ from distributed import Client, LocalCluster
 
 import dask_pyspy
 
-
-def cpu_task(i: int, seconds: float = 0.03) -> int:
-    end = time.perf_counter() + seconds
-    n = 0
-    while time.perf_counter() < end:
-        n += sum(range(100))
-    return n
-
-
-def tiny(i: int) -> int:
-    return i + 1
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.workload import cpu_task, tiny  # noqa: E402
 
 
 def stats() -> list[dict]:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from benchmarks.bias_child import alternate
 from dask_pyspy import Profile, Sampler
 from tests.conftest import frame_names, profiles_named, weight_by_function
 
@@ -157,41 +158,6 @@ def test_sample_times_are_random_and_never_faster_than_asked(tmp_path):
     assert stats["achieved_rate"] <= 101, stats
     assert stats["failed_ticks"] < 0.05 * stats["ticks"]
     assert stats["panic"] is None
-
-
-def churny(until: float) -> None:
-    x = 0
-    while time.perf_counter() < until:
-        for _ in range(10):
-            x = churny_mid(x) & 0xFFFF
-
-
-def churny_mid(x: int) -> int:
-    return churny_leaf(x) + churny_leaf(x)
-
-
-def churny_leaf(x: int) -> int:
-    return x + 1
-
-
-def steady(until: float) -> None:
-    x = 0
-    while time.perf_counter() < until:
-        for _ in range(50):
-            x += 1
-
-
-def alternate(period: float, share: float, truth: dict[str, float], stop: threading.Event) -> None:
-    """Many small calls for `share` of each period, one plain loop for the rest; keeps
-    its own account of the time each got."""
-    now = time.perf_counter()
-    while not stop.is_set():
-        churny(now + share * period)
-        then = time.perf_counter()
-        truth["churny"] += then - now
-        steady(then + (1 - share) * period)
-        now = time.perf_counter()
-        truth["steady"] += now - then
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="py-spy's reader (3.9, 3.10) drops a tick that fails")
