@@ -18,6 +18,13 @@ use std::sync::Arc;
 /// Further reads of a thread whose copy tore, in the same tick.
 const RETRIES: usize = 3;
 
+/// Copies of a thread that may have run, taken back to back in one read: two agree
+/// for most threads; one running many small calls changes its stack every few hundred
+/// nanoseconds, and some consecutive pair of three is likelier to agree.
+fn copies(attempt: usize) -> usize {
+    if attempt == 0 { 2 } else { 3 }
+}
+
 /// A thread read: its state, its frame ids (Err: lost) and its task during the read.
 pub struct ReadThread {
     pub state: ThreadState,
@@ -126,9 +133,9 @@ impl FastReader {
                 Threads::reread(&mut reading, &self.layout, &mut self.mem, &mut self.batch)?;
             }
             // Only a first read may trust `still`: a torn thread ran.
-            let still: Vec<bool> = reading.iter().map(|t| attempt == 0 && t.still).collect();
+            let copies: Vec<usize> = reading.iter().map(|t| if attempt == 0 && t.still { 1 } else { copies(attempt) }).collect();
             let refs: Vec<&ThreadState> = reading.iter().collect();
-            let stacks = read_stacks(&refs, &still, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
+            let stacks = read_stacks(&refs, &copies, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
             let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();
             self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)?;
             for ((&i, state), raw) in pending.iter().zip(reading).zip(stacks) {

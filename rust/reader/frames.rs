@@ -25,10 +25,6 @@ const MIN_CHUNK: u64 = 16 << 10;
 /// Bytes copied past a live chunk's top: room for the frames of a few calls made
 /// since the thread state was read.
 const PAST_TOP: u64 = 1 << 10;
-/// Copies of a thread that may have run, back to back: a thread running many small
-/// calls changes its stack every few hundred nanoseconds, so two copies often differ,
-/// but some consecutive pair of three usually agrees.
-const COPIES: usize = 3;
 
 /// A frame as found: its code object (or other executable) and instruction pointer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -145,25 +141,20 @@ fn push_copy(batch: &mut Batch, t: &ThreadState, layout: &Layout) -> Snapshot {
 }
 
 /// The frames of each thread, innermost first; Err for a thread whose chain was torn.
-/// `batch` receives the live chunks, `round` the reads made on demand; `still[i]`
-/// says thread i cannot have run since its stack was last read. A thread that may
-/// have run is copied `COPIES` times back to back in one read; its chain is walked
-/// from the first copy that the next one agrees with (see `agrees`), and is torn if
-/// there is none.
+/// `batch` receives the live chunks, `round` the reads made on demand. Thread i is
+/// copied `copies[i]` times back to back in one read: once for a thread that cannot
+/// have run since its stack was last read; else its chain is walked from the first
+/// copy that the next one agrees with (see `agrees`), and is torn if there is none.
 pub fn read_stacks(
     threads: &[&ThreadState],
-    still: &[bool],
+    copies: &[usize],
     layout: &Layout,
     mem: &mut Memory,
     batch: &mut Batch,
     round: &mut Batch,
 ) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
     batch.clear();
-    let copies: Vec<Vec<Snapshot>> = threads
-        .iter()
-        .zip(still)
-        .map(|(t, &still)| (0..if still { 1 } else { COPIES }).map(|_| push_copy(batch, t, layout)).collect())
-        .collect();
+    let copies: Vec<Vec<Snapshot>> = threads.iter().zip(copies).map(|(t, &n)| (0..n).map(|_| push_copy(batch, t, layout)).collect()).collect();
     mem.read(batch)?;
     // The copy each walk uses, and the one that must agree with it.
     let mut checked: Vec<Option<Snapshot>> = Vec::with_capacity(threads.len());
@@ -282,7 +273,7 @@ mod tests {
             still: true,
         };
         let (mut batch, mut round) = (Batch::default(), Batch::default());
-        let stacks = read_stacks(&[&t], &[true], &layout, &mut Memory::new(), &mut batch, &mut round).unwrap();
+        let stacks = read_stacks(&[&t], &[1], &layout, &mut Memory::new(), &mut batch, &mut round).unwrap();
         assert_eq!(stacks, vec![Err(())]);
     }
 
