@@ -2,6 +2,8 @@
 
 __version__: str
 
+def _panic_in_call() -> None: ...
+
 class Sampler:
     def __init__(
         self,

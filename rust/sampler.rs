@@ -100,7 +100,7 @@ fn new_token() -> String {
     format!("{}-{}-{}", std::process::id(), now_ns(), COUNTER.fetch_add(1, Ordering::Relaxed))
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
