@@ -12,6 +12,7 @@ mod sampler;
 mod speedscope;
 mod speedscope_read;
 mod store;
+mod sync;
 mod spans;
 mod summary;
 mod tags;
