@@ -5,6 +5,7 @@ mod config;
 mod diff;
 mod files;
 mod flamegraph;
+mod limits;
 mod model;
 mod pprof;
 mod reader;
@@ -285,11 +286,12 @@ impl PyProfile {
     }
 
     /// A profile and its grouping from the bytes of a `.pyspy.gz` file (`speedscope`
-    /// False) or of a speedscope file dask-pyspy wrote (True).
+    /// False) or of a speedscope file dask-pyspy wrote (True), refused if it might
+    /// take more than twice `max_result` bytes (see `limits.rs`).
     #[staticmethod]
-    fn from_file(py: Python<'_>, data: &[u8], speedscope: bool) -> PyResult<(Self, &'static str)> {
+    fn from_file(py: Python<'_>, data: &[u8], speedscope: bool, max_result: usize) -> PyResult<(Self, &'static str)> {
         let read = if speedscope { speedscope_read::read } else { files::read };
-        let (data, by) = detached(py, || read(data))?.map_err(value_error)?;
+        let (data, by) = detached(py, || read(data, limits::Limits::new(max_result)))?.map_err(value_error)?;
         Ok((PyProfile { data: Arc::new(data) }, by.as_str()))
     }
 
