@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from dask_pyspy import _native, config, options
+from dask_pyspy import _native, config, metadata, options
 
 if TYPE_CHECKING:
     from dask_pyspy.diff import ProfileDiff
@@ -141,10 +141,10 @@ class Profile:
         time, and spans but for their paths by="span". speedscope files of other tools
         are refused, as they hold no processes or task tags.
 
-        A file that is none of these, cut short or damaged, or not a regular file,
-        raises ValueError naming it and what is wrong; so does one whose load could
-        take more than twice config `pyspy.max-result` (see the README). A file that
-        cannot be read raises OSError.
+        A file that is none of these, cut short or damaged, that is not a regular file,
+        or whose metadata a report could not read, raises ValueError naming it and
+        what is wrong; so does one whose load could take more than twice config
+        `pyspy.max-result` (see the README). A file that cannot be read raises OSError.
         """
         loadable = ".pyspy.gz, .json or .json.gz"
         try:
@@ -158,6 +158,7 @@ class Profile:
         try:
             data = read_regular(path, limit)
             native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy", max_result=limit)
+            metadata.check(json.loads(native.metadata_json()), json.loads(native.processes_json()))
         except ValueError as e:
             raise ValueError(f"cannot load {os.fspath(path)!r}: {e}") from None
         return cls(native, by=by)

@@ -400,7 +400,7 @@ impl PyProfile {
     }
 
     fn metadata_json(&self) -> String {
-        Value::Object(self.data.metadata.clone()).to_string()
+        serde_json::to_string(&self.data.metadata).expect("metadata serialises")
     }
 
     /// A copy with `metadata_json` (an object) merged into the metadata.

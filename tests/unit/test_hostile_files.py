@@ -165,3 +165,20 @@ def set_path(doc: dict, where: str, value) -> dict:
         node = node[int(key)] if isinstance(node, list) else node[key]
     node[last] = value
     return doc
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("profile.processes.0.stats", {}, "processes[0].stats.requested_rate is missing"),
+    ("profile.processes.0.stats.config", "x", "processes[0].stats.config must be an object, got 'x'"),
+    ("profile.processes.0.stats.config.cpu_budget", None, "processes[0].stats.config.cpu_budget must be a number, got None"),
+    ("profile.metadata.window", [1], "metadata.window must be [start, stop] in Unix seconds, got [1]"),
+    ("profile.metadata.window", [1e300, 2], "metadata.window must be [start, stop] in Unix seconds, got [1e+300, 2]"),
+    ("profile.metadata.missing", ["w2"], "metadata.missing must be an object, got ['w2']"),
+    ("profile.metadata.missing", {"w2": 1}, "metadata.missing['w2'] must be a string, got 1"),
+    ("profile.metadata.tasks", [], "metadata.tasks must be an object, got []"),
+    ("profile.metadata.tasks", {"w": {"f": 3}}, "metadata.tasks['w']['f'] must be an object, got 3"),
+])
+def test_metadata_a_report_cannot_read_is_refused_at_load(good, tmp_path, where, value, message):
+    path = write(tmp_path / "bad.pyspy.gz", set_path(good, where, value))
+    assert load_limited(path) == f"cannot load {str(path)!r}: {message}"
+    assert message in diff_limited(write(tmp_path / "good.pyspy.gz", good), path, tmp_path)
