@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from dask_pyspy import _native, options
+from dask_pyspy import _native, config, metadata, options
 
 if TYPE_CHECKING:
     from dask_pyspy.diff import ProfileDiff
 
 SPEEDSCOPE_SUFFIXES = (".json", ".json.gz")
+SPECIAL_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                 (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 
 
 def file_kind(path: str | os.PathLike) -> str:
@@ -34,6 +37,25 @@ def file_kind(path: str | os.PathLike) -> str:
         f".pb.gz (pprof), .pyspy.gz (dask-pyspy's own file, loads back losslessly) or .html (report), "
         f"got {os.fspath(path)!r}"
     )
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file (after symlinks) of at most `limit`
+    bytes: a device such as /dev/zero would never end, and a FIFO would block."""
+    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            what = next((what for test, what in SPECIAL_FILES if test(st.st_mode)), "a special file")
+            raise ValueError(f"not a regular file but {what}")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1) if st.st_size <= limit else b""
+    finally:
+        os.close(fd)
+    if max(st.st_size, len(data)) > limit:
+        raise ValueError(f"{max(st.st_size, len(data))} bytes, more than config pyspy.max-result ({limit >> 20} MiB) allows")
+    return data
 
 
 def check_writable(path: str | os.PathLike) -> Path:
@@ -119,8 +141,10 @@ class Profile:
         time, and spans but for their paths by="span". speedscope files of other tools
         are refused, as they hold no processes or task tags.
 
-        A file that is none of these, or cut short or damaged, raises ValueError
-        naming it; a file that cannot be read raises OSError.
+        A file that is none of these, cut short or damaged, that is not a regular file,
+        or whose metadata a report could not read, raises ValueError naming it and
+        what is wrong; so does one whose load could take more than twice config
+        `pyspy.max-result` (see the README). A file that cannot be read raises OSError.
         """
         loadable = ".pyspy.gz, .json or .json.gz"
         try:
@@ -130,9 +154,11 @@ class Profile:
         unloadable = {"html": "a report", "pprof": "a pprof file"}
         if kind in unloadable:
             raise ValueError(f"cannot load {os.fspath(path)!r}: {unloadable[kind]} cannot be loaded, only {loadable} files")
-        data = Path(path).read_bytes()
+        limit = config.max_result()
         try:
-            native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy")
+            data = read_regular(path, limit)
+            native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy", max_result=limit)
+            metadata.check(json.loads(native.metadata_json()), json.loads(native.processes_json()))
         except ValueError as e:
             raise ValueError(f"cannot load {os.fspath(path)!r}: {e}") from None
         return cls(native, by=by)

@@ -15,6 +15,7 @@ from dask_pyspy import _native, options
 from dask_pyspy.profile import Profile
 
 _running: weakref.WeakSet[Sampler] = weakref.WeakSet()
+_samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
 
 
 class _ActiveThreads(dict):
@@ -101,6 +102,7 @@ class Sampler:
     ) -> None:
         self.options = _checked(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)
         self._native = _native.Sampler(**self.options)
+        _samplers.add(self)
 
     def configure(self, **changes: Any) -> None:
         """Apply new options (the constructor's arguments; others keep their value).
@@ -215,6 +217,17 @@ class Sampler:
         return json.loads(self._native.dump_json())
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has no sampling thread, and the locks it held stay held: every
+    sampler starts over there, stopped, empty and startable. The child's work is its
+    own, so nothing restarts by itself."""
+    _running.clear()
+    for sampler in list(_samplers):
+        # The old native sampler, once dropped, leaks its state rather than touch it.
+        sampler._native = _native.Sampler(**sampler.options)
+    process_sampler._after_fork_in_child()
+
+
 class ProcessSampler:
     """The one sampler of this process, shared by every server in it (scheduler, workers).
 
@@ -259,5 +272,11 @@ class ProcessSampler:
     def sampler(self) -> Sampler | None:
         return self._sampler
 
+    def _after_fork_in_child(self) -> None:
+        # A thread that held the lock at the fork does not exist in the child.
+        self._lock = threading.Lock()
+        self._users = 0
+
 
 process_sampler = ProcessSampler()
+os.register_at_fork(after_in_child=_after_fork_in_child)

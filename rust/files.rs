@@ -6,6 +6,7 @@
 //! it parses the rest.
 
 use crate::compress;
+use crate::limits::{raw_field, Limits};
 use crate::model::ProfileData;
 use crate::views::By;
 use flate2::Compression;
@@ -15,8 +16,6 @@ use serde_json::Value;
 
 pub const FORMAT: &str = "dask-pyspy profile";
 pub const VERSION: u64 = 1;
-
-const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
 
 #[derive(Serialize)]
 struct Written<'a> {
@@ -41,23 +40,14 @@ pub fn write(data: &ProfileData, by: By) -> Vec<u8> {
     compress::gzip(&serde_json::to_vec(&file).expect("profiles serialise"), Compression::default())
 }
 
-/// Decompressed bytes; an error says whether they were no gzip at all or a cut or damaged one.
-pub fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
-    if !is_gzip(bytes) {
-        return Err("not gzip-compressed".into());
-    }
-    compress::gunzip(bytes).map_err(|e| format!("a truncated or corrupt gzip file ({e})"))
-}
-
-pub fn is_gzip(bytes: &[u8]) -> bool {
-    bytes.starts_with(GZIP_MAGIC)
-}
-
 /// The profile and the grouping it was saved with; the version is checked before
 /// the profile is parsed, since another version may lay it out differently.
-pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
-    let json = gunzip(bytes)?;
-    let file: Read = serde_json::from_slice(&json).map_err(|e| format!("not a dask-pyspy profile file ({e})"))?;
+pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
+    let json = limits.gunzip(bytes)?;
+    let not_ours = |e: &dyn std::fmt::Display| format!("not a dask-pyspy profile file ({e})");
+    let json = std::str::from_utf8(&json).map_err(|e| not_ours(&e))?;
+    limits.check_parse(json, raw_field(json, &["profile", "samples"]))?;
+    let file: Read = serde_json::from_str(json).map_err(|e| not_ours(&e))?;
     if file.format.as_ref().and_then(Value::as_str) != Some(FORMAT) {
         return Err(format!("not a dask-pyspy profile file (no \"format\": \"{FORMAT}\")"));
     }
@@ -82,10 +72,15 @@ pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+    use crate::limits::tests::LOOSE;
     use crate::model::tests::profile;
     use crate::model::Span;
     use proptest::prelude::*;
     use serde_json::json;
+
+    fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
+        super::read(bytes, LOOSE)
+    }
 
     /// Two processes, tags with and without spans, large times and idents, float stats.
     pub fn rich() -> ProfileData {
@@ -101,7 +96,7 @@ pub mod tests {
     }
 
     fn with_version(version: Value) -> Vec<u8> {
-        let mut doc: Value = serde_json::from_slice(&gunzip(&write(&rich(), By::Task)).unwrap()).unwrap();
+        let mut doc: Value = serde_json::from_slice(&LOOSE.gunzip(&write(&rich(), By::Task)).unwrap()).unwrap();
         doc["version"] = version;
         compress::gzip(&serde_json::to_vec(&doc).unwrap(), Compression::fast())
     }
@@ -135,6 +130,23 @@ pub mod tests {
         let mut dangling = rich();
         dangling.samples[0].stack = 99;
         assert!(read(&write(&dangling, By::Thread)).unwrap_err().contains("a sample names a thread, stack or tag that does not exist"));
+    }
+
+    #[test]
+    fn a_file_is_read_within_its_limits() {
+        let bomb = compress::gzip(&vec![b' '; 1 << 20], Compression::best());
+        assert!(super::read(&bomb, Limits { json: 1 << 19, memory: 1 << 30 }).unwrap_err().starts_with("it decompresses to more than"));
+        let objects = vec![r#"{"a":0}"#; 10_000].join(",");
+        let doc = format!(r#"{{"format": "{FORMAT}", "version": 1, "by": "thread", "profile": {{"metadata": {{"x": [{objects}]}}}}}}"#);
+        let e = super::read(&compress::gzip(doc.as_bytes(), Compression::fast()), Limits { json: 1 << 20, memory: 1 << 22 }).unwrap_err();
+        assert!(e.starts_with("parsing its JSON could take"), "{e}");
+        // Sample columns count as what they take, not as `Value`s would.
+        let stacks: Vec<(u64, &[&str], Option<&str>)> = vec![(1, &["main", "f"], None); 100_000];
+        let file = write(&profile("w", &stacks), By::Thread);
+        let limits = Limits { json: 1 << 30, memory: 6 << 20 };
+        let json = String::from_utf8(limits.gunzip(&file).unwrap()).unwrap();
+        assert!(limits.check_parse(&json, None).is_err(), "as values the columns would not fit");
+        assert_eq!(super::read(&file, limits).unwrap().0.samples.len(), 100_000);
     }
 
     proptest! {

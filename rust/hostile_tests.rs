@@ -2,6 +2,7 @@
 //! survives the exporters and loaders (valid JSON, exact round trip) and never
 //! becomes markup.
 
+use crate::limits::tests::LOOSE;
 use crate::model::{tests::profile, Frame, Tag};
 use crate::views::{By, Shown, Weight};
 use crate::{diff, files, flamegraph, speedscope, speedscope_read, summary};
@@ -35,9 +36,9 @@ proptest! {
             let profiles = doc["profiles"].as_array().unwrap();
             prop_assert!(profiles.iter().any(|p| p["name"].as_str().unwrap().contains(thread.as_str())));
             let shown = Shown { by, weight: Weight::Wall };
-            let (back, _) = speedscope_read::read(&speedscope::write(&data, shown, "t")).unwrap();
+            let (back, _) = speedscope_read::read(&speedscope::write(&data, shown, "t"), LOOSE).unwrap();
             prop_assert!(back.frames.contains(&data.frames[1]) && back.threads.contains(&data.threads[0]));
-            prop_assert_eq!(files::read(&files::write(&data, by)).unwrap(), (data.clone(), by));
+            prop_assert_eq!(files::read(&files::write(&data, by), LOOSE).unwrap(), (data.clone(), by));
             let svg = flamegraph::svg(&data, &key, shown, &|_| true).unwrap();
             let diffed = diff::diff(&data, &data).svg.unwrap();
             for svg in [svg, diffed] {

@@ -5,6 +5,7 @@ mod config;
 mod diff;
 mod files;
 mod flamegraph;
+mod limits;
 mod model;
 mod pprof;
 mod reader;
@@ -12,6 +13,7 @@ mod sampler;
 mod speedscope;
 mod speedscope_read;
 mod store;
+mod sync;
 mod spans;
 mod summary;
 mod tags;
@@ -30,12 +32,30 @@ use pyo3::types::{PyBytes, PyString};
 use serde_json::{Map, Value};
 use spans::SpanFilter;
 use views::{By, Shown};
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use store::Window;
 use std::sync::Arc;
 
 fn value_error(e: impl ToString) -> PyErr {
     PyValueError::new_err(e.to_string())
+}
+
+/// pyo3 turns a panic into PanicException, a BaseException that `except Exception`
+/// lets through with a Rust backtrace: ours become RuntimeErrors.
+fn internal_error(panic: Box<dyn Any + Send>) -> PyErr {
+    PyRuntimeError::new_err(format!("dask-pyspy failed (a bug, please report it): {}", sampler::panic_message(&*panic)))
+}
+
+/// `f`, a panic in it a RuntimeError.
+fn no_panic<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| Err(internal_error(panic)))
+}
+
+/// `f` without the GIL, a panic in it a RuntimeError.
+fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T> {
+    py.detach(|| catch_unwind(AssertUnwindSafe(f))).map_err(internal_error)
 }
 
 fn secs_to_ns(t: f64) -> u64 {
@@ -74,7 +94,7 @@ impl PySampler {
     #[allow(clippy::too_many_arguments)]
     fn configure(&self, rate: f64, idle: bool, gil_only: bool, cpu_budget: f64, max_memory: usize, lines: bool, function: bool, reader: &str) -> PyResult<()> {
         let config = sampler_config(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)?;
-        self.inner.configure(config).map_err(PyRuntimeError::new_err)
+        no_panic(|| self.inner.configure(config).map_err(PyRuntimeError::new_err))
     }
 
     /// Opens the stack reader (its self-check needs the GIL), then samples without it.
@@ -82,13 +102,15 @@ impl PySampler {
         if self.inner.is_running() {
             return Err(PyRuntimeError::new_err(sampler::ALREADY_RUNNING));
         }
-        let config = self.inner.config();
-        let chosen = reader::choose(py, config.reader, config.line_mode()).map_err(PyRuntimeError::new_err)?;
-        py.detach(|| self.inner.start(chosen)).map_err(PyRuntimeError::new_err)
+        no_panic(|| {
+            let config = self.inner.config();
+            let chosen = reader::choose(py, config.reader, config.line_mode()).map_err(PyRuntimeError::new_err)?;
+            detached(py, || self.inner.start(chosen))?.map_err(PyRuntimeError::new_err)
+        })
     }
 
-    fn stop(&self, py: Python<'_>) {
-        py.detach(|| self.inner.stop())
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.inner.stop())
     }
 
     #[getter]
@@ -101,12 +123,12 @@ impl PySampler {
         self.inner.has_started()
     }
 
-    fn stats_json(&self) -> String {
-        self.inner.stats().to_string()
+    fn stats_json(&self) -> PyResult<String> {
+        no_panic(|| Ok(self.inner.stats().to_string()))
     }
 
-    fn dump_json(&self, py: Python<'_>) -> String {
-        py.detach(|| self.inner.dump().to_string())
+    fn dump_json(&self, py: Python<'_>) -> PyResult<String> {
+        detached(py, || self.inner.dump().to_string())
     }
 
     /// Lossy: a key with lone surrogates must not fail the task that is starting.
@@ -136,10 +158,10 @@ impl PySampler {
     }
 
     /// The samples captured between `start` and `stop` (Unix seconds).
-    fn profile(&self, py: Python<'_>, start: f64, stop: f64, process_name: String, host: String) -> PyProfile {
+    fn profile(&self, py: Python<'_>, start: f64, stop: f64, process_name: String, host: String) -> PyResult<PyProfile> {
         let window = Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold: false };
-        let data = py.detach(|| self.inner.profile(window, process_name, host, Map::new()));
-        PyProfile { data: Arc::new(data) }
+        let data = detached(py, || self.inner.profile(window, process_name, host, Map::new()))?;
+        Ok(PyProfile { data: Arc::new(data) })
     }
 
     /// The samples between `start` and `stop` (aggregated with `fold`) in the wire
@@ -160,19 +182,19 @@ impl PySampler {
         let metadata = parse_object(metadata_json, "metadata_json")?;
         let spans = parse_spans(spans_json)?;
         let window = Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold };
-        let bytes = py.detach(|| {
+        let bytes = detached(py, || {
             let mut data = self.inner.profile(window, process_name, host, metadata);
             data.spans = spans;
             wire::encode(&data)
-        });
+        })?;
         Ok(PyBytes::new(py, &bytes))
     }
 
     /// What `export` would hold: (samples taken, approximate memory in bytes).
-    fn window_size(&self, py: Python<'_>, start: f64, stop: f64, fold: bool) -> (u64, u64) {
+    fn window_size(&self, py: Python<'_>, start: f64, stop: f64, fold: bool) -> PyResult<(u64, u64)> {
         let window = Window { start_ns: secs_to_ns(start), stop_ns: secs_to_ns(stop), fold };
-        let size = py.detach(|| self.inner.window_size(window));
-        (size.samples, size.bytes)
+        let size = detached(py, || self.inner.window_size(window))?;
+        Ok((size.samples, size.bytes))
     }
 
     fn _inject_panic(&self) {
@@ -214,19 +236,21 @@ impl PyProfile {
     /// Reads a profile sent by another process (`wire.rs`).
     #[staticmethod]
     fn from_wire(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
-        let data = py.detach(|| wire::decode(data)).map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
+        let data = detached(py, || wire::decode(data))?.map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
         Ok(PyProfile { data: Arc::new(data) })
     }
 
-    fn to_wire<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &py.detach(|| wire::encode(&self.data)))
+    fn to_wire<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &detached(py, || wire::encode(&self.data))?))
     }
 
     /// The head of wire bytes (what they hold, without the samples), as JSON.
     #[staticmethod]
     fn wire_head(data: &[u8]) -> PyResult<String> {
-        let head = wire::read_head(data).map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
-        Ok(serde_json::to_string(&head).expect("heads serialise"))
+        no_panic(|| {
+            let head = wire::read_head(data).map_err(|e| value_error(format!("not a dask-pyspy profile: {e}")))?;
+            Ok(serde_json::to_string(&head).expect("heads serialise"))
+        })
     }
 
     /// One profile of the named parts in wire bytes, merged as each is decoded, with
@@ -237,7 +261,7 @@ impl PyProfile {
         let mut metadata = parse_object(metadata_json, "metadata_json")?;
         let spans = parse_spans(spans_json)?;
         let parts: Vec<(String, &[u8])> = parts.iter().map(|(name, b)| (name.clone(), b.as_bytes())).collect();
-        let data = py.detach(|| {
+        let data = detached(py, || {
             let mut merger = Merger::default();
             let mut missing = match metadata.remove("missing") {
                 Some(Value::Object(m)) => m,
@@ -250,30 +274,31 @@ impl PyProfile {
             let mut merged = merger.finish(metadata);
             merged.spans.extend(spans);
             merged
-        });
+        })?;
         Ok(PyProfile { data: Arc::new(data) })
     }
 
     /// Our lossless file (`.pyspy.gz`, see `files.rs`), recording the grouping `by`.
     fn to_file<'py>(&self, py: Python<'py>, by: &str) -> PyResult<Bound<'py, PyBytes>> {
         let by: By = by.parse().map_err(value_error)?;
-        let bytes = py.detach(|| files::write(&self.data, by));
+        let bytes = detached(py, || files::write(&self.data, by))?;
         Ok(PyBytes::new(py, &bytes))
     }
 
     /// A profile and its grouping from the bytes of a `.pyspy.gz` file (`speedscope`
-    /// False) or of a speedscope file dask-pyspy wrote (True).
+    /// False) or of a speedscope file dask-pyspy wrote (True), refused if it might
+    /// take more than twice `max_result` bytes (see `limits.rs`).
     #[staticmethod]
-    fn from_file(py: Python<'_>, data: &[u8], speedscope: bool) -> PyResult<(Self, &'static str)> {
+    fn from_file(py: Python<'_>, data: &[u8], speedscope: bool, max_result: usize) -> PyResult<(Self, &'static str)> {
         let read = if speedscope { speedscope_read::read } else { files::read };
-        let (data, by) = py.detach(|| read(data)).map_err(value_error)?;
+        let (data, by) = detached(py, || read(data, limits::Limits::new(max_result)))?.map_err(value_error)?;
         Ok((PyProfile { data: Arc::new(data) }, by.as_str()))
     }
 
     /// A hash of every table and sample, equal only for equal profiles (in any
     /// process running this build).
-    fn digest(&self, py: Python<'_>) -> String {
-        py.detach(|| {
+    fn digest(&self, py: Python<'_>) -> PyResult<String> {
+        detached(py, || {
             let mut hasher = std::hash::DefaultHasher::new();
             std::hash::Hasher::write(&mut hasher, &serde_json::to_vec(&*self.data).expect("profiles serialise"));
             format!("{:016x}", std::hash::Hasher::finish(&hasher))
@@ -281,9 +306,9 @@ impl PyProfile {
     }
 
     /// What changed from `base` to this profile: graphs and tables (`diff.rs`), as JSON.
-    fn diff_json(&self, py: Python<'_>, base: PyRef<'_, PyProfile>) -> String {
+    fn diff_json(&self, py: Python<'_>, base: PyRef<'_, PyProfile>) -> PyResult<String> {
         let base = base.data.clone();
-        py.detach(|| serde_json::to_string(&diff::diff(&base, &self.data)).expect("diffs serialise"))
+        detached(py, || serde_json::to_string(&diff::diff(&base, &self.data)).expect("diffs serialise"))
     }
 
     /// One profile of several processes; the same process twice is kept once. The
@@ -294,28 +319,28 @@ impl PyProfile {
         let metadata = parse_object(metadata_json, "metadata_json")?;
         let spans = parse_spans(spans_json)?;
         let parts: Vec<Arc<ProfileData>> = parts.iter().map(|p| p.data.clone()).collect();
-        let data = py.detach(|| {
+        let data = detached(py, || {
             let owned: Vec<&ProfileData> = parts.iter().map(|p| &**p).collect();
             let mut merged = ProfileData::merge(&owned, metadata);
             merged.spans.extend(spans);
             merged
-        });
+        })?;
         Ok(PyProfile { data: Arc::new(data) })
     }
 
     #[pyo3(signature = (by="thread", weight="wall", name="dask-pyspy", compress=false))]
     fn speedscope<'py>(&self, py: Python<'py>, by: &str, weight: &str, name: &str, compress: bool) -> PyResult<Bound<'py, PyBytes>> {
         let shown = shown(by, weight)?;
-        let bytes = py.detach(|| {
+        let bytes = detached(py, || {
             let doc = speedscope::write(&self.data, shown, name);
             if compress { compress::gzip(&doc, Compression::default()) } else { doc }
-        });
+        })?;
         Ok(PyBytes::new(py, &bytes))
     }
 
     /// The profile in pprof's format, gzipped (see `pprof.rs`).
-    fn pprof<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &py.detach(|| pprof::write(&self.data)))
+    fn pprof<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &detached(py, || pprof::write(&self.data))?))
     }
 
     /// Flame graph of the samples of one task prefix, one process and/or one span
@@ -337,26 +362,28 @@ impl PyProfile {
         let shown = shown(by, weight)?;
         let data = &self.data;
         let span = span.map(SpanFilter::from);
-        let in_span: Vec<bool> = data.tags.iter().map(|t| span.as_ref().is_none_or(|f| f.keeps(data, t))).collect();
-        let keep = |s: &Sample| {
-            let prefix_ok = prefix.is_none_or(|p| s.tag.is_some_and(|t| data.tags[t as usize].prefix == p));
-            let process_ok = process.is_none_or(|p| data.threads[s.thread as usize].process == p);
-            let span_ok = span.is_none() || s.tag.is_some_and(|t| in_span[t as usize]);
-            prefix_ok && process_ok && span_ok && tasks.is_none_or(|t| t == s.tag.is_some())
-        };
-        Ok(py.detach(|| flamegraph::svg(data, title, shown, &keep)))
+        detached(py, || {
+            let in_span: Vec<bool> = data.tags.iter().map(|t| span.as_ref().is_none_or(|f| f.keeps(data, t))).collect();
+            let keep = |s: &Sample| {
+                let prefix_ok = prefix.is_none_or(|p| s.tag.is_some_and(|t| data.tags[t as usize].prefix == p));
+                let process_ok = process.is_none_or(|p| data.threads[s.thread as usize].process == p);
+                let span_ok = span.is_none() || s.tag.is_some_and(|t| in_span[t as usize]);
+                prefix_ok && process_ok && span_ok && tasks.is_none_or(|t| t == s.tag.is_some())
+            };
+            flamegraph::svg(data, title, shown, &keep)
+        })
     }
 
     /// The same totals in fewer samples, one per thread, stack, tag and thread state,
     /// without their order; `keys` False folds task keys into their prefix.
-    fn folded(&self, py: Python<'_>, keys: bool) -> Self {
-        PyProfile { data: Arc::new(py.detach(|| self.data.folded(keys))) }
+    fn folded(&self, py: Python<'_>, keys: bool) -> PyResult<Self> {
+        Ok(PyProfile { data: Arc::new(detached(py, || self.data.folded(keys))?) })
     }
 
     /// The samples of a span (a name or id, or a name path outermost first) and the spans in it.
-    fn only_span(&self, py: Python<'_>, span: SpanArg) -> Self {
+    fn only_span(&self, py: Python<'_>, span: SpanArg) -> PyResult<Self> {
         let filter = SpanFilter::from(span);
-        PyProfile { data: Arc::new(py.detach(|| filter.select(&self.data))) }
+        Ok(PyProfile { data: Arc::new(detached(py, || filter.select(&self.data))?) })
     }
 
     /// The samples of the process at `index` in `processes_json()`.
@@ -364,16 +391,16 @@ impl PyProfile {
         if index as usize >= self.data.processes.len() {
             return Err(value_error(format!("index must be below {}, got {index}", self.data.processes.len())));
         }
-        Ok(PyProfile { data: Arc::new(py.detach(|| self.data.only_process(index))) })
+        Ok(PyProfile { data: Arc::new(detached(py, || self.data.only_process(index))?) })
     }
 
     /// Totals for reports (see `summary.rs`), as JSON.
-    fn summary_json(&self, py: Python<'_>) -> String {
-        py.detach(|| serde_json::to_string(&summary::summarize(&self.data)).expect("summaries serialise"))
+    fn summary_json(&self, py: Python<'_>) -> PyResult<String> {
+        detached(py, || serde_json::to_string(&summary::summarize(&self.data)).expect("summaries serialise"))
     }
 
     fn metadata_json(&self) -> String {
-        Value::Object(self.data.metadata.clone()).to_string()
+        serde_json::to_string(&self.data.metadata).expect("metadata serialises")
     }
 
     /// A copy with `metadata_json` (an object) merged into the metadata.
@@ -402,13 +429,13 @@ impl PyProfile {
 
     /// A copy as another process named `name`, its task keys suffixed with
     /// `key_suffix`: benchmarks build many workers' parts from one real part.
-    fn _as_process(&self, py: Python<'_>, name: &str, key_suffix: &str) -> Self {
-        let mut data = py.detach(|| (*self.data).clone());
+    fn _as_process(&self, py: Python<'_>, name: &str, key_suffix: &str) -> PyResult<Self> {
+        let mut data = detached(py, || (*self.data).clone())?;
         for p in &mut data.processes {
             (p.name, p.token) = (name.to_owned(), format!("{}-{name}", p.token));
         }
         data.tags.iter_mut().for_each(|t| t.key.push_str(key_suffix));
-        PyProfile { data: Arc::new(data) }
+        Ok(PyProfile { data: Arc::new(data) })
     }
 
     fn processes_json(&self) -> String {
@@ -426,8 +453,15 @@ impl PyProfile {
     }
 }
 
+/// Test switch: a panic inside a call, to prove it reaches Python as a RuntimeError.
+#[pyfunction]
+fn _panic_in_call() -> PyResult<()> {
+    no_panic(|| panic!("injected by the test switch"))
+}
+
 #[pymodule(name = "_native")]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_panic_in_call, m)?)?;
     m.add_class::<PySampler>()?;
     m.add_class::<PyProfile>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -13,9 +13,9 @@ use crate::config::SamplerConfig;
 use crate::model::{Frame, Process, ProfileData, FLAG_ACTIVE, FLAG_GIL};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
 use crate::store::{Recorded, Store, Window, WindowSize};
+use crate::sync::{Condvar, Mutex};
 use crate::tags::ThreadTags;
 use nix::time::{clock_gettime, ClockId};
-use parking_lot::{Condvar, Mutex};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -32,6 +32,7 @@ const COST_HORIZON_S: f64 = 0.25;
 const READER_STATS_EVERY: u64 = 10;
 pub const ALREADY_RUNNING: &str = "the sampler is already running: call stop() before start()";
 pub const CONFIGURE_RUNNING: &str = "the sampler is running: call stop() before configure()";
+const FORKED: &str = "this sampler was copied into a forked child, where its thread does not exist: make a new one";
 /// How long a live dump waits for the sampling thread to read every thread.
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 
@@ -84,6 +85,9 @@ pub struct Sampler {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     token: String,
+    /// The process that made it: in a child forked from that one its sampling thread
+    /// is gone and its locks may stay held forever (see `forked`).
+    pid: u32,
 }
 
 pub fn now_ns() -> u64 {
@@ -100,7 +104,7 @@ fn new_token() -> String {
     format!("{}-{}-{}", std::process::id(), now_ns(), COUNTER.fetch_add(1, Ordering::Relaxed))
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
@@ -124,7 +128,13 @@ impl Sampler {
             wake: Condvar::new(),
             inject_panic: AtomicBool::new(false),
         };
-        Ok(Sampler { shared: Arc::new(shared), thread: Mutex::new(None), token: new_token() })
+        Ok(Sampler { shared: Arc::new(shared), thread: Mutex::new(None), token: new_token(), pid: std::process::id() })
+    }
+
+    /// True in a child forked from the process that made this sampler: a copy that must
+    /// not be used, since a lock the vanished sampling thread held is never released.
+    fn forked(&self) -> bool {
+        self.pid != std::process::id()
     }
 
     pub fn tags(&self) -> &ThreadTags {
@@ -139,6 +149,9 @@ impl Sampler {
     /// to the new `max_memory`, so changing options never loses history.
     pub fn configure(&self, config: SamplerConfig) -> Result<(), String> {
         config.validate()?;
+        if self.forked() {
+            return Err(FORKED.into());
+        }
         let _no_start = self.thread.lock();
         if self.is_running() {
             return Err(CONFIGURE_RUNNING.into());
@@ -150,6 +163,9 @@ impl Sampler {
 
     /// Starts the sampling thread with `reader`; returns once it reads (or failed to).
     pub fn start(&self, reader: Chosen) -> Result<(), String> {
+        if self.forked() {
+            return Err(FORKED.into());
+        }
         let mut handle = self.thread.lock();
         if self.is_running() {
             return Err(ALREADY_RUNNING.into());
@@ -174,6 +190,9 @@ impl Sampler {
     }
 
     pub fn stop(&self) {
+        if self.forked() {
+            return;
+        }
         *self.shared.stop.lock() = true;
         self.shared.wake.notify_all();
         if let Some(thread) = self.thread.lock().take() {
@@ -182,7 +201,7 @@ impl Sampler {
     }
 
     pub fn is_running(&self) -> bool {
-        self.shared.stats.lock().running
+        !self.forked() && self.shared.stats.lock().running
     }
 
     pub fn has_started(&self) -> bool {
@@ -279,6 +298,13 @@ impl Sampler {
 
 impl Drop for Sampler {
     fn drop(&mut self) {
+        if self.forked() {
+            // Nothing to stop, join or free: the thread does not exist here, and the
+            // state it shared may be mid-change. Leak both rather than touch them.
+            std::mem::forget(self.thread.get_mut().take());
+            std::mem::forget(self.shared.clone());
+            return;
+        }
         self.stop();
     }
 }

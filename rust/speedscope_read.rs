@@ -9,12 +9,14 @@
 //! (a path is its own id). Consecutive equal samples come back as one. Files of
 //! other tools are refused: they hold no processes or tags.
 
-use crate::files;
+use crate::limits::{self, Limits};
 use crate::model::{Builder, Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
 use crate::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
 use crate::views::NO_SPAN;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use crate::views::By;
+use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -46,56 +48,138 @@ struct SProfile {
     kind: String,
     unit: Option<String>,
     #[serde(default)]
-    samples: Vec<Vec<usize>>,
+    samples: Stacks,
     #[serde(default)]
     weights: Vec<f64>,
+}
+
+/// A profile's stacks as two flat columns: a `Vec` per stack would take ~50 bytes
+/// for the 4 bytes of `[0],`, so a small file would parse into gigabytes.
+#[derive(Default)]
+struct Stacks {
+    frames: Vec<u32>,
+    /// Where each stack ends in `frames`.
+    ends: Vec<usize>,
+}
+
+impl Stacks {
+    fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &[u32]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(&self.ends).map(|(start, &end)| &self.frames[start..end])
+    }
+}
+
+impl<'de> Deserialize<'de> for Stacks {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Stacks, D::Error> {
+        d.deserialize_seq(StacksVisitor)
+    }
+}
+
+struct StacksVisitor;
+
+impl<'de> Visitor<'de> for StacksVisitor {
+    type Value = Stacks;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of stacks (lists of frame indices)")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Stacks, A::Error> {
+        let mut out = Stacks::default();
+        while seq.next_element_seed(AppendStack(&mut out.frames))?.is_some() {
+            out.ends.push(out.frames.len());
+        }
+        Ok(out)
+    }
+}
+
+/// Appends one stack's frame indices to the flat column.
+struct AppendStack<'a>(&'a mut Vec<u32>);
+
+impl<'de> DeserializeSeed<'de> for AppendStack<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for AppendStack<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a stack (a list of frame indices)")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(frame) = seq.next_element()? {
+            self.0.push(frame);
+        }
+        Ok(())
+    }
 }
 
 /// A merged sample of more than ~49 days is damage, not a profile.
 const MAX_WEIGHT_SECONDS: f64 = 4.0e6;
 
-/// `seconds` as sample weights in microseconds, split where one would overflow.
-fn weights_us(seconds: f64) -> Result<impl Iterator<Item = u32>, String> {
+/// `seconds` in microseconds, checked.
+fn micros(seconds: f64) -> Result<u64, String> {
     if !(0.0..=MAX_WEIGHT_SECONDS).contains(&seconds) {
         return Err(format!("a sample weight of {seconds} seconds"));
     }
-    let mut left = (seconds * 1e6).round() as u64;
-    Ok(std::iter::from_fn(move || {
+    Ok((seconds * 1e6).round() as u64)
+}
+
+/// Samples a weight of `us` microseconds becomes: split where one would overflow.
+fn pieces(us: u64) -> u64 {
+    us.div_ceil(u32::MAX as u64)
+}
+
+/// `us` as sample weights, split where one would overflow.
+fn weights_us(mut left: u64) -> impl Iterator<Item = u32> {
+    std::iter::from_fn(move || {
         let w = left.min(u32::MAX as u64);
         left -= w;
         (w > 0).then_some(w as u32)
-    }))
+    })
 }
 
 struct Reader<'a> {
     doc: &'a Doc,
     by: By,
     extension: &'a Extension,
+    limits: Limits,
     out: Builder,
     /// Speedscope frame index -> our frame id, once used.
     frames: Vec<Option<u32>>,
+    /// Profiles a thread was read from: each holds one thread's samples.
+    taken: Vec<bool>,
     /// By span: the span paths seen, each its own id.
     spans: BTreeMap<String, Span>,
 }
 
 impl Reader<'_> {
-    fn frame(&mut self, index: usize) -> Result<u32, String> {
-        let f = self.doc.shared.frames.get(index).ok_or_else(|| format!("a sample names frame {index}, which does not exist"))?;
+    fn frame(&mut self, index: u32) -> Result<u32, String> {
+        let f = self.doc.shared.frames.get(index as usize).ok_or_else(|| format!("a sample names frame {index}, which does not exist"))?;
         if matches!(f.file.as_deref(), Some(TASK_FILE | SPAN_FILE)) {
             return Err(format!("the task frame {:?} below the root of a stack", f.name));
         }
         let out = &mut self.out;
-        Ok(*self.frames[index].get_or_insert_with(|| {
+        Ok(*self.frames[index as usize].get_or_insert_with(|| {
             out.frames.intern(Frame { name: f.name.clone(), file: f.file.clone().unwrap_or_default(), line: f.line.unwrap_or(0) })
         }))
     }
 
-    fn root_named(&self, index: usize, file: &str) -> Option<&str> {
-        self.doc.shared.frames.get(index).filter(|f| f.file.as_deref() == Some(file)).map(|f| f.name.as_str())
+    fn root_named(&self, index: u32, file: &str) -> Option<&str> {
+        self.doc.shared.frames.get(index as usize).filter(|f| f.file.as_deref() == Some(file)).map(|f| f.name.as_str())
     }
 
     /// The tag the root frames stand for, if `stack` starts with them; and the rest.
-    fn split_root<'s>(&mut self, stack: &'s [usize]) -> Result<(Option<u32>, &'s [usize]), String> {
+    fn split_root<'s>(&mut self, stack: &'s [u32]) -> Result<(Option<u32>, &'s [u32]), String> {
         let path: Vec<String> = stack.iter().map_while(|&i| self.root_named(i, SPAN_FILE)).map(String::from).collect();
         let Some(key) = stack.get(path.len()).and_then(|&i| self.root_named(i, TASK_FILE)).map(String::from) else {
             return if path.is_empty() { Ok((None, stack)) } else { Err("span frames without a task frame below them".into()) };
@@ -122,26 +206,52 @@ impl Reader<'_> {
 
     fn thread(&mut self, tp: &ThreadProfile) -> Result<(), String> {
         let p = self.doc.profiles.get(tp.profile).ok_or_else(|| format!("thread profile {} does not exist", tp.profile))?;
+        if std::mem::replace(&mut self.taken[tp.profile], true) {
+            return Err(format!("profile {} is named by more than one thread", tp.profile));
+        }
         if p.kind != "sampled" || p.unit.as_deref() != Some("seconds") || p.samples.len() != p.weights.len() {
             return Err(format!("profile {} is not a sampled profile in seconds with a weight per sample", tp.profile));
         }
+        self.make_room(&p.weights)?;
         let thread = self.out.threads.intern(tp.thread.clone());
         for (stack, &seconds) in p.samples.iter().zip(&p.weights) {
             let (tag, rest) = self.split_root(stack)?;
             let frames = rest.iter().map(|&i| self.frame(i)).collect::<Result<Vec<u32>, String>>()?;
             let stack = self.out.stacks.intern(frames);
-            for weight_us in weights_us(seconds)? {
+            for weight_us in weights_us(micros(seconds)?) {
                 self.out.samples.push(Sample { time_ns: 0, thread, stack, tag, weight_us, cpu_us: 0, count: 1, flags: FLAG_ACTIVE });
             }
         }
         Ok(())
     }
+
+    /// Room for the samples `weights` become, refused before any is made if they would
+    /// take more than `limits.memory` (a few bytes of weights can ask for gigabytes).
+    fn make_room(&mut self, weights: &[f64]) -> Result<(), String> {
+        let mut samples = self.out.samples.len() as u64;
+        for &seconds in weights {
+            samples += pieces(micros(seconds)?);
+        }
+        if samples.saturating_mul(std::mem::size_of::<Sample>() as u64) > self.limits.memory as u64 {
+            return Err(format!(
+                "its sample weights expand into {samples} samples, more than config pyspy.max-result ({} MiB) holds",
+                self.limits.memory >> 20
+            ));
+        }
+        self.out.samples.reserve(samples as usize - self.out.samples.len());
+        Ok(())
+    }
 }
 
 /// The profile and its grouping, from a speedscope document (gzip-compressed or not).
-pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
-    let json = if files::is_gzip(bytes) { files::gunzip(bytes)? } else { bytes.to_vec() };
-    let doc: Doc = serde_json::from_slice(&json).map_err(|e| format!("not a speedscope file ({e})"))?;
+pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
+    let json = match limits::is_gzip(bytes) {
+        true => Cow::Owned(limits.gunzip(bytes)?),
+        false => limits.check_json(bytes.len()).map(|()| Cow::Borrowed(bytes))?,
+    };
+    let json = std::str::from_utf8(&json).map_err(|e| format!("not a speedscope file ({e})"))?;
+    limits.check_parse(json, limits::raw_field(json, &["profiles"]))?;
+    let doc: Doc = serde_json::from_str(json).map_err(|e| format!("not a speedscope file ({e})"))?;
     let Some(extension) = &doc.extension else {
         if doc.profiles.is_empty() {
             return Err("not a speedscope file (no \"profiles\")".into());
@@ -156,7 +266,8 @@ pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
         return Err("written by an earlier dask-pyspy, which did not record its threads".into());
     };
     let frames = vec![None; doc.shared.frames.len()];
-    let mut reader = Reader { by: by.parse()?, doc: &doc, extension, out: Builder::default(), frames, spans: BTreeMap::new() };
+    let taken = vec![false; doc.profiles.len()];
+    let mut reader = Reader { by: by.parse()?, doc: &doc, extension, limits, out: Builder::default(), frames, taken, spans: BTreeMap::new() };
     for tp in threads {
         reader.thread(tp)?;
     }
@@ -171,11 +282,16 @@ pub fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
 mod tests {
     use super::*;
     use crate::files::tests::rich;
+    use crate::limits::tests::LOOSE;
     use crate::model::tests::profile;
     use crate::speedscope;
     use crate::views::{Shown, Weight};
     use serde_json::{json, Value};
     use std::collections::BTreeMap;
+
+    fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
+        super::read(bytes, LOOSE)
+    }
 
     fn wall(by: By) -> Shown {
         Shown { by, weight: Weight::Wall }
@@ -263,5 +379,32 @@ mod tests {
         d["profiles"][0]["samples"][0] = json!([0, 1]);
         d["shared"]["frames"][1]["file"] = json!(TASK_FILE);
         assert!(err(&d).contains("below the root"));
+    }
+
+    /// A file whose one thread profile holds `n` samples of `seconds` each, named by `threads` threads.
+    fn weighted(n: usize, seconds: f64, threads: u64) -> Vec<u8> {
+        let mut d = doc(By::Thread);
+        let one = d["x-dask-pyspy"]["threads"][0].clone();
+        let named = |i| {
+            let mut t = one.clone();
+            (t["profile"], t["ident"]) = (json!(0), json!(i));
+            t
+        };
+        d["x-dask-pyspy"]["threads"] = (0..threads).map(named).collect();
+        d["profiles"] = json!([{"type": "sampled", "unit": "seconds", "samples": vec![[0]; n], "weights": vec![seconds; n]}]);
+        serde_json::to_vec(&d).unwrap()
+    }
+
+    #[test]
+    fn weights_never_expand_past_the_memory_limit() {
+        let limits = Limits { json: 1 << 30, memory: 1 << 20 };
+        let (back, _) = super::read(&weighted(1000, 1.0, 1), limits).unwrap();
+        assert_eq!(back.samples.len(), 1000);
+        // 4e6 s is 932 samples of the most a sample holds: 932,000 samples, 37 MB.
+        let e = super::read(&weighted(1000, 4e6, 1), limits).unwrap_err();
+        assert!(e.starts_with("its sample weights expand into 932000 samples") && e.contains("pyspy.max-result (1 MiB)"), "{e}");
+        assert_eq!(super::read(&weighted(10, 1.0, 2), limits).unwrap_err(), "profile 0 is named by more than one thread");
+        let e = super::read(&weighted(1000, 1.0, 1), Limits { json: 1 << 10, memory: 1 << 20 }).unwrap_err();
+        assert!(e.starts_with("more than 0 MiB of JSON"), "{e}");
     }
 }

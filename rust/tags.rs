@@ -5,7 +5,7 @@
 //! started or ended while it was reading that thread's stack.
 
 use crate::model::Tag;
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 use rustc_hash::FxHashSet;
 use std::collections::HashMap;
 use std::sync::Arc;

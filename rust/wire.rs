@@ -233,7 +233,9 @@ pub fn decode(bytes: &[u8]) -> Result<ProfileData, String> {
 }
 
 fn decode_body(body: &[u8], head: Head) -> Result<ProfileData, String> {
-    let raw = compress::gunzip_at_most(body, head.body_bytes as usize).map_err(|e| e.to_string())?;
+    let raw = compress::gunzip_at_most(body, head.body_bytes as usize)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("decompresses to more than the {} bytes its header says", head.body_bytes))?;
     let body = Body::decode(raw.as_slice()).map_err(|e| e.to_string())?;
     let data = tables(body, head)?;
     data.validate()?;

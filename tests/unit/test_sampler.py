@@ -11,7 +11,7 @@ import time
 import pytest
 
 from benchmarks.bias_child import alternate
-from dask_pyspy import Profile, Sampler
+from dask_pyspy import Profile, Sampler, _native
 from tests.conftest import frame_names, profiles_named, weight_by_function
 
 
@@ -322,6 +322,12 @@ def test_panic_in_the_sampling_thread_is_contained(sampler):
     assert "panicked" in stats["panic"] and "test switch" in stats["panic"]
     # The process lives on and the samples taken before the panic are kept.
     assert sampler.profile().metadata["processes"][0]["stats"]["panic"]
+
+
+def test_a_panic_in_a_call_is_a_runtime_error():
+    """Not pyo3's PanicException, a BaseException that `except Exception` lets through."""
+    with pytest.raises(RuntimeError, match="injected by the test switch"):
+        _native._panic_in_call()
 
 
 @pytest.mark.parametrize(
