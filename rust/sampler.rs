@@ -25,9 +25,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Time over which the per-tick cost is averaged for the budget: long enough that
-/// an occasional costly tick does not cost rate, short enough to follow real change.
-const COST_HORIZON_S: f64 = 0.25;
+/// Wall time for which unspent CPU budget is kept: long enough that an occasional
+/// costly tick does not cost rate, short enough that a burst stays small.
+const CREDIT_S: f64 = 1.0;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 10;
 pub const ALREADY_RUNNING: &str = "the sampler is already running: call stop() before start()";
@@ -345,7 +345,8 @@ struct Loop<'a> {
     reader: Box<dyn StackReader>,
     base: Duration,
     interval: Duration,
-    cost_s: Option<f64>,
+    /// CPU seconds the budget allows that ticks have not spent (negative: overdrawn).
+    credit_s: f64,
     stacks: Vec<ThreadStack>,
     rng: fastrand::Rng,
     /// Reader frame id -> store frame id, valid for `ids_valid_for` (reader epoch, store generation).
@@ -362,7 +363,7 @@ impl<'a> Loop<'a> {
             reader,
             base,
             interval: base,
-            cost_s: None,
+            credit_s: 0.0,
             stacks: Vec::new(),
             rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
@@ -417,17 +418,17 @@ impl<'a> Loop<'a> {
         *stop
     }
 
-    /// Stretches the interval so that (average cost per tick / interval) stays within
-    /// the budget. The average weighs each tick by the time it stands for; it starts
-    /// at the first (cold, costliest) tick, so a process too costly to read is never
-    /// read at full rate first.
+    /// Keeps the sampler's CPU within the budget on average: the budget accrues CPU
+    /// time as wall time passes, each tick spends its cost, and the interval stretches
+    /// only while the account is overdrawn, until it is paid back. Unused budget is
+    /// kept for `CREDIT_S` of wall time, so a costly tick among cheap ones costs no
+    /// rate; the first tick (cold, the costliest) is paid for before any other, so a
+    /// process too costly to read is never read at full rate first.
     fn adapt(&mut self, cost_ns: u64, weight: Duration) {
-        let cost = cost_ns as f64 / 1e9;
-        let alpha = 1.0 - (-weight.as_secs_f64() / COST_HORIZON_S).exp();
-        let smoothed = self.cost_s.map_or(cost, |c| c + alpha * (cost - c));
-        self.cost_s = Some(smoothed);
-        let needed = Duration::from_secs_f64(smoothed / self.config.cpu_budget);
-        self.interval = needed.max(self.base);
+        let budget = self.config.cpu_budget;
+        let earned = budget * weight.as_secs_f64();
+        self.credit_s = (self.credit_s + earned - cost_ns as f64 / 1e9).min(budget * CREDIT_S);
+        self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
     }
 
     fn tick(&mut self, weight: Duration) {
