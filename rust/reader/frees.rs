@@ -3,11 +3,12 @@
 //! ranges per code object, a third of a busy pandas worker's tick).
 //!
 //! A cached address can only come to hold another code object after the one cached
-//! there was freed, and every free goes through the hook: on 3.12+ a code watcher
-//! (`PyCode_AddWatcher`), on 3.11 a wrapper around `PyCode_Type.tp_dealloc`. Both
-//! record the address before the memory is released, so a stack copied after the
-//! reuse finds the free already logged. Both are looked up at run time: the abi3
-//! module must load where they are absent, and then the cache checks every object.
+//! there was freed, and on 3.11 every free goes through a wrapper around
+//! `PyCode_Type.tp_dealloc`, which records the address before the memory is
+//! released, so a stack copied after the reuse finds the free already logged. It is
+//! looked up at run time (the abi3 module must load anywhere). Other versions check
+//! every cached object each tick: a code watcher (`PyCode_AddWatcher`, 3.12+) let a
+//! reused address through once on 3.14, for a reason not yet known.
 
 use nix::libc;
 use std::ffi::c_void;
@@ -18,7 +19,6 @@ use std::sync::OnceLock;
 const RING: u64 = 4096;
 /// `tp_dealloc` in `PyTypeObject` (after the header, name, basic and item sizes).
 const TP_DEALLOC: usize = 48;
-const PY_CODE_EVENT_DESTROY: i32 = 1;
 
 static FREED: [AtomicU64; RING as usize] = [const { AtomicU64::new(0) }; RING as usize];
 /// Frees logged so far; slot `n % RING` holds the n-th.
@@ -31,7 +31,7 @@ static DEALLOC_SLOT: AtomicUsize = AtomicUsize::new(0);
 static WATCHING: OnceLock<bool> = OnceLock::new();
 
 fn log_free(addr: u64) {
-    // Frees hold the GIL; the flag only guards interpreters with GILs of their own.
+    // Frees hold the GIL; the flag only guards against a second interpreter's thread.
     while WRITING.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
         std::hint::spin_loop();
     }
@@ -39,13 +39,6 @@ fn log_free(addr: u64) {
     FREED[(n % RING) as usize].store(addr, Ordering::Relaxed);
     LOGGED.store(n + 1, Ordering::Release);
     WRITING.store(false, Ordering::Release);
-}
-
-extern "C" fn on_code_event(event: i32, code: *mut c_void) -> i32 {
-    if event == PY_CODE_EVENT_DESTROY {
-        log_free(code as u64);
-    }
-    0
 }
 
 unsafe extern "C" fn logged_dealloc(code: *mut c_void) {
@@ -61,20 +54,14 @@ fn symbol(name: &std::ffi::CStr) -> *mut c_void {
 }
 
 /// Installs the hook once per process; false where it cannot be.
-/// SAFETY: the GIL must be held (the 3.11 path rewrites a type slot).
+/// SAFETY: the GIL must be held (it rewrites a type slot).
 pub unsafe fn watch(version: (u8, u8)) -> bool {
     *WATCHING.get_or_init(|| unsafe { install(version) })
 }
 
 unsafe fn install(version: (u8, u8)) -> bool {
-    if version >= (3, 12) {
-        let add = symbol(c"PyCode_AddWatcher");
-        if add.is_null() {
-            return false;
-        }
-        // SAFETY: the C API's signature: int PyCode_AddWatcher(PyCode_WatchCallback).
-        let add: unsafe extern "C" fn(extern "C" fn(i32, *mut c_void) -> i32) -> i32 = unsafe { std::mem::transmute(add) };
-        return unsafe { add(on_code_event) } >= 0;
+    if version != (3, 11) {
+        return false;
     }
     let code_type = symbol(c"PyCode_Type");
     if code_type.is_null() {

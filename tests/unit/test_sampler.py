@@ -187,7 +187,10 @@ def test_budget_throttles_costly_ticks():
     s = Sampler(rate=1000, cpu_budget=0.01, idle=True)
     with Threads(*[(f"deep{i}", deep, (60,)) for i in range(20)]):
         s.start()
-        time.sleep(3)
+        began = time.monotonic()
+        # Ten ticks at least: a tick comes anywhere in its stretched slot, so a short
+        # run can hold one tick more than its share of the budget.
+        wait_for(lambda: s.stats()["ticks"] >= 10 and time.monotonic() - began >= 3, timeout=120)
         s.stop()
     stats = s.stats()
     assert stats["throttled_ticks"] > 0.5 * stats["ticks"]
