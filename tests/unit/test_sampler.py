@@ -199,11 +199,12 @@ def test_budget_throttles_costly_ticks():
     # Stretched intervals are compensated: a busy thread's weights still add up to its run time.
     doc = s.profile().speedscope()
     # Stretched intervals are weighted in full: the busy threads together stand for at
-    # least most of the 3 s they ran, and no thread for more time than the run lasted.
+    # least most of the 3 s they ran, and no thread for more time than the run lasted,
+    # but for the last slot (its tick stands for all of it, the run may stop inside it).
     # (How many count as running at once depends on GIL hand-offs on 2 cores.)
     per_thread = [sum(p["weights"]) for p in profiles_named(doc, " deep")]
     assert sum(per_thread) > 1.5
-    assert max(per_thread) < stats["duration_s"] + 0.1
+    assert max(per_thread) < stats["duration_s"] + 2 * stats["interval_s"] + 0.1
     assert s.profile().metadata["processes"][0]["stats"]["throttled_ticks"] == stats["throttled_ticks"]
 
 
