@@ -119,9 +119,8 @@ impl CodeCache {
         }
     }
 
-    /// Makes every address of `addrs` either a checked cache entry or a known non-code;
-    /// returns whether any was read anew (new, or another object at a known address).
-    pub fn refresh(&mut self, addrs: &FxHashSet<u64>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<bool, String> {
+    /// Makes every address of `addrs` either a checked cache entry or a known non-code.
+    pub fn refresh(&mut self, addrs: &FxHashSet<u64>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
         self.tick += 1;
         self.not_code.clear();
         self.trim();
@@ -146,7 +145,7 @@ impl CodeCache {
             }
         }
         if batch.len() == 0 {
-            return Ok(false);
+            return Ok(());
         }
         mem.read_merged(batch)?;
         for (addr, identity, probe) in checks {
@@ -172,11 +171,10 @@ impl CodeCache {
                 None => {}
             }
         }
-        let fresh = !pending.is_empty();
-        if fresh {
+        if !pending.is_empty() {
             self.fetch(pending, layout, mem, batch)?;
         }
-        Ok(fresh)
+        Ok(())
     }
 
     /// Drops the cached objects the interpreter freed since the last call; false if
