@@ -147,22 +147,67 @@ def _summary_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]
     yield ("<p><small>Samples lost: a thread whose stack changed while it was copied is read again at once, "
            "up to three times in the same tick; one still changing after that is left out of the tick rather "
            "than shown wrong. Normally 0.0%.</small></p>")
+    yield from _states_section(profile, summary)
     missing = meta.get("missing") or {}
     if missing:
         yield '<p class="warn">Missing from this profile (could not be sampled or did not answer):</p>'
         yield _table(["process", "reason"], [[k, v] for k, v in missing.items()])
 
 
-SPLIT_HEADER = ["CPU s", "holding GIL", "running without GIL", "waiting"]
-SPLIT_NOTE = ("<p><small>Wall time splits into holding the GIL, running on a CPU without it (a numpy kernel, "
-              "compression), and waiting (I/O, a lock, a sleep, or for the GIL: with more busy threads than "
-              "cores, pure-Python threads wait for it). CPU s is the CPU time the threads used meanwhile.</small></p>")
+# Thread states, as the summary names them, and their column headings.
+STATES = {"gil": "on CPU, GIL", "no_gil": "on CPU, no GIL", "cpu_wait": "waiting for a CPU",
+          "gil_wait": "waiting for the GIL", "native": "native threads", "blocked": "blocked"}
+SPLIT_HEADER = ["CPU s", *STATES.values()]
+SPLIT_NOTE = (
+    "<p><small>Wall time by what the thread was doing at each sample, from the kernel's own figures: "
+    "<b>on CPU, GIL</b>: running Python (or C that kept the GIL); "
+    "<b>on CPU, no GIL</b>: C code that released it (a numpy kernel, compression); "
+    "<b>waiting for a CPU</b>: ready to run but every core was busy, so the machine is oversubscribed "
+    "(more busy threads than cores, or other programs); "
+    "<b>waiting for the GIL</b>: ready to run Python while another thread held the GIL; "
+    "<b>native threads</b>: waiting on a lock while threads Python does not know (BLAS, arrow, other C++ pools) "
+    "used the CPU, so usually waiting for that work; "
+    "<b>blocked</b>: I/O, a lock, a sleep. CPU s is the CPU time the threads themselves used.</small></p>"
+)
+OVERSUBSCRIBED = 0.2  # a process waiting this share of its time for a CPU is told so
 
 
 def _split(row: dict[str, Any]) -> list[Any]:
-    """CPU seconds, then the shares of wall time holding the GIL, without it, and waiting."""
+    """CPU seconds, then the share of wall time in each state."""
     wall = row["seconds"] or 1.0
-    return [float(row["cpu"]), *(f"{100 * row[k] / wall:.0f}%" for k in ("gil", "no_gil", "waiting"))]
+    return [float(row["cpu"]), *(f"{100 * row.get(k, 0.0) / wall:.0f}%" for k in STATES)]
+
+
+def _states_section(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
+    """Each process's time by thread state, the CPU of its native threads, and a plain
+    warning where processes wait for CPUs."""
+    rows = []
+    for proc, totals in zip(profile.processes, summary["processes"]):
+        cpu = proc["stats"].get("window_cpu") or {}
+        rows.append([proc["name"], float(totals["seconds"]), *_split(totals),
+                     float(cpu.get("process_cpu_s", 0.0)), float(cpu.get("native_cpu_s", 0.0))])
+    yield _table(["process", "sampled s", *SPLIT_HEADER, "process CPU s", "native threads CPU s"], rows)
+    yield ("<p><small>Native threads CPU s: CPU time of the threads Python does not know (BLAS, arrow and "
+           "other C/C++ pools), measured per process as its CPU time less its Python threads'.</small></p>")
+    yield from _oversubscribed(profile, summary)
+
+
+def _oversubscribed(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
+    """One warning per host whose processes waited for a CPU more than OVERSUBSCRIBED of the time."""
+    hosts: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for proc, totals in zip(profile.processes, summary["processes"]):
+        hosts.setdefault(proc.get("host") or "?", []).append((proc, totals))
+    for host, procs in sorted(hosts.items()):
+        waiting = [p["name"] for p, t in procs if t.get("cpu_wait", 0.0) > OVERSUBSCRIBED * (t["seconds"] or 1.0)]
+        if not waiting:
+            continue
+        threads = sum(t["task_threads"] for _, t in procs)
+        cores = max(p["stats"].get("cores") or 0 for p, _ in procs)
+        yield (f'<p class="warn">Oversubscribed: on {escape(host)}, {escape(", ".join(waiting[:5]))}'
+               f'{" and others" if len(waiting) > 5 else ""} spent more than {100 * OVERSUBSCRIBED:.0f}% of '
+               f"their sampled time waiting for a CPU. {len(procs)} processes ran {threads} task threads there "
+               f"on {cores or 'an unknown number of'} cores. Fewer workers or threads per worker "
+               "(or fewer BLAS threads) would let each run instead of wait.</p>")
 
 
 def _top(functions: list[dict[str, Any]]) -> tuple[str]:
@@ -300,7 +345,7 @@ def render_html(profile: Profile, title: str = "dask-pyspy report", header: str 
         button,
         "<h2>Summary</h2>", *_summary_section(profile, summary),
         *_graphs_section(profile, summary),
-        "<h2>Functions: CPU, GIL and waiting</h2>", *_functions_section(summary, idle_sampled),
+        "<h2>Functions: CPU and thread states</h2>", *_functions_section(summary, idle_sampled),
         data,
         f"<script>{SCRIPT}</script></body></html>",
     ]

@@ -12,6 +12,7 @@ mod reader;
 mod sampler;
 mod speedscope;
 mod speedscope_read;
+mod states;
 mod store;
 mod sync;
 mod spans;

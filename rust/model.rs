@@ -52,8 +52,74 @@ pub struct Process {
     pub stats: Value,
 }
 
+/// A sample's state at its moment, drawn in proportion to what the kernel says the
+/// thread did over the tick (see `states.rs`). None of the state bits: blocked.
 pub const FLAG_ACTIVE: u8 = 1;
+/// Holding the GIL; with no other bit, blocked while holding it (a C call that kept it).
 pub const FLAG_GIL: u8 = 2;
+pub const FLAG_CPU_WAIT: u8 = 4;
+pub const FLAG_GIL_WAIT: u8 = 8;
+pub const FLAG_NATIVE: u8 = 16;
+
+/// What a thread was doing when sampled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum State {
+    /// On a CPU, holding the GIL: running Python (or C that kept the GIL).
+    CpuGil,
+    /// On a CPU without the GIL: a C kernel, compression, I/O in C.
+    Cpu,
+    /// Runnable, waiting for a CPU: more busy threads than cores.
+    CpuWait,
+    /// Waiting to take the GIL from another thread.
+    GilWait,
+    /// Waiting on a lock while threads Python does not know (BLAS, arrow) used the CPU.
+    Native,
+    /// Blocked: I/O, a lock, a sleep.
+    Blocked,
+}
+
+impl State {
+    pub const ALL: [State; 6] = [State::CpuGil, State::Cpu, State::CpuWait, State::GilWait, State::Native, State::Blocked];
+
+    pub fn of(flags: u8) -> State {
+        if flags & FLAG_ACTIVE != 0 {
+            if flags & FLAG_GIL != 0 { State::CpuGil } else { State::Cpu }
+        } else if flags & FLAG_CPU_WAIT != 0 {
+            State::CpuWait
+        } else if flags & FLAG_GIL_WAIT != 0 {
+            State::GilWait
+        } else if flags & FLAG_NATIVE != 0 {
+            State::Native
+        } else {
+            State::Blocked
+        }
+    }
+
+    /// The flags of this state, with the GIL bit where the thread held it.
+    pub fn flags(self, holds_gil: bool) -> u8 {
+        let gil = if holds_gil { FLAG_GIL } else { 0 };
+        match self {
+            State::CpuGil => FLAG_ACTIVE | FLAG_GIL,
+            State::Cpu => FLAG_ACTIVE,
+            State::CpuWait => FLAG_CPU_WAIT | gil,
+            State::GilWait => FLAG_GIL_WAIT,
+            State::Native => FLAG_NATIVE,
+            State::Blocked => gil,
+        }
+    }
+
+    /// The name in dumps and pprof labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            State::CpuGil => "cpu-gil",
+            State::Cpu => "cpu",
+            State::CpuWait => "cpu-wait",
+            State::GilWait => "gil-wait",
+            State::Native => "native",
+            State::Blocked => "blocked",
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {

@@ -5,7 +5,7 @@
 //! One Location per frame (its line), one Function per (name, file).
 
 use crate::compress;
-use crate::model::{ProfileData, Tag};
+use crate::model::{ProfileData, State, Tag};
 use crate::views::Weight;
 use flate2::Compression;
 use prost::Message;
@@ -189,9 +189,9 @@ pub fn build(data: &ProfileData) -> proto::Profile {
     let period_type = sample_type[1].clone();
     let (function, location) = functions_and_locations(data, &mut strings);
 
-    let mut totals: FxHashMap<(u32, Option<u32>, u32), [i64; 3]> = FxHashMap::default();
+    let mut totals: FxHashMap<(u32, Option<u32>, u32, State), [i64; 3]> = FxHashMap::default();
     for s in &data.samples {
-        let t = totals.entry((s.stack, s.tag, s.thread)).or_default();
+        let t = totals.entry((s.stack, s.tag, s.thread, State::of(s.flags))).or_default();
         t[0] += s.count as i64;
         t[1] += s.weight_us as i64 * 1000;
         t[2] += Weight::Cpu.of(s) as i64 * 1000;
@@ -202,9 +202,10 @@ pub fn build(data: &ProfileData) -> proto::Profile {
     let threads: Vec<_> = (0..data.threads.len() as u32).map(|t| thread_labels(data, t, &mut strings)).collect();
     let sample = keys
         .into_iter()
-        .map(|key @ (stack, tag, thread)| {
+        .map(|key @ (stack, tag, thread, state)| {
             let values = &totals[&key][..sample_type.len()];
-            let label = tag.map_or(&[][..], |t| &tags[t as usize]).iter().chain(&threads[thread as usize]).cloned().collect();
+            let mut label: Vec<_> = tag.map_or(&[][..], |t| &tags[t as usize]).iter().chain(&threads[thread as usize]).cloned().collect();
+            label.push(strings.label("thread_state", state.name()));
             let location_id = data.stacks[stack as usize].iter().rev().map(|&f| f as u64 + 1).collect();
             proto::Sample { location_id, value: values.to_vec(), label }
         })
@@ -284,10 +285,10 @@ mod tests {
         assert!(p.sample.iter().all(|s| stack(&p, s) == ["f", "main"]), "leaf first");
         assert_eq!(
             labels(&p, &p.sample[1]),
-            [("task_key", "f-1"), ("task_prefix", "f"), ("process", "w1"), ("thread", "w1 T1 (0x1)")].map(|(k, v)| (k.into(), v.into()))
+            [("task_key", "f-1"), ("task_prefix", "f"), ("process", "w1"), ("thread", "w1 T1 (0x1)"), ("thread_state", "cpu")].map(|(k, v)| (k.into(), v.into()))
         );
         let untagged = labels(&p, &p.sample[0]);
-        assert_eq!(untagged.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["process", "thread"], "untagged samples have no task labels");
+        assert_eq!(untagged.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["process", "thread", "thread_state"], "untagged samples have no task labels");
         let f = &p.function[0];
         assert_eq!((text(&p, f.name), text(&p, f.system_name), text(&p, f.filename)), ("main", "main", "main.py"));
         assert_eq!(p.location.len(), 2);

@@ -10,8 +10,9 @@
 //! It never touches the GIL: the readers read interpreter memory directly.
 
 use crate::config::SamplerConfig;
-use crate::model::{Frame, Process, ProfileData, FLAG_ACTIVE, FLAG_GIL};
+use crate::model::{Frame, Process, ProfileData, State};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
+use crate::states::{CpuSeries, StateStats, States};
 use crate::store::{Recorded, Store, Window, WindowSize};
 use crate::sync::{Condvar, Mutex};
 use crate::tags::ThreadTags;
@@ -52,11 +53,13 @@ pub struct RunStats {
     pub panic: Option<String>,
     pub reader: Option<&'static str>,
     pub reader_stats: Value,
+    pub states: StateStats,
 }
 
 /// One thread of a live dump.
 struct DumpThread {
     stack: ThreadStack,
+    state: State,
     frames: Vec<Frame>,
 }
 
@@ -71,6 +74,8 @@ struct Shared {
     config: Mutex<SamplerConfig>,
     tags: ThreadTags,
     store: Mutex<Store>,
+    /// CPU per second of the whole process and of its threads Python does not know.
+    cpu: Mutex<CpuSeries>,
     stats: Mutex<RunStats>,
     last: Mutex<Option<LastTick>>,
     dumped: Condvar,
@@ -120,6 +125,7 @@ impl Sampler {
             config: Mutex::new(config),
             tags: ThreadTags::default(),
             store: Mutex::new(store),
+            cpu: Mutex::new(CpuSeries::default()),
             stats: Mutex::new(RunStats::default()),
             last: Mutex::new(None),
             dumped: Condvar::new(),
@@ -238,6 +244,8 @@ impl Sampler {
             "panic": run.panic,
             "reader": run.reader,
             "reader_stats": run.reader_stats,
+            "states": run.states,
+            "cores": std::thread::available_parallelism().map_or(0, usize::from),
             "store": store,
             "config": config,
         })
@@ -245,13 +253,15 @@ impl Sampler {
 
     /// The samples of `window` as a profile of this process.
     pub fn profile(&self, window: Window, process_name: String, host: String, metadata: Map<String, Value>) -> ProfileData {
-        let process = Process {
+        let mut process = Process {
             name: process_name,
             pid: std::process::id(),
             host,
             token: self.token.clone(),
             stats: self.stats(),
         };
+        let cpu = self.shared.cpu.lock().totals(window.start_ns, window.stop_ns);
+        process.stats["window_cpu"] = json!(cpu);
         let mut data = self.shared.store.lock().window(window, process, metadata);
         data.resolve_thread_names(|ident| self.shared.tags.name(ident));
         data
@@ -287,6 +297,7 @@ impl Sampler {
                     "name": self.shared.tags.name(s.ident).or_else(|| s.name.clone()),
                     "active": s.active,
                     "owns_gil": s.holds_gil,
+                    "state": t.state.name(),
                     "task": s.tag.as_ref().ok().and_then(|t| t.as_ref()).map(|t| &t.key),
                     "frames": t.frames.iter().map(|f| json!({"name": f.name, "file": f.file, "line": f.line})).collect::<Vec<_>>(),
                 })
@@ -348,6 +359,9 @@ struct Loop<'a> {
     /// CPU seconds the budget allows that ticks have not spent (negative: overdrawn).
     credit_s: f64,
     stacks: Vec<ThreadStack>,
+    /// The state of each of `stacks`.
+    states: Vec<State>,
+    kernel: States,
     rng: fastrand::Rng,
     /// Reader frame id -> store frame id, valid for `ids_valid_for` (reader epoch, store generation).
     store_ids: FxHashMap<u64, u32>,
@@ -365,6 +379,8 @@ impl<'a> Loop<'a> {
             interval: base,
             credit_s: 0.0,
             stacks: Vec::new(),
+            states: Vec::new(),
+            kernel: States::new(),
             rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
             ids_valid_for: (0, 0),
@@ -396,6 +412,7 @@ impl<'a> Loop<'a> {
             stats.throttled_ticks += (self.interval > self.base) as u64;
             if stats.ticks % READER_STATS_EVERY == 1 {
                 stats.reader_stats = self.reader.stats();
+                stats.states = self.kernel.stats;
             }
             drop(stats);
             // A late tick's weight reached `now`: the next slot starts there, and a
@@ -441,6 +458,7 @@ impl<'a> Loop<'a> {
         let time_ns = now_ns();
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
             Ok(()) => {
+                self.read_states(time_ns);
                 self.record(time_ns, weight);
                 if all {
                     self.keep_for_dump(time_ns);
@@ -456,6 +474,18 @@ impl<'a> Loop<'a> {
         self.shared.stats.lock().ticks += 1;
     }
 
+    /// Each stack's state, and the CPU the process and its native threads used.
+    fn read_states(&mut self, time_ns: u64) {
+        if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), thread_cpu_ns()) {
+            self.shared.cpu.lock().record(time_ns, process, native);
+        }
+        let gil = self.reader.gil(&self.stacks);
+        self.states.clear();
+        for t in &self.stacks {
+            self.states.push(self.kernel.state(t, &gil, self.rng.f64()));
+        }
+    }
+
     fn record(&mut self, time_ns: u64, weight: Duration) {
         let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
         let config = &self.config;
@@ -463,7 +493,7 @@ impl<'a> Loop<'a> {
         let mut boundary = 0;
         let mut store = self.shared.store.lock();
         let mut ids = Vec::new();
-        for t in &self.stacks {
+        for (t, state) in self.stacks.iter().zip(&self.states) {
             // A tag that changed during the read (Err) was a task's at selection.
             let in_task = !matches!(t.tag, Ok(None));
             if !keep.keeps(t.active, t.holds_gil, in_task) || t.frames.is_empty() {
@@ -483,7 +513,7 @@ impl<'a> Loop<'a> {
                 let reader = &self.reader;
                 ids.push(*self.store_ids.entry(f).or_insert_with(|| store.frame_id(reader.frame(f))));
             }
-            let flags = if t.active { FLAG_ACTIVE } else { 0 } | if t.holds_gil { FLAG_GIL } else { 0 };
+            let flags = state.flags(t.holds_gil);
             let cpu_us = (t.cpu_ns / 1000).min(u32::MAX as u64) as u32;
             store.record_ids(Recorded {
                 time_ns,
@@ -504,7 +534,8 @@ impl<'a> Loop<'a> {
         let threads = self
             .stacks
             .iter()
-            .map(|s| DumpThread { stack: s.clone(), frames: s.frames.iter().map(|&f| self.reader.frame(f)).collect() })
+            .zip(&self.states)
+            .map(|(s, &state)| DumpThread { stack: s.clone(), state, frames: s.frames.iter().map(|&f| self.reader.frame(f)).collect() })
             .collect();
         *self.shared.last.lock() = Some(LastTick { time_ns, threads });
         self.shared.dumped.notify_all();

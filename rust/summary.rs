@@ -1,45 +1,58 @@
 //! Totals for reports: time per process, per task prefix and per span (each with its
 //! top functions), and the functions with the most self time. Every row splits its
-//! wall time into holding the GIL, running without it and waiting, beside the CPU
-//! time its threads used.
+//! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
-use crate::model::{ProfileData, Sample, FLAG_ACTIVE, FLAG_GIL};
+use crate::model::{ProfileData, Sample, State};
 use crate::views::Weight;
 use serde::Serialize;
 use std::collections::HashMap;
 
 const TOP_FUNCTIONS: usize = 8;
 
-/// Where wall time went, in seconds; `gil + no_gil + waiting` is the row's wall time.
+/// Where wall time went, in seconds, by thread state; the states add up to the row's
+/// wall time.
 #[derive(Serialize, Clone, Copy, Default, Debug)]
 pub struct Split {
     /// CPU time the threads used (0 where the reader did not measure it).
     pub cpu: f64,
-    /// Holding the GIL (running Python, or a C call that kept it).
+    /// On a CPU holding the GIL (running Python, or a C call that kept it).
     pub gil: f64,
-    /// On a CPU without the GIL (a numpy kernel, I/O in C that released it).
+    /// On a CPU without the GIL (a numpy kernel, compression).
     pub no_gil: f64,
-    /// Neither: blocked on I/O, a lock or a sleep (tasks' threads; others with `idle`).
-    pub waiting: f64,
+    /// Runnable, waiting for a CPU: more busy threads than cores.
+    pub cpu_wait: f64,
+    /// Waiting for the GIL.
+    pub gil_wait: f64,
+    /// Waiting while threads Python does not know (BLAS, arrow) used the CPU.
+    pub native: f64,
+    /// Blocked on I/O, a lock or a sleep (tasks' threads; others with `idle`).
+    pub blocked: f64,
 }
 
 impl Split {
     fn add(&mut self, s: &Sample) {
         let wall = s.weight_us as f64 / 1e6;
         self.cpu += Weight::Cpu.of(s) as f64 / 1e6;
-        let slot = match (s.flags & FLAG_GIL != 0, s.flags & FLAG_ACTIVE != 0) {
-            (true, _) => &mut self.gil,
-            (false, true) => &mut self.no_gil,
-            (false, false) => &mut self.waiting,
-        };
-        *slot += wall;
+        *self.state(State::of(s.flags)) += wall;
+    }
+
+    fn state(&mut self, state: State) -> &mut f64 {
+        match state {
+            State::CpuGil => &mut self.gil,
+            State::Cpu => &mut self.no_gil,
+            State::CpuWait => &mut self.cpu_wait,
+            State::GilWait => &mut self.gil_wait,
+            State::Native => &mut self.native,
+            State::Blocked => &mut self.blocked,
+        }
     }
 
     fn merge(&mut self, other: &Split) {
+        let mut other = *other;
         self.cpu += other.cpu;
-        self.gil += other.gil;
-        self.no_gil += other.no_gil;
-        self.waiting += other.waiting;
+        for state in State::ALL {
+            *self.state(state) += *other.state(state);
+        }
     }
 }
 
@@ -59,6 +72,10 @@ pub struct ProcessTime {
     pub samples: usize,
     pub seconds: f64,
     pub threads: usize,
+    /// Threads that ran a task in the window.
+    pub task_threads: usize,
+    #[serde(flatten)]
+    pub split: Split,
 }
 
 /// A group of samples (a task prefix, a span, everything): its totals and the self
@@ -145,20 +162,30 @@ impl Tally {
     }
 }
 
-/// Distinct thread idents with samples, per process.
-fn sampled_threads(data: &ProfileData) -> Vec<usize> {
-    let mut used = vec![false; data.threads.len()];
-    data.samples.iter().for_each(|s| used[s.thread as usize] = true);
-    let mut idents: Vec<(u32, u64)> = data.threads.iter().zip(used).filter(|(_, used)| *used).map(|(t, _)| (t.process, t.ident)).collect();
+/// Distinct thread idents with samples per process: all, and those in a task.
+fn sampled_threads(data: &ProfileData) -> Vec<(usize, usize)> {
+    let mut used = vec![(false, false); data.threads.len()];
+    for s in &data.samples {
+        let u = &mut used[s.thread as usize];
+        *u = (true, u.1 || s.tag.is_some());
+    }
+    let mut idents: Vec<(u32, u64, bool)> =
+        data.threads.iter().zip(used).filter(|(_, used)| used.0).map(|(t, used)| (t.process, t.ident, used.1)).collect();
     idents.sort_unstable();
-    idents.dedup();
-    let mut out = vec![0; data.processes.len()];
-    idents.iter().for_each(|&(process, _)| out[process as usize] += 1);
+    let mut out = vec![(0, 0); data.processes.len()];
+    for (i, &(process, ident, in_task)) in idents.iter().enumerate() {
+        // Sorted: one ident's entries are adjacent, the one in a task (true) last.
+        let last_of_ident = idents.get(i + 1).is_none_or(|n| (n.0, n.1) != (process, ident));
+        if last_of_ident {
+            out[process as usize].0 += 1;
+            out[process as usize].1 += in_task as usize;
+        }
+    }
     out
 }
 
 pub fn summarize(data: &ProfileData) -> Summary {
-    let mut per_process: Vec<(usize, f64)> = vec![(0, 0.0); data.processes.len()];
+    let mut per_process: Vec<(usize, f64, Split)> = vec![(0, 0.0, Split::default()); data.processes.len()];
     let mut per_prefix: HashMap<&str, Tally> = HashMap::new();
     let mut per_span: HashMap<Vec<&str>, Tally> = HashMap::new();
     let mut all = Tally::default();
@@ -169,6 +196,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
         if let Some(p) = per_process.get_mut(th.process as usize) {
             p.0 += s.count as usize;
             p.1 += secs;
+            p.2.add(s);
         }
         match s.tag.map(|t| &data.tags[t as usize]) {
             Some(tag) => {
@@ -187,7 +215,14 @@ pub fn summarize(data: &ProfileData) -> Summary {
         .iter()
         .zip(per_process)
         .zip(sampled_threads(data))
-        .map(|((p, (samples, seconds)), threads)| ProcessTime { name: p.name.clone(), samples, seconds, threads })
+        .map(|((p, (samples, seconds, split)), (threads, task_threads))| ProcessTime {
+            name: p.name.clone(),
+            samples,
+            seconds,
+            threads,
+            task_threads,
+            split,
+        })
         .collect();
     let mut prefixes: Vec<PrefixTime> =
         per_prefix.into_iter().map(|(prefix, t)| PrefixTime { prefix: prefix.into(), group: t.finish(data) }).collect();
@@ -215,7 +250,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
 mod tests {
     use super::*;
     use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::model::{Span, FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
 
     #[test]
     fn totals_by_prefix_state_and_function() {
@@ -225,7 +260,7 @@ mod tests {
         );
         let s = summarize(&data);
         assert_eq!(s.all.samples, 4);
-        assert_eq!(s.processes[0].threads, 2);
+        assert_eq!((s.processes[0].threads, s.processes[0].task_threads), (2, 2));
         assert_eq!(s.prefixes[0].prefix, "f");
         assert_eq!(s.prefixes[0].group.samples, 2);
         assert_eq!(s.prefixes[0].group.top[0].name, "f");
@@ -237,17 +272,23 @@ mod tests {
     }
 
     #[test]
-    fn wall_splits_into_gil_no_gil_and_waiting_beside_cpu() {
-        let mut data = profile("w", &[(1, &["read"], Some("io-1")), (2, &["dot"], Some("np-1")), (3, &["loop"], Some("py-1"))]);
+    fn wall_splits_by_state_beside_cpu() {
+        let mut data = profile(
+            "w",
+            &[(1, &["read"], Some("io-1")), (2, &["dot"], Some("np-1")), (3, &["loop"], Some("py-1")), (4, &["loop"], Some("py-2"))],
+        );
         data.samples[0].flags = 0; // blocked on I/O
         data.samples[1].cpu_us = 9_000; // a kernel without the GIL
         data.samples[2].flags = FLAG_ACTIVE | FLAG_GIL;
         data.samples[2].cpu_us = 20_000; // more than the tick's share: capped
+        data.samples[3].flags = FLAG_CPU_WAIT | FLAG_GIL; // preempted while holding the GIL
         let s = summarize(&data);
         let row = |p: &str| s.prefixes.iter().find(|r| r.prefix == p).unwrap().group.split;
-        assert!(row("io").waiting == 0.01 && row("io").cpu == 0.0);
+        assert!(row("io").blocked == 0.01 && row("io").cpu == 0.0);
+        assert!(row("py").cpu_wait == 0.01 && row("py").gil == 0.01, "waiting for a CPU, not running, though it holds the GIL");
+        assert!((s.processes[0].split.cpu_wait - 0.01).abs() < 1e-9);
         assert!(row("np").no_gil == 0.01 && (row("np").cpu - 0.009).abs() < 1e-9);
-        assert!(row("py").gil == 0.01 && row("py").cpu == 0.01);
+        assert!(row("py").cpu == 0.01);
         assert_eq!(s.all.top.iter().find(|f| f.name == "dot").unwrap().split.no_gil, 0.01);
         assert!(s.cpu_measured);
     }

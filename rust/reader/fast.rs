@@ -10,6 +10,7 @@ use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
 use super::{StackReader, ThreadStack, Want};
 use crate::model::{Frame, Tag};
+use crate::states::GilAt;
 use crate::tags::ThreadTags;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde_json::{json, Value};
@@ -189,6 +190,8 @@ impl StackReader for FastReader {
                 active: r.state.on_cpu || r.state.holds_gil,
                 holds_gil: r.state.holds_gil,
                 cpu_ns: r.state.cpu_ns,
+                ran: r.state.ran,
+                native_tid: Some(r.state.native_tid).filter(|&t| t != 0),
                 tag: r.tag,
             });
         }
@@ -201,6 +204,14 @@ impl StackReader for FastReader {
 
     fn epoch(&self) -> u64 {
         self.codes.epoch
+    }
+
+    fn python_cpu_ns(&self) -> u64 {
+        self.threads.cpu_ns
+    }
+
+    fn gil(&self, _stacks: &[ThreadStack]) -> GilAt {
+        GilAt::Range(self.threads.gil_range())
     }
 
     fn stats(&self) -> Value {

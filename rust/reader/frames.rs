@@ -270,6 +270,8 @@ mod tests {
             holds_gil: false,
             on_cpu: false,
             cpu_ns: 0,
+            ran: None,
+            native_tid: 0,
             still: true,
         };
         let (mut batch, mut round) = (Batch::default(), Batch::default());
@@ -306,7 +308,7 @@ mod tests {
         let copy_a = Snapshot { pointer: batch.push(&pointer_a as *const u64 as u64, 8), chunk: Some(batch.push(base, first.len())) };
         let copy_b = Snapshot { pointer: batch.push(&pointer_b as *const u64 as u64, 8), chunk: Some(batch.push(second.as_ptr() as u64, second.len())) };
         Memory::new().read(&mut batch).unwrap();
-        let t = ThreadState { addr: 0, ident: 1, frame_ref: 0, chunk: base, top: base, holds_gil: true, on_cpu: true, cpu_ns: 0, still: false };
+        let t = ThreadState { addr: 0, ident: 1, frame_ref: 0, chunk: base, top: base, holds_gil: true, on_cpu: true, cpu_ns: 0, ran: None, native_tid: 0, still: false };
         let mut w = Walker::new(&t, copy_a, &batch, layout);
         w.advance(layout, &batch);
         assert!(!w.torn && w.next == 0, "copy a walks whole");

@@ -21,6 +21,7 @@ pub use fast::FastReader;
 pub use pyspy::PySpyReader;
 
 use crate::model::{Frame, Tag};
+use crate::states::GilAt;
 use crate::tags::ThreadTags;
 use serde_json::Value;
 use std::sync::Arc;
@@ -55,6 +56,11 @@ pub struct ThreadStack {
     pub holds_gil: bool,
     /// CPU time the thread used since the previous tick.
     pub cpu_ns: u64,
+    /// The share of the wall time since the previous tick the thread was on a CPU;
+    /// None where the reader does not know it.
+    pub ran: Option<f64>,
+    /// The kernel's id of the thread, for its `/proc/self/task` files.
+    pub native_tid: Option<u64>,
     /// The task the thread ran during the read; Err if it changed meanwhile.
     pub tag: Result<Option<Arc<Tag>>, ()>,
 }
@@ -70,6 +76,10 @@ pub trait StackReader {
     fn epoch(&self) -> u64;
     /// Counters for the sampler's stats.
     fn stats(&self) -> Value;
+    /// CPU time all Python threads used in the last read, sampled or not.
+    fn python_cpu_ns(&self) -> u64;
+    /// Where the GIL is, given the threads of the last read.
+    fn gil(&self, stacks: &[ThreadStack]) -> GilAt;
 }
 
 /// The reader a sampler was asked for.

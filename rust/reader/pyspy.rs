@@ -4,6 +4,7 @@
 use super::threads::thread_cpu_ns;
 use super::{StackReader, ThreadStack, Want};
 use crate::model::Frame;
+use crate::states::GilAt;
 use crate::tags::ThreadTags;
 use py_spy::config::{LineNo, LockingStrategy};
 use py_spy::{PythonSpy, StackTrace};
@@ -17,6 +18,8 @@ pub struct PySpyReader {
     os_tids: HashMap<u64, Option<u64>>,
     /// CPU clock per OS thread at the previous tick.
     clocks: FxHashMap<u64, u64>,
+    /// CPU time all Python threads used between the last two reads.
+    cpu_ns: u64,
     frames: Vec<Frame>,
     frame_ids: HashMap<Frame, u64>,
     epoch: u64,
@@ -47,6 +50,7 @@ impl PySpyReader {
             spy,
             os_tids: HashMap::new(),
             clocks: FxHashMap::default(),
+            cpu_ns: 0,
             frames: Vec::new(),
             frame_ids: HashMap::new(),
             epoch: 0,
@@ -103,6 +107,7 @@ impl StackReader for PySpyReader {
         let before = tags.snapshot();
         let mut traces = self.spy.get_stack_traces().map_err(|e| format!("{e:#}"))?;
         self.forget_reused_names(&mut traces);
+        self.cpu_ns = 0;
         for t in &traces {
             let stack = ThreadStack {
                 ident: t.thread_id,
@@ -112,8 +117,11 @@ impl StackReader for PySpyReader {
                 active: t.active || t.owns_gil,
                 holds_gil: t.owns_gil,
                 cpu_ns: self.cpu_since_last_tick(t.os_thread_id),
+                ran: None,
+                native_tid: t.os_thread_id,
                 tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
+            self.cpu_ns += stack.cpu_ns;
             let in_task = before.get(&t.thread_id).is_some_and(|b| b.tag.is_some());
             if want.keeps(stack.active, stack.holds_gil, in_task) && !t.frames.is_empty() {
                 let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
@@ -129,6 +137,15 @@ impl StackReader for PySpyReader {
 
     fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    fn python_cpu_ns(&self) -> u64 {
+        self.cpu_ns
+    }
+
+    /// py-spy does not say where the GIL is; a thread holds it or none does.
+    fn gil(&self, stacks: &[ThreadStack]) -> GilAt {
+        GilAt::HeldElsewhere(stacks.iter().any(|s| s.holds_gil))
     }
 
     fn stats(&self) -> Value {

@@ -26,6 +26,9 @@ pub struct ThreadState {
     pub holds_gil: bool,
     pub on_cpu: bool,
     pub cpu_ns: u64,
+    /// The share of the wall time since the last reading it was on a CPU.
+    pub ran: Option<f64>,
+    pub native_tid: u64,
     /// Used no CPU since the last tick and holds no GIL: its frames cannot have changed.
     pub still: bool,
 }
@@ -48,8 +51,14 @@ pub struct Threads {
     list: Vec<u64>,
     /// Per native thread: CPU clock and wall time at the last reading.
     clocks: FxHashMap<u64, (u64, Instant)>,
+    /// CPU time all threads used between the last two readings.
+    pub cpu_ns: u64,
     pub walks: u64,
 }
+
+/// The GIL's state spans its `interval`, holder, `locked` and switch fields, then two
+/// condition variables and two mutexes (48 bytes each at most with glibc).
+const GIL_STATE_BYTES: u64 = 4 * 8 + 4 * 48;
 
 impl Threads {
     pub fn new(interp: u64, runtime: u64, layout: &Layout, mem: &mut Memory) -> Result<Threads, String> {
@@ -61,7 +70,13 @@ impl Threads {
                 (gil + locked, gil + holder)
             }
         };
-        Ok(Threads { interp, gil_locked, gil_holder, list: Vec::new(), clocks: FxHashMap::default(), walks: 0 })
+        Ok(Threads { interp, gil_locked, gil_holder, list: Vec::new(), clocks: FxHashMap::default(), cpu_ns: 0, walks: 0 })
+    }
+
+    /// The bytes of the GIL's state, which starts one word before its holder.
+    pub fn gil_range(&self) -> std::ops::Range<u64> {
+        let start = self.gil_holder - 8;
+        start..start + GIL_STATE_BYTES
     }
 
     /// Every thread state of the interpreter, with its GIL and CPU state.
@@ -87,7 +102,8 @@ impl Threads {
         };
         let now = Instant::now();
         let list = self.list.clone();
-        let threads = list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        let threads: Vec<ThreadState> = list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
         self.forget_dead_clocks();
         Ok(threads)
     }
@@ -128,7 +144,8 @@ impl Threads {
     fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
         let clock = self.clock(native_tid, now);
-        let (on_cpu, cpu_ns) = clock.unwrap_or((false, 0));
+        let (ran, cpu_ns) = clock.map_or((None, 0), |(ran, used)| (Some(ran), used));
+        let on_cpu = ran.is_some_and(|r| r >= RUNNING_SHARE);
         let mut state = ThreadState {
             addr,
             ident: u64_at(bytes, layout.tstate_thread_id),
@@ -138,7 +155,9 @@ impl Threads {
             holds_gil: holder == addr,
             on_cpu,
             cpu_ns,
-            still: holder != addr && clock == Some((false, 0)),
+            ran,
+            native_tid,
+            still: holder != addr && cpu_ns == 0 && clock.is_some(),
         };
         state.set_stack(bytes, layout);
         state
@@ -159,15 +178,15 @@ impl Threads {
         Ok(())
     }
 
-    /// (ran for most of the time since the last reading, CPU ns used since then);
-    /// None for a thread read for the first time or gone.
-    fn clock(&mut self, native_tid: u64, now: Instant) -> Option<(bool, u64)> {
+    /// (share of the wall time since the last reading on a CPU, CPU ns used since
+    /// then); None for a thread read for the first time or gone.
+    fn clock(&mut self, native_tid: u64, now: Instant) -> Option<(f64, u64)> {
         let cpu = thread_cpu_ns(native_tid)?;
         match self.clocks.insert(native_tid, (cpu, now)) {
             Some((before, at)) if cpu >= before => {
                 let used = cpu - before;
                 let wall = now.duration_since(at).as_nanos() as f64;
-                Some((wall > 0.0 && used as f64 >= RUNNING_SHARE * wall, used))
+                Some((if wall > 0.0 { used as f64 / wall } else { 0.0 }, used))
             }
             _ => None,
         }

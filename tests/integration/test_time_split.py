@@ -17,7 +17,7 @@ def test_io_and_numpy_tasks_split_as_they_ran(client):
     io, np_ = rows["wait_io"], rows["matmul"]
     # 12 tasks x 0.3 s each: the waits are sampled though the thread uses no CPU.
     assert io["seconds"] >= 0.5 * 12 * 0.3, io
-    assert io["waiting"] >= 0.9 * io["seconds"] and io["cpu"] <= 0.1 * io["seconds"], io
+    assert io["blocked"] >= 0.9 * io["seconds"] and io["cpu"] <= 0.1 * io["seconds"], io
     assert np_["no_gil"] > 2 * np_["gil"], np_
     assert np_["cpu"] >= 0.25 * np_["seconds"], np_
 

@@ -1,0 +1,303 @@
+//! Thread states from the kernel. For each sampled thread: the share of the time since
+//! it was last read that it spent on a CPU and waiting for one (`schedstat`), and when
+//! it was blocked, on what (`syscall`); both under `/proc/self/task/TID`, kept open and
+//! read with `pread`. Also the CPU time of threads Python does not know (BLAS, arrow).
+//!
+//! A sample stands for a random moment of its slot, and its state is the thread's at
+//! that moment: the system call it is blocked in, if any (a futex inside the GIL's
+//! state is a wait for the GIL). The kernel cannot say whether a thread in no system
+//! call is on a CPU or in the run queue right now, so that is drawn at random in the
+//! proportions of the interval: the totals per state stay unbiased, as the sample times
+//! are.
+
+use crate::model::State;
+use crate::reader::ThreadStack;
+use nix::libc;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::time::Instant;
+
+/// A thread that ran at least this share of its interval was on a CPU throughout: its
+/// schedstat is not read.
+const RAN_THROUGHOUT: f64 = 0.97;
+/// Threads whose files are kept open at most (two files each).
+const MAX_OPEN: usize = 256;
+/// Native threads using at least this share of a core, on average over about
+/// `NATIVE_SECONDS`, are busy. Averaged because on a loaded machine a pool's threads get
+/// the CPU in slices of a few milliseconds: many ticks see none of it.
+const NATIVE_BUSY: f64 = 0.1;
+const NATIVE_SECONDS: f64 = 0.1;
+/// Seconds of per-second CPU totals kept: a day.
+const SERIES_SECONDS: usize = 86_400;
+
+/// What a blocked thread waits in, from its current system call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wait {
+    /// A futex inside the GIL's own state.
+    Gil,
+    /// Another futex: a lock, a condition, a pool's queue.
+    Lock,
+    /// Anything else: I/O, a sleep.
+    Other,
+    /// Not in a system call: on a CPU or waiting for one.
+    Running,
+}
+
+struct Files {
+    schedstat: File,
+    syscall: File,
+    /// CPU ns, run-queue delay ns and time at the last schedstat read.
+    last: Option<(u64, u64, Instant)>,
+    /// The wait last read, and the CPU clock then: a thread whose clock has not moved
+    /// since has not left that system call.
+    wait: Option<(u64, Wait)>,
+    seen: Instant,
+}
+
+impl Files {
+    fn open(tid: u64, now: Instant) -> Option<Files> {
+        let path = |name| format!("/proc/self/task/{tid}/{name}");
+        let schedstat = File::open(path("schedstat")).ok()?;
+        let syscall = File::open(path("syscall")).ok()?;
+        Some(Files { schedstat, syscall, last: None, wait: None, seen: now })
+    }
+
+    /// (CPU ns, run-queue delay ns) so far.
+    fn schedstat(&self) -> Option<(u64, u64)> {
+        let mut buf = [0u8; 96];
+        let n = self.schedstat.read_at(&mut buf, 0).ok()?;
+        let mut fields = std::str::from_utf8(&buf[..n]).ok()?.split_ascii_whitespace();
+        Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+    }
+
+    /// What the thread waits in, and whether its syscall file was read for it.
+    fn wait(&mut self, cpu_ns: u64, gil: &GilAt) -> (Wait, bool) {
+        if let Some((_, wait)) = self.wait.filter(|(at, _)| *at == cpu_ns) {
+            return (wait, false);
+        }
+        let mut buf = [0u8; 160];
+        let line = self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
+        let wait = line.map_or(Wait::Running, |l| classify(&l, gil));
+        self.wait = Some((cpu_ns, wait));
+        (wait, true)
+    }
+}
+
+/// Where the GIL is, to tell its waits from other locks'.
+pub enum GilAt {
+    /// The bytes of the GIL's state: its condition variables and mutexes.
+    Range(Range<u64>),
+    /// Unknown (py-spy's reader): a futex wait counts as the GIL's while another thread holds it.
+    HeldElsewhere(bool),
+}
+
+fn classify(line: &str, gil: &GilAt) -> Wait {
+    if line.starts_with("running") {
+        return Wait::Running;
+    }
+    let mut fields = line.split_ascii_whitespace();
+    let nr = fields.next().and_then(|f| f.parse::<i64>().ok());
+    let addr = fields.next().and_then(|f| u64::from_str_radix(f.trim_start_matches("0x"), 16).ok());
+    match (nr, addr) {
+        (Some(nr), Some(addr)) if nr == libc::SYS_futex => match gil {
+            GilAt::Range(r) if r.contains(&addr) => Wait::Gil,
+            GilAt::HeldElsewhere(true) => Wait::Gil,
+            _ => Wait::Lock,
+        },
+        _ => Wait::Other,
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct StateStats {
+    pub schedstat_reads: u64,
+    pub syscall_reads: u64,
+    /// Threads past `MAX_OPEN`, whose states fell back to their CPU clock alone.
+    pub unopened: u64,
+}
+
+pub struct States {
+    files: FxHashMap<u64, Files>,
+    /// Process CPU ns, this thread's CPU ns and the time at the last tick.
+    last_tick: Option<(u64, u64, Instant)>,
+    /// Cores the native threads used, as a moving average over about `NATIVE_SECONDS`.
+    native_cores: f64,
+    pub stats: StateStats,
+}
+
+impl States {
+    pub fn new() -> States {
+        States { files: FxHashMap::default(), last_tick: None, native_cores: 0.0, stats: StateStats::default() }
+    }
+
+    /// Call once a tick, after the read: the CPU ns the process and its threads that
+    /// Python does not know used since the last call. `python_ns` is what the Python
+    /// threads used meanwhile, `own_ns` this sampler thread's clock.
+    pub fn cpu_since_last_tick(&mut self, python_ns: u64, own_ns: u64) -> Option<(u64, u64)> {
+        let now = Instant::now();
+        let process = process_cpu_ns();
+        let last = self.last_tick.replace((process, own_ns, now));
+        let (process_before, own_before, at) = last?;
+        let process_used = process.saturating_sub(process_before);
+        let native = process_used.saturating_sub(python_ns).saturating_sub(own_ns.saturating_sub(own_before));
+        let wall = now.duration_since(at).as_secs_f64();
+        if wall > 0.0 {
+            let weight = 1.0 - (-wall / NATIVE_SECONDS).exp();
+            self.native_cores += weight * (native as f64 / 1e9 / wall - self.native_cores);
+        }
+        self.forget_gone(now);
+        Some((process_used, native))
+    }
+
+    /// The state of `t` at a moment drawn by `u` (uniform in [0, 1)).
+    pub fn state(&mut self, t: &ThreadStack, gil: &GilAt, u: f64) -> State {
+        let now = Instant::now();
+        let on_cpu = if t.holds_gil { State::CpuGil } else { State::Cpu };
+        if t.ran.is_some_and(|r| r >= RAN_THROUGHOUT) {
+            return on_cpu;
+        }
+        let Some(files) = t.native_tid.and_then(|tid| files_of(&mut self.files, &mut self.stats, tid, now)) else {
+            return guess(t);
+        };
+        files.seen = now;
+        let native = self.native_cores >= NATIVE_BUSY;
+        // One that has not run since it was seen blocked is still in the same call.
+        let still = t.cpu_ns == 0 && t.ran.is_some();
+        if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
+            return blocked(wait, native);
+        }
+        let Some((cpu_ns, delay_ns)) = files.schedstat() else { return guess(t) };
+        self.stats.schedstat_reads += 1;
+        let shares = files.last.replace((cpu_ns, delay_ns, now)).map(|(cpu0, delay0, at)| {
+            let wall = now.duration_since(at).as_nanos().max(1) as f64;
+            (cpu_ns.saturating_sub(cpu0) as f64 / wall, delay_ns.saturating_sub(delay0) as f64 / wall)
+        });
+        let (wait, read) = files.wait(cpu_ns, gil);
+        self.stats.syscall_reads += read as u64;
+        match wait {
+            // On a CPU or in the run queue, which the kernel does not tell apart now: in
+            // the proportions of the interval. The reader's CPU share is of this tick
+            // exactly; schedstat's may span several.
+            Wait::Running => {
+                let ran = t.ran.or(shares.map(|s| s.0)).unwrap_or(1.0);
+                let waited = shares.map_or(0.0, |s| s.1);
+                if u * (ran + waited) < ran || ran + waited <= 0.0 { on_cpu } else { State::CpuWait }
+            }
+            blocked_in => blocked(blocked_in, native),
+        }
+    }
+
+    /// Closes the files of threads not sampled for a while (most have exited).
+    fn forget_gone(&mut self, now: Instant) {
+        if self.files.len() > MAX_OPEN / 2 {
+            self.files.retain(|_, f| now.duration_since(f.seen).as_secs() < 10);
+        }
+    }
+}
+
+/// The state of a thread blocked in `wait`; `native`: threads Python does not know are busy.
+fn blocked(wait: Wait, native: bool) -> State {
+    match wait {
+        Wait::Gil => State::GilWait,
+        Wait::Lock if native => State::Native,
+        Wait::Lock | Wait::Other | Wait::Running => State::Blocked,
+    }
+}
+
+/// Without the kernel's figures: on a CPU if the reader saw it work.
+fn guess(t: &ThreadStack) -> State {
+    match (t.active, t.holds_gil) {
+        (true, true) => State::CpuGil,
+        (true, false) => State::Cpu,
+        (false, _) => State::Blocked,
+    }
+}
+
+fn files_of<'a>(files: &'a mut FxHashMap<u64, Files>, stats: &mut StateStats, tid: u64, now: Instant) -> Option<&'a mut Files> {
+    if !files.contains_key(&tid) {
+        if files.len() >= MAX_OPEN {
+            stats.unopened += 1;
+            return None;
+        }
+        files.insert(tid, Files::open(tid, now)?);
+    }
+    files.get_mut(&tid)
+}
+
+fn process_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CPU used per second, by the whole process and by its threads Python does not know.
+#[derive(Default)]
+pub struct CpuSeries {
+    /// (second since the epoch, process ns, native ns)
+    seconds: VecDeque<(u64, u64, u64)>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct CpuTotals {
+    pub process_cpu_s: f64,
+    pub native_cpu_s: f64,
+}
+
+impl CpuSeries {
+    pub fn record(&mut self, time_ns: u64, process_ns: u64, native_ns: u64) {
+        let second = time_ns / 1_000_000_000;
+        match self.seconds.back_mut() {
+            Some(last) if last.0 == second => {
+                last.1 += process_ns;
+                last.2 += native_ns;
+            }
+            _ => {
+                if self.seconds.len() >= SERIES_SECONDS {
+                    self.seconds.pop_front();
+                }
+                self.seconds.push_back((second, process_ns, native_ns));
+            }
+        }
+    }
+
+    /// Totals over the seconds that overlap `[start_ns, stop_ns]`.
+    pub fn totals(&self, start_ns: u64, stop_ns: u64) -> CpuTotals {
+        let (first, last) = (start_ns / 1_000_000_000, stop_ns / 1_000_000_000);
+        let within = self.seconds.iter().filter(|s| (first..=last).contains(&s.0));
+        let (process, native) = within.fold((0, 0), |(p, n), s| (p + s.1, n + s.2));
+        CpuTotals { process_cpu_s: process as f64 / 1e9, native_cpu_s: native as f64 / 1e9 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_futex_wait_is_the_gils_only_inside_its_state() {
+        let gil = GilAt::Range(0x1000..0x10e0);
+        let futex = |addr: u64| format!("{} 0x{addr:x} 0x89 0x0 0x0 0x0 0xffffffff 0x7ffd 0x7f12\n", libc::SYS_futex);
+        assert_eq!(classify(&futex(0x1030), &gil), Wait::Gil);
+        assert_eq!(classify(&futex(0x2000), &gil), Wait::Lock);
+        assert_eq!(classify("running\n", &gil), Wait::Running);
+        assert_eq!(classify("0 0x3 0x7f 0x20000 0x0 0x0 0x0 0x7ffd 0x7f12\n", &gil), Wait::Other, "read(2): I/O");
+        assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(true)), Wait::Gil);
+        assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(false)), Wait::Lock);
+    }
+
+    #[test]
+    fn cpu_series_sums_the_seconds_of_a_window() {
+        let mut s = CpuSeries::default();
+        for i in 0..30u64 {
+            s.record(i * 100_000_000, 10_000_000, 4_000_000); // 3 s at 10 ticks a second
+        }
+        let all = s.totals(0, 3_000_000_000);
+        assert!((all.process_cpu_s - 0.3).abs() < 1e-9 && (all.native_cpu_s - 0.12).abs() < 1e-9);
+        assert!((s.totals(1_000_000_000, 1_500_000_000).process_cpu_s - 0.1).abs() < 1e-9);
+    }
+}
