@@ -10,7 +10,7 @@ import time
 
 from benchmarks.common import machine
 
-SECTIONS = ["overhead", "sample_cost", "oracle", "bias", "attribution", "rate", "idle", "memory", "collection"]
+SECTIONS = ["overhead", "sample_cost", "oracle", "bias", "states", "attribution", "rate", "idle", "memory", "collection"]
 
 
 def main() -> None:

@@ -169,7 +169,8 @@ SPLIT_NOTE = (
     "used the CPU, so usually waiting for that work; "
     "<b>blocked</b>: I/O, a lock, a sleep. CPU s is the CPU time the threads themselves used.</small></p>"
 )
-OVERSUBSCRIBED = 0.2  # a process waiting this share of its time for a CPU is told so
+OVERSUBSCRIBED = 0.2  # a process waiting this share of its time for a CPU is told so,
+OVERSUBSCRIBED_SAMPLES = 50  # once it has this many samples
 
 
 def _split(row: dict[str, Any]) -> list[Any]:
@@ -198,7 +199,8 @@ def _oversubscribed(profile: Profile, summary: dict[str, Any]) -> Iterator[str]:
     for proc, totals in zip(profile.processes, summary["processes"]):
         hosts.setdefault(proc.get("host") or "?", []).append((proc, totals))
     for host, procs in sorted(hosts.items()):
-        waiting = [p["name"] for p, t in procs if t.get("cpu_wait", 0.0) > OVERSUBSCRIBED * (t["seconds"] or 1.0)]
+        waiting = [p["name"] for p, t in procs
+                   if t["samples"] >= OVERSUBSCRIBED_SAMPLES and t.get("cpu_wait", 0.0) > OVERSUBSCRIBED * t["seconds"]]
         if not waiting:
             continue
         threads = sum(t["task_threads"] for _, t in procs)

@@ -29,7 +29,7 @@ class _ActiveThreads(dict):
     def __setitem__(self, ident: int, thread: threading.Thread) -> None:
         super().__setitem__(ident, thread)
         for sampler in list(_running):
-            sampler._native.set_thread_name(ident, thread.name)
+            sampler._native.set_thread_name(ident, thread.name, thread.native_id)
 
     def __delitem__(self, ident: int) -> None:
         super().__delitem__(ident)
@@ -140,7 +140,7 @@ class Sampler:
 
     def name_threads(self) -> None:
         """Name live threads in profiles; the fast reader reads no names itself."""
-        self._native.name_threads([(t.ident, t.name) for t in threading.enumerate() if t.ident is not None])
+        self._native.name_threads([(t.ident, t.name, t.native_id) for t in threading.enumerate() if t.ident is not None])
 
     def stop(self) -> None:
         _running.discard(self)

@@ -143,8 +143,9 @@ impl PySampler {
         self.inner.tags().clear_tag(ident)
     }
 
-    fn set_thread_name(&self, ident: u64, name: &Bound<'_, PyString>) {
-        self.inner.tags().set_name(ident, name.to_string_lossy().into_owned())
+    #[pyo3(signature = (ident, name, native_id=None))]
+    fn set_thread_name(&self, ident: u64, name: &Bound<'_, PyString>, native_id: Option<u64>) {
+        self.inner.tags().set_name(ident, name.to_string_lossy().into_owned(), native_id)
     }
 
     fn clear_thread_name(&self, ident: u64) {
@@ -152,9 +153,9 @@ impl PySampler {
     }
 
     /// Names threads that nothing named yet (the fast reader reads no names).
-    fn name_threads(&self, names: Vec<(u64, Bound<'_, PyString>)>) {
-        for (ident, name) in names {
-            self.inner.tags().set_name_if_unnamed(ident, name.to_string_lossy().into_owned())
+    fn name_threads(&self, names: Vec<(u64, Bound<'_, PyString>, Option<u64>)>) {
+        for (ident, name, native_id) in names {
+            self.inner.tags().set_name_if_unnamed(ident, name.to_string_lossy().into_owned(), native_id)
         }
     }
 

@@ -20,6 +20,9 @@ pub struct ThreadTag {
 pub struct ThreadTags {
     tags: Mutex<HashMap<u64, ThreadTag>>,
     names: Mutex<HashMap<u64, Arc<str>>>,
+    /// The kernel's id of each thread, where Python told it (py-spy's reader reads
+    /// none on 3.9 and 3.10).
+    native_ids: Mutex<HashMap<u64, u64>>,
 }
 
 impl ThreadTags {
@@ -65,18 +68,31 @@ impl ThreadTags {
         before.iter().zip(idents).map(|(b, i)| unchanged(b.as_ref(), tags.get(i))).collect()
     }
 
-    pub fn set_name(&self, ident: u64, name: String) {
+    pub fn set_name(&self, ident: u64, name: String, native_id: Option<u64>) {
         self.names.lock().insert(ident, name.into());
+        self.set_native_id(ident, native_id);
     }
 
     /// Names a thread unless something named it already (a worker plugin, say).
-    pub fn set_name_if_unnamed(&self, ident: u64, name: String) {
+    pub fn set_name_if_unnamed(&self, ident: u64, name: String, native_id: Option<u64>) {
         self.names.lock().entry(ident).or_insert_with(|| name.into());
+        self.set_native_id(ident, native_id);
+    }
+
+    fn set_native_id(&self, ident: u64, native_id: Option<u64>) {
+        if let Some(id) = native_id {
+            self.native_ids.lock().insert(ident, id);
+        }
     }
 
     /// Forgets an ended thread's name: its ident may be reused by a new thread.
     pub fn clear_name(&self, ident: u64) {
         self.names.lock().remove(&ident);
+        self.native_ids.lock().remove(&ident);
+    }
+
+    pub fn native_id(&self, ident: u64) -> Option<u64> {
+        self.native_ids.lock().get(&ident).copied()
     }
 
     pub fn name(&self, ident: u64) -> Option<String> {
@@ -114,9 +130,9 @@ mod tests {
     fn names() {
         let t = ThreadTags::default();
         assert_eq!(t.name(1), None);
-        t.set_name(1, "MainThread".into());
-        assert_eq!(t.name(1).as_deref(), Some("MainThread"));
+        t.set_name(1, "MainThread".into(), Some(42));
+        assert_eq!((t.name(1).as_deref(), t.native_id(1)), (Some("MainThread"), Some(42)));
         t.clear_name(1);
-        assert_eq!(t.name(1), None);
+        assert_eq!((t.name(1), t.native_id(1)), (None, None));
     }
 }

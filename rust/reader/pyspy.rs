@@ -109,6 +109,8 @@ impl StackReader for PySpyReader {
         self.forget_reused_names(&mut traces);
         self.cpu_ns = 0;
         for t in &traces {
+            // py-spy reads no native id on 3.9 and 3.10; Python told us each thread's.
+            let native_tid = t.os_thread_id.or_else(|| tags.native_id(t.thread_id));
             let stack = ThreadStack {
                 ident: t.thread_id,
                 name: t.thread_name.clone(),
@@ -116,9 +118,9 @@ impl StackReader for PySpyReader {
                 // py-spy's `active` means on a CPU; a thread holding the GIL is working too.
                 active: t.active || t.owns_gil,
                 holds_gil: t.owns_gil,
-                cpu_ns: self.cpu_since_last_tick(t.os_thread_id),
+                cpu_ns: self.cpu_since_last_tick(native_tid),
                 ran: None,
-                native_tid: t.os_thread_id,
+                native_tid,
                 tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
             self.cpu_ns += stack.cpu_ns;

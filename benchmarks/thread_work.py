@@ -1,0 +1,90 @@
+"""Shapes of work whose thread states are known: pure Python contending for the GIL,
+C code without the GIL, sleeps, arrow's native pool, BLAS. Used by tests/unit/test_states.py
+and the states benchmark."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Callable
+
+import dask
+
+from dask_pyspy import Profile, PySpyProfiler
+
+STATES = ("gil", "no_gil", "cpu_wait", "gil_wait", "native", "blocked")
+SECONDS = 0.4  # per task
+
+
+def spin(i: int) -> int:
+    """Pure Python: needs the GIL all the time."""
+    end, x = time.monotonic() + SECONDS, 0
+    while time.monotonic() < end:
+        x += 1
+    return x
+
+
+BUFFER = b"x" * (8 << 20)
+
+
+def hash_(i: int) -> int:
+    """sha256 of a big buffer releases the GIL: CPU work in C."""
+    end, n = time.monotonic() + SECONDS, 0
+    while time.monotonic() < end:
+        hashlib.sha256(BUFFER).digest()
+        n += 1
+    return n
+
+
+def nap(i: int) -> int:
+    time.sleep(SECONDS)
+    return i
+
+
+def parquet(i: int, path: str) -> int:
+    """arrow decodes columns in its own C++ threads while the caller waits on a future."""
+    import pyarrow.parquet as pq
+
+    end, n = time.monotonic() + SECONDS, 0
+    while time.monotonic() < end:
+        n += pq.read_table(path, use_threads=True).num_rows
+    return n
+
+
+def write_parquet(path: str) -> str:
+    """16 columns of 200,000 floats, zstd-compressed: enough for arrow's pool to decode."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({f"c{i}": np.random.rand(200_000) for i in range(16)}), path, compression="zstd")
+    return path
+
+
+def matmul(i: int) -> int:
+    """BLAS: its own threads, plus the caller computing or spinning for them."""
+    import numpy as np
+
+    m = np.random.default_rng(i).random((800, 800))
+    end = time.monotonic() + SECONDS
+    while time.monotonic() < end:
+        m = m @ m
+        m /= m.max()
+    return i
+
+
+def shares(work: Callable[..., int], threads: int, *args: Any, samples: int = 150) -> tuple[dict[str, float], Profile]:
+    """`threads` tasks of `work` at once, again until its prefix has `samples` samples:
+    each state's share of the prefix's wall time, and the profile."""
+    prefix = work.__name__
+    with PySpyProfiler() as prof:
+        for _ in range(60):
+            tasks = [dask.delayed(work, pure=False)(i, *args, dask_key_name=f"{prefix}-{i}") for i in range(threads)]
+            dask.compute(tasks, scheduler="threads", num_workers=threads)
+            rows = {p["prefix"]: p for p in prof.profile.summary()["prefixes"]}
+            if prefix in rows and rows[prefix]["samples"] >= samples:
+                break
+    row = rows[prefix]
+    assert row["samples"] >= samples, row
+    assert abs(sum(row[s] for s in STATES) - row["seconds"]) < 1e-6, "the states add up to the wall time"
+    return {s: row[s] / row["seconds"] for s in STATES}, prof.profile
