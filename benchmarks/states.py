@@ -11,7 +11,7 @@ import tempfile
 from typing import Any, Callable
 
 from benchmarks.common import Section, table
-from benchmarks.thread_work import STATES, hash_, matmul, nap, parquet, shares, spin, write_parquet
+from benchmarks.thread_work import STATES, Accounted, hash_, matmul, nap, parquet, shares, spin, write_parquet
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -30,19 +30,22 @@ def shapes(path: str) -> list[tuple[str, str, Callable[..., int], int, tuple[Any
 def measure(path: str, samples: int) -> list[list[object]]:
     rows = []
     for name, expected, work, threads, args in shapes(path):
-        got, profile = shares(work, threads, *args, samples=samples)
+        accounted = Accounted(work)
+        got, profile = shares(accounted, threads, *args, samples=samples)
+        truth = accounted.truth()
         stats = profile.processes[0]["stats"]
-        ticks = max(stats["ticks"], 1)
-        reads = stats["states"]
+        on_cpu = got["gil"] + got["no_gil"]
         rows.append([name, expected, *(f"{100 * got[s]:.0f}%" for s in STATES),
-                     f"{(reads['schedstat_reads'] + reads['syscall_reads']) / ticks:.2f}"])
+                     f"{100 * truth['cpu']:.0f}% / {100 * on_cpu:.0f}%", f"{100 * truth['runq']:.0f}% / {100 * got['cpu_wait']:.0f}%",
+                     f"{stats['states']['syscall_reads'] / max(stats['ticks'], 1):.2f}"])
     return rows
 
 
 def run(quick: bool) -> Section:
     samples = 300 if quick else 1000
     header = ["shape", "expected", "on CPU, GIL", "on CPU, no GIL", "waiting for a CPU", "waiting for the GIL",
-              "native threads", "blocked", "/proc reads per tick"]
+              "native threads", "blocked", "on CPU: kernel / sampled", "run queue: kernel / sampled",
+              "syscall reads per tick"]
     section = Section("Thread states", __doc__.split("\n\n")[0].replace("\n", " "))
     with tempfile.TemporaryDirectory() as tmp:
         path = write_parquet(os.path.join(tmp, "t.parquet"))
@@ -57,6 +60,7 @@ def run(quick: bool) -> Section:
         else:
             section.notes.append("stress-ng is not installed: the loaded run was left out.")
     section.notes.append(f"{CORES} cores; shares are of each shape's task wall time, from the report's summary; "
-                         f"at least {samples} samples per shape. /proc reads: schedstat and syscall files, per tick of "
-                         "the whole process.")
+                         f"at least {samples} samples per shape. Kernel: the tasks' threads' own schedstat (CPU time, "
+                         "run-queue delay) read at each task's start and end, the truth the sampled shares estimate. "
+                         "Syscall reads: of /proc/self/task/TID/syscall, per tick of the whole process.")
     return section

@@ -5,6 +5,7 @@ and the states benchmark."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Any, Callable
 
@@ -71,6 +72,32 @@ def matmul(i: int) -> int:
         m = m @ m
         m /= m.max()
     return i
+
+
+class Accounted:
+    """`work`, adding up what the kernel's schedstat says each call's thread did:
+    CPU seconds, run-queue seconds (waiting for a CPU) and wall seconds."""
+
+    def __init__(self, work: Callable[..., int]) -> None:
+        self.work, self.__name__ = work, work.__name__
+        self.cpu = self.runq = self.wall = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> int:
+        path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        read = lambda: [int(x) / 1e9 for x in open(path).read().split()[:2]]  # noqa: E731
+        (cpu, runq), start = read(), time.monotonic()
+        try:
+            return self.work(*args)
+        finally:
+            (cpu2, runq2), end = read(), time.monotonic()
+            with self.lock:
+                self.cpu, self.runq, self.wall = self.cpu + cpu2 - cpu, self.runq + runq2 - runq, self.wall + end - start
+
+    def truth(self) -> dict[str, float]:
+        """Shares of wall time on a CPU, waiting for one, and neither."""
+        wall = self.wall or 1.0
+        return {"cpu": self.cpu / wall, "runq": self.runq / wall, "neither": 1 - (self.cpu + self.runq) / wall}
 
 
 def shares(work: Callable[..., int], threads: int, *args: Any, samples: int = 150) -> tuple[dict[str, float], Profile]:

@@ -1,17 +1,19 @@
-//! Thread states from the kernel. For each sampled thread: the share of the time since
-//! it was last read that it spent on a CPU and waiting for one (`schedstat`), and when
-//! it was blocked, on what (`syscall`); both under `/proc/self/task/TID`, kept open and
-//! read with `pread`. Also the CPU time of threads Python does not know (BLAS, arrow).
+//! Thread states from the kernel. Each sample stands for a random moment of its slot,
+//! and takes the state of its thread there, so states add up without bias as the
+//! sample times do:
+//! - on a CPU with the probability its CPU clock gives for the interval (the share it
+//!   ran since the last tick). Not from a look at that moment: the sampler, just woken,
+//!   has often preempted it then.
+//! - otherwise, what it waits in now: a system call (`/proc/self/task/TID/syscall`,
+//!   kept open and read with `pread`), where a futex inside the GIL's own state is a
+//!   wait for the GIL; or none, which is the run queue if its CPU clock stands still
+//!   between two readings a few microseconds apart. (Run-queue delay from `schedstat`
+//!   would not do: the kernel adds a wait to it only once the wait ends.)
 //!
-//! A sample stands for a random moment of its slot, and its state is the thread's at
-//! that moment: the system call it is blocked in, if any (a futex inside the GIL's
-//! state is a wait for the GIL). The kernel cannot say whether a thread in no system
-//! call is on a CPU or in the run queue right now, so that is drawn at random in the
-//! proportions of the interval: the totals per state stay unbiased, as the sample times
-//! are.
+//! Also the CPU time of threads Python does not know (BLAS, arrow).
 
 use crate::model::State;
-use crate::reader::ThreadStack;
+use crate::reader::{thread_cpu_ns, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -21,10 +23,10 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::time::Instant;
 
-/// A thread that ran at least this share of its interval was on a CPU throughout: its
-/// schedstat is not read.
+/// A thread that ran at least this share of the time since the last tick was on a CPU
+/// throughout: it is not read further.
 const RAN_THROUGHOUT: f64 = 0.97;
-/// Threads whose files are kept open at most (two files each).
+/// Threads whose files are kept open at most.
 const MAX_OPEN: usize = 256;
 /// Native threads using at least this share of a core, on average over about
 /// `NATIVE_SECONDS`, are busy. Averaged because on a loaded machine a pool's threads get
@@ -34,7 +36,7 @@ const NATIVE_SECONDS: f64 = 0.1;
 /// Seconds of per-second CPU totals kept: a day.
 const SERIES_SECONDS: usize = 86_400;
 
-/// What a blocked thread waits in, from its current system call.
+/// What a thread waits in, from its current system call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Wait {
     /// A futex inside the GIL's own state.
@@ -48,30 +50,19 @@ enum Wait {
 }
 
 struct Files {
-    schedstat: File,
     syscall: File,
-    /// CPU ns, run-queue delay ns and time at the last schedstat read.
-    last: Option<(u64, u64, Instant)>,
     /// The wait last read, and the CPU clock then: a thread whose clock has not moved
     /// since has not left that system call.
     wait: Option<(u64, Wait)>,
+    /// What it was last seen blocked in (`Running`: never).
+    blocked_in: Wait,
     seen: Instant,
 }
 
 impl Files {
     fn open(tid: u64, now: Instant) -> Option<Files> {
-        let path = |name| format!("/proc/self/task/{tid}/{name}");
-        let schedstat = File::open(path("schedstat")).ok()?;
-        let syscall = File::open(path("syscall")).ok()?;
-        Some(Files { schedstat, syscall, last: None, wait: None, seen: now })
-    }
-
-    /// (CPU ns, run-queue delay ns) so far.
-    fn schedstat(&self) -> Option<(u64, u64)> {
-        let mut buf = [0u8; 96];
-        let n = self.schedstat.read_at(&mut buf, 0).ok()?;
-        let mut fields = std::str::from_utf8(&buf[..n]).ok()?.split_ascii_whitespace();
-        Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+        let syscall = File::open(format!("/proc/self/task/{tid}/syscall")).ok()?;
+        Some(Files { syscall, wait: None, blocked_in: Wait::Running, seen: now })
     }
 
     /// What the thread waits in, and whether its syscall file was read for it.
@@ -114,7 +105,6 @@ fn classify(line: &str, gil: &GilAt) -> Wait {
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct StateStats {
-    pub schedstat_reads: u64,
     pub syscall_reads: u64,
     /// Threads past `MAX_OPEN`, whose states fell back to their CPU clock alone.
     pub unopened: u64,
@@ -156,13 +146,11 @@ impl States {
     /// The state of `t` at a moment drawn by `u` (uniform in [0, 1)).
     pub fn state(&mut self, t: &ThreadStack, gil: &GilAt, u: f64) -> State {
         let now = Instant::now();
-        let on_cpu = if t.holds_gil { State::CpuGil } else { State::Cpu };
         if t.ran.is_some_and(|r| r >= RAN_THROUGHOUT) {
-            return on_cpu;
+            return if t.holds_gil { State::CpuGil } else { State::Cpu };
         }
-        let Some(files) = t.native_tid.and_then(|tid| files_of(&mut self.files, &mut self.stats, tid, now)) else {
-            return guess(t);
-        };
+        let Some(tid) = t.native_tid else { return guess(t) };
+        let Some(files) = files_of(&mut self.files, &mut self.stats, tid, now) else { return guess(t) };
         files.seen = now;
         let native = self.native_cores >= NATIVE_BUSY;
         // One that has not run since it was seen blocked is still in the same call.
@@ -170,23 +158,24 @@ impl States {
         if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
             return blocked(wait, native);
         }
-        let Some((cpu_ns, delay_ns)) = files.schedstat() else { return guess(t) };
-        self.stats.schedstat_reads += 1;
-        let shares = files.last.replace((cpu_ns, delay_ns, now)).map(|(cpu0, delay0, at)| {
-            let wall = now.duration_since(at).as_nanos().max(1) as f64;
-            (cpu_ns.saturating_sub(cpu0) as f64 / wall, delay_ns.saturating_sub(delay0) as f64 / wall)
-        });
-        let (wait, read) = files.wait(cpu_ns, gil);
+        let Some(before) = thread_cpu_ns(tid) else { return guess(t) };
+        let (wait, read) = files.wait(before, gil);
         self.stats.syscall_reads += read as u64;
+        if wait != Wait::Running {
+            files.blocked_in = wait;
+        }
+        if u < t.ran.unwrap_or(if t.active { 1.0 } else { 0.0 }) {
+            // A thread waiting for the GIL now ran Python, holding it, until it had to let go.
+            return if t.holds_gil || wait == Wait::Gil { State::CpuGil } else { State::Cpu };
+        }
         match wait {
-            // On a CPU or in the run queue, which the kernel does not tell apart now: in
-            // the proportions of the interval. The reader's CPU share is of this tick
-            // exactly; schedstat's may span several.
-            Wait::Running => {
-                let ran = t.ran.or(shares.map(|s| s.0)).unwrap_or(1.0);
-                let waited = shares.map_or(0.0, |s| s.1);
-                if u * (ran + waited) < ran || ran + waited <= 0.0 { on_cpu } else { State::CpuWait }
+            // Off a CPU for the rest of the interval and runnable now: in the run queue,
+            // where its clock stands still. Back on a CPU now: the rest was its last wait,
+            // or the run queue for one never seen blocked.
+            Wait::Running if thread_cpu_ns(tid).is_some_and(|after| after > before) && files.blocked_in != Wait::Running => {
+                blocked(files.blocked_in, native)
             }
+            Wait::Running => State::CpuWait,
             blocked_in => blocked(blocked_in, native),
         }
     }

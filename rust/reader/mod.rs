@@ -19,6 +19,7 @@ use check::open_fast;
 pub use code::LineMode;
 pub use fast::FastReader;
 pub use pyspy::PySpyReader;
+pub use threads::thread_cpu_ns;
 
 use crate::model::{Frame, Tag};
 use crate::states::GilAt;

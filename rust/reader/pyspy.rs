@@ -11,13 +11,14 @@ use py_spy::{PythonSpy, StackTrace};
 use rustc_hash::FxHashMap;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 pub struct PySpyReader {
     spy: PythonSpy,
     /// OS thread id last seen behind each Python thread ident, to notice ident reuse.
     os_tids: HashMap<u64, Option<u64>>,
     /// CPU clock per OS thread at the previous tick.
-    clocks: FxHashMap<u64, u64>,
+    clocks: FxHashMap<u64, (u64, Instant)>,
     /// CPU time all Python threads used between the last two reads.
     cpu_ns: u64,
     frames: Vec<Frame>,
@@ -90,10 +91,19 @@ impl PySpyReader {
         id
     }
 
-    fn cpu_since_last_tick(&mut self, os_tid: Option<u64>) -> u64 {
-        let Some(tid) = os_tid else { return 0 };
-        let Some(now) = thread_cpu_ns(tid) else { return 0 };
-        self.clocks.insert(tid, now).map_or(0, |before| now.saturating_sub(before))
+    /// (CPU ns used since the last tick, its share of the wall time since then).
+    fn cpu_since_last_tick(&mut self, os_tid: Option<u64>) -> (u64, Option<f64>) {
+        let Some(tid) = os_tid else { return (0, None) };
+        let Some(cpu) = thread_cpu_ns(tid) else { return (0, None) };
+        let now = Instant::now();
+        match self.clocks.insert(tid, (cpu, now)) {
+            Some((before, at)) => {
+                let used = cpu.saturating_sub(before);
+                let wall = now.duration_since(at).as_nanos().max(1) as f64;
+                (used, Some(used as f64 / wall))
+            }
+            None => (0, None),
+        }
     }
 }
 
@@ -111,6 +121,7 @@ impl StackReader for PySpyReader {
         for t in &traces {
             // py-spy reads no native id on 3.9 and 3.10; Python told us each thread's.
             let native_tid = t.os_thread_id.or_else(|| tags.native_id(t.thread_id));
+            let (cpu_ns, ran) = self.cpu_since_last_tick(native_tid);
             let stack = ThreadStack {
                 ident: t.thread_id,
                 name: t.thread_name.clone(),
@@ -118,8 +129,8 @@ impl StackReader for PySpyReader {
                 // py-spy's `active` means on a CPU; a thread holding the GIL is working too.
                 active: t.active || t.owns_gil,
                 holds_gil: t.owns_gil,
-                cpu_ns: self.cpu_since_last_tick(native_tid),
-                ran: None,
+                cpu_ns,
+                ran,
                 native_tid,
                 tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
