@@ -57,11 +57,15 @@ STATS = {
     "throttled_ticks": COUNT,
     "config": {"cpu_budget": NUMBER, "idle": FLAG},
     "store": {"samples_evicted": COUNT},
+    # Profiles saved before thread states were read have neither.
+    "cores": Omittable(COUNT),
+    "window_cpu": Omittable({"process_cpu_s": NUMBER, "native_cpu_s": NUMBER}),
     "reader": Omittable(OrNull(TEXT)),
     "last_error": Omittable(OrNull(TEXT)),
     "panic": Omittable(OrNull(TEXT)),
     "reader_stats": Omittable(
-        OrNull({"thread_reads": Omittable(OrNull(NUMBER)), "torn_reads": Omittable(NUMBER), "fallback_reason": Omittable(OrNull(TEXT))})
+        OrNull({"thread_reads": Omittable(OrNull(NUMBER)), "lost_reads": Omittable(NUMBER), "torn_reads": Omittable(NUMBER),
+                "fallback_reason": Omittable(OrNull(TEXT))})
     ),
 }
 

@@ -177,6 +177,9 @@ def set_path(doc: dict, where: str, value) -> dict:
     ("profile.metadata.missing", {"w2": 1}, "metadata.missing['w2'] must be a string, got 1"),
     ("profile.metadata.tasks", [], "metadata.tasks must be an object, got []"),
     ("profile.metadata.tasks", {"w": {"f": 3}}, "metadata.tasks['w']['f'] must be an object, got 3"),
+    ("profile.processes.0.stats.window_cpu", {"process_cpu_s": 1.0, "native_cpu_s": "x"},
+     "processes[0].stats.window_cpu.native_cpu_s must be a number, got 'x'"),
+    ("profile.processes.0.stats.cores", -2, "processes[0].stats.cores must be a count, got -2"),
 ])
 def test_metadata_a_report_cannot_read_is_refused_at_load(good, tmp_path, where, value, message):
     path = write(tmp_path / "bad.pyspy.gz", set_path(good, where, value))
