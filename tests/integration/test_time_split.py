@@ -10,8 +10,9 @@ from tests.integration.workload import matmul, wait_io
 
 def test_io_and_numpy_tasks_split_as_they_ran(client):
     start = time.time()
-    futures = client.map(wait_io, range(12), pure=False) + client.map(matmul, range(12), pure=False)
-    client.gather(futures)
+    io_futures = client.map(wait_io, range(12), pure=False)
+    used = sum(client.gather(client.map(matmul, range(12), pure=False)))
+    client.gather(io_futures)
     prof = client.pyspy_profile(start=start)
     rows = {p["prefix"]: p for p in prof.summary()["prefixes"]}
     io, np_ = rows["wait_io"], rows["matmul"]
@@ -19,7 +20,9 @@ def test_io_and_numpy_tasks_split_as_they_ran(client):
     assert io["seconds"] >= 0.5 * 12 * 0.3, io
     assert io["blocked"] >= 0.9 * io["seconds"] and io["cpu"] <= 0.1 * io["seconds"], io
     assert np_["no_gil"] > 2 * np_["gil"], np_
-    assert np_["cpu"] >= 0.25 * np_["seconds"], np_
+    # CPU against what the tasks' threads used, not against wall time: a kernel waits
+    # for a core (4 task threads on 2 cores: CPU 28% of wall idle, 16% beside stress-ng).
+    assert 0.5 * used <= np_["cpu"] <= 1.5 * used, (np_, used)
 
     by_cpu = {p["name"]: p["endValue"] for p in prof.speedscope(by="prefix", weight="cpu")["profiles"]}
     by_wall = {p["name"]: p["endValue"] for p in prof.speedscope(by="prefix")["profiles"]}
