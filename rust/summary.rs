@@ -146,7 +146,11 @@ impl Tally {
     /// Self time per function (name + file, any line), largest first.
     fn finish(self, data: &ProfileData) -> Group {
         let mut by_function: HashMap<(&str, &str), (f64, Split)> = HashMap::new();
-        for (frame, (wall, split)) in self.leaves {
+        // In frame order: a function's lines are added up in one order, so the same
+        // profile sums to the same bits (a hash map's order varies per instance).
+        let mut leaves: Vec<_> = self.leaves.into_iter().collect();
+        leaves.sort_unstable_by_key(|&(frame, _)| frame);
+        for (frame, (wall, split)) in leaves {
             let f = &data.frames[frame as usize];
             let e = by_function.entry((&f.name, &f.file)).or_default();
             e.0 += wall;
@@ -156,7 +160,7 @@ impl Tally {
             .into_iter()
             .map(|((name, file), (seconds, split))| FunctionTime { name: name.into(), file: file.into(), seconds, split })
             .collect();
-        top.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.name.cmp(&b.name)));
+        top.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| (&a.name, &a.file).cmp(&(&b.name, &b.file))));
         top.truncate(TOP_FUNCTIONS);
         Group { samples: self.samples, seconds: self.seconds, split: self.split, top }
     }
@@ -291,6 +295,24 @@ mod tests {
         assert!(row("py").cpu == 0.01);
         assert_eq!(s.all.top.iter().find(|f| f.name == "dot").unwrap().split.no_gil, 0.01);
         assert!(s.cpu_measured);
+    }
+
+    #[test]
+    fn the_same_profile_sums_to_the_same_bits() {
+        // One function at many lines, weights whose float sum depends on the order.
+        let names: Vec<String> = (0..16).map(|i| format!("f{i}")).collect();
+        let stacks: Vec<[&str; 1]> = names.iter().map(|n| [n.as_str()]).collect();
+        let samples: Vec<(u64, &[&str], Option<&str>)> = stacks.iter().map(|s| (1, &s[..], None)).collect();
+        let mut data = profile("w", &samples);
+        for (i, f) in data.frames.iter_mut().enumerate() {
+            (f.name, f.file, f.line) = ("f".into(), "f.py".into(), i as i32);
+        }
+        for (i, s) in data.samples.iter_mut().enumerate() {
+            (s.weight_us, s.cpu_us) = (1_000 + 7_919 * i as u32 % 1_000, 3_001 * i as u32 % 997);
+        }
+        let bits = |s: Summary| (s.all.top[0].seconds.to_bits(), s.all.top[0].split.cpu.to_bits());
+        let first = bits(summarize(&data));
+        assert!((0..30).all(|_| bits(summarize(&data)) == first));
     }
 
     #[test]
