@@ -10,7 +10,8 @@ import time
 
 from benchmarks.common import machine
 
-SECTIONS = ["overhead", "sample_cost", "oracle", "bias", "states", "attribution", "rate", "idle", "memory", "collection"]
+SECTIONS = ["overhead", "sample_cost", "oracle", "bias", "states", "attribution", "diff", "rate", "idle", "memory",
+            "collection"]
 
 
 def main() -> None:

@@ -46,3 +46,18 @@ def task_10ms(i: int) -> int:
 
 def task_100ms(i: int) -> int:
     return cpu_task(i, 0.1)
+
+
+def grind(seconds: float) -> None:
+    """Busy with the loop in its own body: its time is its own self time."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
+def spin_then_grind(i: int, spin_seconds: float, grind_seconds: float) -> float:
+    """Returns the wall seconds `grind` took, by the task's own clock."""
+    cpu_task(i, spin_seconds)
+    t = time.perf_counter()
+    grind(grind_seconds)
+    return time.perf_counter() - t
