@@ -5,7 +5,7 @@ from dask_pyspy._native import __version__
 from dask_pyspy.client import StackDump, dump, get_profile, profile, pyspy_report
 from dask_pyspy.local import PySpyProfiler
 from dask_pyspy.plugin import PySpyPlugin, PySpyWorkerPlugin, dask_setup, dask_teardown
-from dask_pyspy.profile import Profile
+from dask_pyspy.model import Profile
 from dask_pyspy.sampler import Sampler
 
 __all__ = [

@@ -80,7 +80,7 @@ def record(
     scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, aggregate: bool, output: str, timeout: float
 ) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
-    from dask_pyspy.profile import check_writable
+    from dask_pyspy.model import check_writable
 
     try:
         check_writable(output)
@@ -137,7 +137,7 @@ def demo(output: str, n_workers: int, threads: int, days: int) -> None:
 @click.option("-o", "--output", default="pyspy-diff.html", show_default=True, help="Output file (.html).")
 def diff(base: str, new: str, output: str) -> None:
     from dask_pyspy.diff import check_output
-    from dask_pyspy.profile import Profile
+    from dask_pyspy.model import Profile
 
     try:
         check_output(output)

@@ -13,7 +13,7 @@ from distributed import Client, default_client
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
 from dask_pyspy.plugin import EVENT_TOPIC
-from dask_pyspy.profile import Profile, check_writable, file_kind
+from dask_pyspy.model import Profile, check_writable, file_kind
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ def run_demo(output: str, n_workers: int = 2, threads: int = 2, days: int = 20) 
     from distributed import Client, LocalCluster
 
     import dask_pyspy
-    from dask_pyspy.profile import check_writable
+    from dask_pyspy.model import check_writable
 
     check_writable(output)  # before anything starts
     with LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:

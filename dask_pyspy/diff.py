@@ -8,7 +8,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Iterator
 
-from dask_pyspy.profile import check_writable, write_atomic
+from dask_pyspy.model import check_writable, write_atomic
 from dask_pyspy.report import SCRIPT, _table, flame_details, flame_iframe, page_head
 
 GRAPH_NOTE = (

@@ -17,7 +17,7 @@ from distributed import Client, default_client
 
 from dask_pyspy import client as client_api
 from dask_pyspy.plugin import PySpyPlugin
-from dask_pyspy.profile import Profile, check_writable
+from dask_pyspy.model import Profile, check_writable
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dask.core import istask
 from dask.utils import key_split
 
 from dask_pyspy import config
-from dask_pyspy.profile import Profile, task_totals
+from dask_pyspy.model import Profile, task_totals
 from dask_pyspy.sampler import Sampler, process_sampler
 
 try:

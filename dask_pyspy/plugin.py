@@ -22,7 +22,7 @@ from distributed.protocol.pickle import dumps
 
 from dask_pyspy import _native, config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.profile import task_totals
+from dask_pyspy.model import task_totals
 from dask_pyspy.sampler import Sampler, process_sampler
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import re
 from html import escape
 from typing import Any, Iterator
 
-from dask_pyspy.profile import Profile
+from dask_pyspy.model import Profile
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }

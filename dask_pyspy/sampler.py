@@ -12,7 +12,7 @@ import weakref
 from typing import Any
 
 from dask_pyspy import _native, options
-from dask_pyspy.profile import Profile
+from dask_pyspy.model import Profile
 
 _running: weakref.WeakSet[Sampler] = weakref.WeakSet()
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
