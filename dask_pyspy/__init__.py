@@ -1,12 +1,15 @@
 """Task-attributed, in-process py-spy profiling for dask."""
 
-from dask_pyspy import config as _config  # registers the `pyspy` dask config namespace
+from dask_pyspy import config as _config  # noqa: F401  (registers the `pyspy` dask config namespace)
 from dask_pyspy._native import __version__
-from dask_pyspy.client import StackDump, dump, get_profile, profile, pyspy_report
+from dask_pyspy.client import dump, get_profile, profile, pyspy_report
 from dask_pyspy.local import PySpyProfiler
-from dask_pyspy.plugin import PySpyPlugin, PySpyWorkerPlugin, dask_setup, dask_teardown
 from dask_pyspy.model import Profile
+from dask_pyspy.preload import dask_setup, dask_teardown
+from dask_pyspy.protocol import StackDump
 from dask_pyspy.sampler import Sampler
+from dask_pyspy.scheduler import PySpyPlugin
+from dask_pyspy.worker import PySpyWorkerPlugin
 
 __all__ = [
     "PySpyPlugin",

@@ -12,8 +12,8 @@ from distributed import Client, default_client
 
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.plugin import EVENT_TOPIC
 from dask_pyspy.model import Profile, check_writable, file_kind
+from dask_pyspy.protocol import EVENT_TOPIC, StackDump, assemble
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,6 @@ async def _call(client: Client, op: str, **kwargs: Any) -> Any:
     if isinstance(reply, dict) and "error" in reply:  # the scheduler rejected the request
         raise ValueError(reply["error"])
     return reply
-
-
-def assemble(reply: dict[str, Any], by: str = "thread", weight: str = "wall") -> Profile:
-    """The profile of a scheduler's `pyspy_profile` reply: the processes' parts merged
-    here, in the caller's process, and narrowed to the span it asked for."""
-    merged = Profile.merge_wire(reply["parts"], by=by, weight=weight, spans=reply["spans"], **reply["metadata"])
-    span = reply["metadata"].get("span")
-    return merged if span is None else merged.only_span(span)
 
 
 async def _get_profile(client: Client, shown: dict[str, str], **kwargs: Any) -> Profile:
@@ -197,25 +189,6 @@ class pyspy_report(profile):
         if file_kind(filename) != "html":
             raise ValueError(f"filename must end in .html, got {os.fspath(filename)!r}")
         super().__init__(filename, client=client, **kwargs)
-
-
-class StackDump(dict):
-    """Live stacks of every thread in every process; `str()` prints them like `py-spy dump`."""
-
-    def __str__(self) -> str:
-        lines: list[str] = []
-        for proc in self["processes"].values():
-            lines.append(f"Process {proc['process']} (pid {proc['pid']}, {proc.get('reader') or 'no'} reader)")
-            for th in proc["threads"]:
-                state = "active" if th["active"] else "idle"
-                state += "+gil" if th["owns_gil"] else ""
-                task = f" task {th['task']}" if th["task"] else ""
-                lines.append(f"Thread {th['ident']:#x} ({state}): {th['name'] or ''!r}{task}")
-                lines.extend(f"    {f['name']} ({f['file']}:{f['line']})" for f in th["frames"])
-            lines.append("")
-        for name, error in self["missing"].items():
-            lines.append(f"Missing {name}: {error}")
-        return "\n".join(lines)
 
 
 async def _dump(client: Client, **kwargs: Any) -> StackDump:

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tornado import web
 
 from dask_pyspy._loop import off_loop
-from dask_pyspy.client import StackDump, assemble
+from dask_pyspy.protocol import StackDump, assemble
 from dask_pyspy.report import REFRESH_CHOICES, render_dashboard
-
-if TYPE_CHECKING:
-    from dask_pyspy.plugin import ClusterProfiler
 
 DEFAULT_LAST = 30.0
 MAX_LAST = 24 * 3600.0
 
 
+class Handlers(Protocol):
+    """The scheduler's handlers the pages call (`dask_pyspy.scheduler.ClusterProfiler`'s),
+    named here so the pages need no import of the scheduler's code."""
+
+    async def profile(self, *, start: float) -> dict[str, Any]: ...
+
+    async def dump(self) -> dict[str, Any]: ...
+
+
 class _Page(web.RequestHandler):
-    def initialize(self, plugin: ClusterProfiler) -> None:
+    def initialize(self, plugin: Handlers) -> None:
         self.plugin = plugin
 
     async def _stacks(self) -> str:
@@ -74,7 +80,7 @@ def _link_from_menu(app: Any) -> bool:
     return False
 
 
-def add_routes(scheduler: Any, plugin: ClusterProfiler) -> bool:
+def add_routes(scheduler: Any, plugin: Handlers) -> bool:
     """Add the pages to a running scheduler's dashboard; False when it has none."""
     app = getattr(scheduler, "http_application", None)
     if app is None:

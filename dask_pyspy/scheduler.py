@@ -1,5 +1,5 @@
-"""The scheduler and worker plugins: start the process sampler, tag samples with
-task keys, and answer the `pyspy_profile` / `pyspy_dump` RPCs."""
+"""The scheduler's half: relay profile requests to the workers (checking sizes before
+any sample moves), serve the dashboard pages, and send workers their options."""
 
 from __future__ import annotations
 
@@ -8,269 +8,22 @@ import json
 import logging
 import os
 import random
-import threading
 import time
 import uuid
-import weakref
-from collections import deque
-from typing import Any, Callable
+from typing import Any
 
-from dask.utils import key_split
-from distributed import Scheduler, Worker
-from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed import Scheduler
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from dask_pyspy import _native, config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.model import task_totals
-from dask_pyspy.sampler import Sampler, process_sampler
+from dask_pyspy.protocol import EVENT_TOPIC
+from dask_pyspy.sampler import Sampler
+from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, rejected, remove_handlers
+from dask_pyspy.worker import PySpyWorkerPlugin
 
 logger = logging.getLogger(__name__)
-
-PLUGIN_NAME = "pyspy"
-HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
-# The scheduler's event topic where its handlers' "start" and "close" are logged, so a
-# client can ask whether they are there: calling a missing one logs a traceback there.
-EVENT_TOPIC = "dask-pyspy"
-
-
-class SamplerHold:
-    """A server's hold on the process sampler. A sampler that cannot run turns sampling
-    off in this server, with the reason; the server keeps running."""
-
-    def __init__(self) -> None:
-        self.sampler: Sampler | None = None
-        self.error: str | None = None
-
-    async def apply(self, opts: dict[str, Any]) -> None:
-        """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
-        try:
-            if self.sampler is None:
-                self.sampler = await off_loop(process_sampler.acquire, opts)
-            else:
-                await off_loop(process_sampler.configure, opts)
-            self.error = None
-        except Exception as e:  # an unreadable interpreter must not take the server down
-            logger.error("dask-pyspy: sampling is off in this process: %s", e)
-            self.error = f"{type(e).__name__}: {e}"
-            await self.release()
-
-    async def release(self) -> None:
-        if self.sampler is not None:
-            self.sampler = None
-            await off_loop(process_sampler.release)
-
-
-def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..., Any]]) -> None:
-    server.handlers.update(handlers)
-
-
-def remove_handlers(server: Scheduler | Worker) -> None:
-    for name in HANDLERS:
-        server.handlers.pop(name, None)
-
-
-def rejected(error: ValueError) -> dict[str, str]:
-    """The answer to a request the caller got wrong: returned rather than raised, so the
-    server logs one line instead of an error with a traceback."""
-    logger.info("dask-pyspy: rejected a request: %s", error)
-    return {"error": str(error)}
-
-
-MAX_SPANS = 10_000  # span names a worker keeps for its profiles; the scheduler knows them all
-
-
-class SpanNames:
-    """Names of the dask spans a worker's tasks ran in, from the tasks' annotations.
-
-    The scheduler names every span when it merges; these cover a span it forgot and a
-    profile of this worker alone. The default span carries no annotation.
-    """
-
-    def __init__(self) -> None:
-        self.spans: dict[str, dict[str, list[str]]] = {}
-
-    def span_of(self, ts: Any) -> str | None:
-        """The span id of a worker's task state, noting the span's names."""
-        span_id = getattr(ts, "span_id", None)
-        if span_id is None or span_id in self.spans:
-            return span_id
-        ann = (getattr(ts, "annotations", None) or {}).get("span") or {}
-        ids, names = list(ann.get("ids") or ()), list(ann.get("name") or ())
-        if ids and ids[-1] == span_id and len(ids) == len(names) and len(self.spans) < MAX_SPANS:
-            self.spans[span_id] = {"names": names, "ids": ids}
-        return span_id
-
-
-class TaskTagger(dict):
-    """`Worker.active_threads` that also tells the sampler which task each thread runs,
-    and in which dask span.
-
-    distributed sets and deletes entries in the executing thread as a task starts and
-    ends, so the sampler's tag is right at capture time (see `_run_task`).
-    """
-
-    def __init__(self, sampler: Sampler, worker: Worker, spans: SpanNames, entries: dict[int, Any]) -> None:
-        super().__init__(entries)
-        self._sampler = sampler
-        self._worker_name = worker.address
-        self._tasks = worker.state.tasks
-        self._spans = spans
-        self._named: set[int] = set()
-        for ident, key in entries.items():
-            self._tag(ident, key)
-
-    def _tag(self, ident: int, key: Any) -> None:
-        span = self._spans.span_of(self._tasks.get(key))
-        self._sampler.set_thread_tag(ident, str(key), key_split(key), span)
-
-    def __setitem__(self, ident: int, key: Any) -> None:
-        super().__setitem__(ident, key)
-        self._tag(ident, key)
-        if ident not in self._named:
-            self._named.add(ident)
-            self._sampler.set_thread_name(ident, f"{self._worker_name} {threading.current_thread().name}")
-
-    def __delitem__(self, ident: int) -> None:
-        # Untagged first: this method's own time is not the task's.
-        self._sampler.clear_thread_tag(ident)
-        super().__delitem__(ident)
-
-
-RUNNING = ("executing", "long-running")  # a seceded task is still running
-
-
-class TaskLog:
-    """Start and stop times of executed tasks, bounded, for the profile's metadata.
-
-    Fed by the worker's `transition` hook on the event loop; summarised off it. Every
-    plugin holding the worker's profiler feeds it: a transition seen twice counts once.
-    """
-
-    def __init__(self, maxlen: int) -> None:
-        self._started: dict[Any, float] = {}
-        self._done: deque[tuple[str, float, float]] = deque(maxlen=maxlen)
-
-    def transition(self, key: Any, start: str, finish: str) -> None:
-        if finish in RUNNING:
-            self._started.setdefault(key, time.time())
-        elif start in RUNNING:
-            began = self._started.pop(key, None)
-            if began is not None:
-                self._done.append((key_split(key), began, time.time()))
-
-    def summary(self, start: float | None, stop: float | None) -> dict[str, dict[str, float]]:
-        """Per task prefix: tasks that overlap the window, and their wall seconds inside it."""
-        lo, hi = start or 0.0, stop or time.time()
-        done = list(self._done)  # one C-level copy: safe from another thread
-        inside = ((prefix, min(ended, hi) - max(began, lo)) for prefix, began, ended in done)
-        return task_totals(run for run in inside if run[1] >= 0)
-
-
-class WorkerProfiler:
-    """A worker's half, set up once however many hold it (the worker preload and our
-    plugin): the sampler hold, task tags, the task log and the RPC handlers."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.hold = SamplerHold()
-        self.tasks = TaskLog(config.get("task-history"))
-        self.spans = SpanNames()
-        self.holders = 0
-        self._lock = asyncio.Lock()
-
-    @classmethod
-    def of(cls, worker: Worker) -> WorkerProfiler:
-        """The worker's profiler, made on first use."""
-        profiler = _profilers.get(worker)
-        if profiler is None:
-            profiler = _profilers[worker] = cls(worker)
-        return profiler
-
-    async def attach(self, opts: dict[str, Any]) -> None:
-        """One more holder; its options apply (the last given win, as for the process sampler)."""
-        async with self._lock:
-            self.holders += 1
-            await self._apply(opts)
-            if self.holders == 1:
-                handlers = {"pyspy_profile": self.profile, "pyspy_size": self.size, "pyspy_dump": self.dump, "pyspy_configure": self.configure}
-                install_handlers(self.worker, handlers)
-
-    async def detach(self) -> None:
-        """One holder fewer; the last one tears the profiler down."""
-        async with self._lock:
-            self.holders -= 1
-            if self.holders == 0:
-                _profilers.pop(self.worker, None)
-                remove_handlers(self.worker)
-                await self.hold.release()
-                self._tag_tasks()
-
-    async def _apply(self, opts: dict[str, Any]) -> None:
-        before = self.hold.sampler
-        await self.hold.apply(opts)
-        if self.hold.sampler is not before:
-            self._tag_tasks()
-
-    def _tag_tasks(self) -> None:
-        """Tag the threads' tasks for the held sampler; without one, stop tagging."""
-        sampler = self.hold.sampler
-        with self.worker.active_threads_lock:
-            entries = dict(self.worker.active_threads)
-            self.worker.active_threads = entries if sampler is None else TaskTagger(sampler, self.worker, self.spans, entries)
-
-    def _check(self) -> Sampler:
-        if self.hold.sampler is None:
-            raise RuntimeError(f"sampling is off on worker {self.worker.address}: {self.hold.error}")
-        return self.hold.sampler
-
-    async def profile(self, start: float | None = None, stop: float | None = None, aggregate: bool = False) -> bytes:
-        """The window in the wire format, with the task log and span names."""
-        sampler = self._check()
-
-        def export() -> bytes:
-            tasks = {self.worker.address: self.tasks.summary(start, stop)}
-            return sampler.export(start, stop, aggregate, self.worker.address, {"tasks": tasks}, dict(self.spans.spans))
-
-        return await off_loop(export)
-
-    async def size(self, start: float | None = None, stop: float | None = None, aggregate: bool = False) -> dict[str, int]:
-        """What `profile` would send: samples, and the decoded profile's approximate bytes."""
-        return await off_loop(self._check().window_size, start, stop, aggregate)
-
-    async def dump(self) -> dict[str, Any]:
-        sampler = self._check()
-        return {"process": self.worker.address, "pid": os.getpid(), **await off_loop(sampler.dump)}
-
-    async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
-        """New options from the scheduler, applied in place: samples and task log are kept."""
-        async with self._lock:
-            await self._apply(sampler_options)
-        return {"error": self.hold.error}
-
-
-_profilers: weakref.WeakKeyDictionary[Worker, WorkerProfiler] = weakref.WeakKeyDictionary()
-
-
-class PySpyWorkerPlugin(WorkerPlugin):
-    """Runs in each worker: holds the worker's profiler, which tags samples with task keys."""
-
-    idempotent = True
-    name = PLUGIN_NAME
-
-    def __init__(self, sampler_options: dict[str, Any]) -> None:
-        self.sampler_options = sampler_options
-
-    async def setup(self, worker: Worker) -> None:
-        self.profiler = WorkerProfiler.of(worker)
-        await self.profiler.attach(self.sampler_options)
-
-    async def teardown(self, worker: Worker) -> None:
-        await self.profiler.detach()
-
-    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        self.profiler.tasks.transition(key, start, finish)
-
 
 SCHEDULER = "scheduler"
 SLACK_BYTES = 1 << 20  # samples a process takes between saying its size and sending
@@ -447,7 +200,7 @@ class ClusterProfiler:
         aggregate: bool = False,
     ) -> dict[str, Any]:
         """Every selected process's samples of `[start, stop]` as wire parts, for the
-        client to merge (`dask_pyspy.client.assemble`): the scheduler only relays them,
+        client to merge (`dask_pyspy.protocol.assemble`): the scheduler only relays them,
         so its memory stays near the bytes it receives. First each process says how
         large its part is; a request over `pyspy.max-result` is refused before any
         sample moves."""
@@ -555,21 +308,3 @@ class PySpyPlugin(SchedulerPlugin):
         await self.profiler.close()
 
 
-async def dask_setup(server: Any) -> None:
-    """Preload hook: `dask scheduler --preload dask_pyspy`, `dask worker --preload dask_pyspy`."""
-    if isinstance(server, Scheduler):
-        server.add_plugin(PySpyPlugin())  # its start() is awaited when the scheduler starts
-    elif isinstance(server, Worker):
-        # The scheduler's plugin, of the same name, replaces this one, so a worker holds one
-        # plugin of ours however it was set up. The preload's own hold on the profiler, until
-        # dask_teardown, keeps the profiler (task log, tags) through that replacement.
-        opts = config.sampler_options()
-        await WorkerProfiler.of(server).attach(opts)
-        await server.plugin_add(PySpyWorkerPlugin(opts), name=PLUGIN_NAME)
-
-
-async def dask_teardown(server: Any) -> None:
-    """Preload hook at close (after the worker's plugins are gone): the preload's hold goes."""
-    profiler = _profilers.get(server) if isinstance(server, Worker) else None
-    if profiler is not None:  # None on a worker whose dask_setup failed
-        await profiler.detach()

@@ -1,0 +1,39 @@
+"""What the scheduler's handlers and their callers (the client, the dashboard) share:
+the event topic the handlers log to, and how their replies read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask_pyspy.model import Profile
+
+# The scheduler's event topic where its handlers' "start" and "close" are logged, so a
+# client can ask whether they are there: calling a missing one logs a traceback there.
+EVENT_TOPIC = "dask-pyspy"
+
+
+def assemble(reply: dict[str, Any], by: str = "thread", weight: str = "wall") -> Profile:
+    """The profile of a scheduler's `pyspy_profile` reply: the processes' parts merged
+    here, in the caller's process, and narrowed to the span it asked for."""
+    merged = Profile.merge_wire(reply["parts"], by=by, weight=weight, spans=reply["spans"], **reply["metadata"])
+    span = reply["metadata"].get("span")
+    return merged if span is None else merged.only_span(span)
+
+
+class StackDump(dict):
+    """Live stacks of every thread in every process; `str()` prints them like `py-spy dump`."""
+
+    def __str__(self) -> str:
+        lines: list[str] = []
+        for proc in self["processes"].values():
+            lines.append(f"Process {proc['process']} (pid {proc['pid']}, {proc.get('reader') or 'no'} reader)")
+            for th in proc["threads"]:
+                state = "active" if th["active"] else "idle"
+                state += "+gil" if th["owns_gil"] else ""
+                task = f" task {th['task']}" if th["task"] else ""
+                lines.append(f"Thread {th['ident']:#x} ({state}): {th['name'] or ''!r}{task}")
+                lines.extend(f"    {f['name']} ({f['file']}:{f['line']})" for f in th["frames"])
+            lines.append("")
+        for name, error in self["missing"].items():
+            lines.append(f"Missing {name}: {error}")
+        return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""What a scheduler's and a worker's halves share: their hold on the process sampler,
+their RPC handlers' names, and the answer to a request the caller got wrong."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from distributed import Scheduler, Worker
+
+from dask_pyspy._loop import off_loop
+from dask_pyspy.sampler import Sampler, process_sampler
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "pyspy"
+HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
+
+
+class SamplerHold:
+    """A server's hold on the process sampler. A sampler that cannot run turns sampling
+    off in this server, with the reason; the server keeps running."""
+
+    def __init__(self) -> None:
+        self.sampler: Sampler | None = None
+        self.error: str | None = None
+
+    async def apply(self, opts: dict[str, Any]) -> None:
+        """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
+        try:
+            if self.sampler is None:
+                self.sampler = await off_loop(process_sampler.acquire, opts)
+            else:
+                await off_loop(process_sampler.configure, opts)
+            self.error = None
+        except Exception as e:  # an unreadable interpreter must not take the server down
+            logger.error("dask-pyspy: sampling is off in this process: %s", e)
+            self.error = f"{type(e).__name__}: {e}"
+            await self.release()
+
+    async def release(self) -> None:
+        if self.sampler is not None:
+            self.sampler = None
+            await off_loop(process_sampler.release)
+
+
+def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..., Any]]) -> None:
+    server.handlers.update(handlers)
+
+
+def remove_handlers(server: Scheduler | Worker) -> None:
+    for name in HANDLERS:
+        server.handlers.pop(name, None)
+
+
+def rejected(error: ValueError) -> dict[str, str]:
+    """The answer to a request the caller got wrong: returned rather than raised, so the
+    server logs one line instead of an error with a traceback."""
+    logger.info("dask-pyspy: rejected a request: %s", error)
+    return {"error": str(error)}
