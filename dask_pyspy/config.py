@@ -10,8 +10,7 @@ import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
 from dask_pyspy import options
-
-SAMPLER_OPTIONS = ("rate", "idle", "gil_only", "cpu_budget", "max_memory", "lines", "function", "reader")
+from dask_pyspy.options import SamplerOptions
 
 with open(os.path.join(os.path.dirname(__file__), "pyspy.yaml")) as f:
     # libyaml's loader where PyYAML has it: every worker (re)start reads this file.
@@ -26,13 +25,15 @@ def get(name: str) -> Any:
     return dask.config.get(f"pyspy.{name}", default=defaults["pyspy"][name.replace("_", "-")])
 
 
-def sampler_options(**given: Any) -> dict[str, Any]:
-    """Sampler options: the given ones, the rest from dask config (`DASK_PYSPY__RATE` etc.)."""
-    options.known("sampler options", given, SAMPLER_OPTIONS)
-    out = {name: get(name) if given.get(name) is None else given[name] for name in SAMPLER_OPTIONS}
+def sampler_options(**given: Any) -> SamplerOptions:
+    """Sampler options: the given ones (None: not given), the rest from dask config
+    (`DASK_PYSPY__RATE` etc.); `max_memory` may be a size such as "64MiB"."""
+    names = SamplerOptions.names()
+    options.known("sampler options", given, names)
+    out = {name: get(name) if given.get(name) is None else given[name] for name in names}
     if isinstance(out["max_memory"], str):
         out["max_memory"] = parse_bytes(out["max_memory"])
-    return out
+    return SamplerOptions(**out)
 
 
 def timeout(given: Any = None) -> float:

@@ -64,8 +64,7 @@ class PySpyProfiler(Callback):
 
     def __init__(self, **sampler_options: Any) -> None:
         super().__init__()
-        self._options = config.sampler_options(**sampler_options)
-        Sampler(**self._options)  # bad options fail here
+        self._options = Sampler(**sampler_options).options  # bad options fail here, before any compute
         self._sampler: Sampler | None = None
         self._result: Profile | None = None
         self._lock = threading.Lock()

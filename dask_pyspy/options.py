@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, Iterable
@@ -103,3 +104,62 @@ def window(start: Any, stop: Any) -> tuple[float | None, float | None]:
     if start is not None and stop is not None and stop < start:
         raise ValueError(f"stop must not be before start, got start={start} stop={stop}")
     return start, stop
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOptions:
+    """How a process samples: the options of `Sampler`, `PySpyPlugin` and `PySpyProfiler`.
+
+    Their defaults are dask config's `pyspy.*` (`dask_pyspy/pyspy.yaml`), filled in by
+    `config.sampler_options`. Types are checked here; the native sampler checks ranges.
+
+    rate: samples per second, in (0, 10000].
+    idle: also keep samples of threads that are waiting (off CPU, not holding the GIL)
+        and run no task (a task's waits are always kept).
+    gil_only: only sample the thread that holds the GIL.
+    cpu_budget: largest fraction of one core the sampler may use, in (0, 1]; past it
+        the interval stretches and samples are weighted by the time they stand for.
+    max_memory: cap on the sample store in bytes (at least 1 MiB); the oldest samples go first.
+    lines: record line numbers; off gives function-level profiles at ~25% less cost.
+    function: aggregate by each function's first line (``py-spy record --function``).
+    reader: ``"auto"`` (the fast reader where its self-check at start passes, else
+        py-spy's), ``"fast"`` (our own reader; RuntimeError where it cannot work) or
+        ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
+        says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
+    """
+
+    rate: float
+    idle: bool
+    gil_only: bool
+    cpu_budget: float
+    max_memory: int
+    lines: bool
+    function: bool
+    reader: str
+
+    def __post_init__(self) -> None:
+        checked = dict(
+            rate=number("rate", self.rate),
+            idle=flag("idle", self.idle),
+            gil_only=flag("gil_only", self.gil_only),
+            cpu_budget=number("cpu_budget", self.cpu_budget),
+            max_memory=integer("max_memory", self.max_memory),
+            lines=flag("lines", self.lines),
+            function=flag("function", self.function),
+            reader=reader(self.reader),
+        )
+        for name, value in checked.items():  # numbers as the native sampler takes them
+            object.__setattr__(self, name, value)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(SamplerOptions))
+
+    def replace(self, **changes: Any) -> SamplerOptions:
+        """These options with `changes` (names as the fields'), checked."""
+        known("sampler options", changes, self.names())
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as RPC sends them; `SamplerOptions(**d)` reads them back."""
+        return dataclasses.asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -11,8 +12,9 @@ import time
 import weakref
 from typing import Any
 
-from dask_pyspy import _native, options
+from dask_pyspy import _native, config, options
 from dask_pyspy.model import Profile
+from dask_pyspy.options import SamplerOptions
 
 _running: weakref.WeakSet[Sampler] = weakref.WeakSet()
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
@@ -54,54 +56,21 @@ def _watch_thread_starts() -> None:
             threading._active = _ActiveThreads(threading._active)  # type: ignore[attr-defined]
 
 
-def _checked(
-    rate: Any, idle: Any, gil_only: Any, cpu_budget: Any, max_memory: Any, lines: Any, function: Any, reader: Any
-) -> dict[str, Any]:
-    """Sampler options with their types checked; the native sampler checks their ranges."""
-    return dict(
-        rate=options.number("rate", rate),
-        idle=options.flag("idle", idle),
-        gil_only=options.flag("gil_only", gil_only),
-        cpu_budget=options.number("cpu_budget", cpu_budget),
-        max_memory=options.integer("max_memory", max_memory),
-        lines=options.flag("lines", lines),
-        function=options.flag("function", function),
-        reader=options.reader(reader),
-    )
+def _native_sampler(opts: SamplerOptions) -> _native.Sampler:
+    return _native.Sampler(**dataclasses.asdict(opts))
 
 
 class Sampler:
     """Samples every Python thread of this process from a background Rust thread.
 
-    Parameters
-    ----------
-    rate: samples per second, in (0, 10000].
-    idle: also keep samples of threads that are waiting (off CPU, not holding the GIL).
-    gil_only: only sample the thread that holds the GIL.
-    cpu_budget: largest fraction of one core the sampler may use, in (0, 1];
-        past it the interval stretches and samples are weighted by the time they stand for.
-    max_memory: cap on the sample store in bytes (at least 1 MiB); the oldest samples go first.
-    lines: record line numbers; off gives function-level profiles at ~25% less cost.
-    function: aggregate by each function's first line (``py-spy record --function``).
-    reader: ``"auto"`` (the fast reader where its self-check at start passes, else
-        py-spy's), ``"fast"`` (our own reader; RuntimeError where it cannot work) or
-        ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
-        says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
+    `options` are `SamplerOptions`' fields by name (rate, idle, gil_only, cpu_budget,
+    max_memory, lines, function, reader: see there); those not given (or None) come
+    from dask config `pyspy.*`. A bad one raises ValueError, an unknown name TypeError.
     """
 
-    def __init__(
-        self,
-        rate: float = 100,
-        idle: bool = False,
-        gil_only: bool = False,
-        cpu_budget: float = 0.01,
-        max_memory: int = 64 * 2**20,
-        lines: bool = True,
-        function: bool = False,
-        reader: str = "auto",
-    ) -> None:
-        self.options = _checked(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)
-        self._native = _native.Sampler(**self.options)
+    def __init__(self, **options: Any) -> None:
+        self.options = config.sampler_options(**options)
+        self._native = _native_sampler(self.options)
         _samplers.add(self)
 
     def configure(self, **changes: Any) -> None:
@@ -110,14 +79,13 @@ class Sampler:
         The samples taken so far stay (the oldest go if `max_memory` shrinks below
         them); a running sampler restarts with the new options.
         """
-        options.known("sampler options", changes, self.options)
-        new = _checked(**{**self.options, **changes})
+        new = self.options.replace(**changes)
         if new == self.options:
             return
         running = self.is_running
         self.stop()
         try:
-            self._native.configure(**new)
+            self._native.configure(**dataclasses.asdict(new))
             self.options = new
         finally:
             if running:
@@ -224,7 +192,7 @@ def _after_fork_in_child() -> None:
     _running.clear()
     for sampler in list(_samplers):
         # The old native sampler, once dropped, leaks its state rather than touch it.
-        sampler._native = _native.Sampler(**sampler.options)
+        sampler._native = _native_sampler(sampler.options)
     process_sampler._after_fork_in_child()
 
 
@@ -241,23 +209,23 @@ class ProcessSampler:
         self._sampler: Sampler | None = None
         self._users = 0
 
-    def acquire(self, opts: dict[str, Any]) -> Sampler:
+    def acquire(self, opts: SamplerOptions) -> Sampler:
         """The sampler, running with `opts`; hold it until `release()`."""
         with self._lock:
             sampler = self._run_with(opts)
             self._users += 1
             return sampler
 
-    def configure(self, opts: dict[str, Any]) -> Sampler:
+    def configure(self, opts: SamplerOptions) -> Sampler:
         """New options for the sampler a user holds, applied at once."""
         with self._lock:
             return self._run_with(opts)
 
-    def _run_with(self, opts: dict[str, Any]) -> Sampler:
+    def _run_with(self, opts: SamplerOptions) -> Sampler:
         if self._sampler is None:
-            self._sampler = Sampler(**opts)
+            self._sampler = Sampler(**opts.to_dict())
         else:
-            self._sampler.configure(**opts)
+            self._sampler.configure(**opts.to_dict())
         if not self._sampler.is_running:
             self._sampler.start()
         return self._sampler

@@ -19,6 +19,7 @@ from distributed.protocol.pickle import dumps
 from dask_pyspy import _native, config, options
 from dask_pyspy._loop import off_loop
 from dask_pyspy.protocol import EVENT_TOPIC
+from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler
 from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, rejected, remove_handlers
 from dask_pyspy.worker import PySpyWorkerPlugin
@@ -103,10 +104,10 @@ class ClusterProfiler:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.hold = SamplerHold()
-        self.sampler_options: dict[str, Any] = {}
+        self.sampler_options: SamplerOptions | None = None
         self._lock = asyncio.Lock()
 
-    async def start(self, opts: dict[str, Any]) -> None:
+    async def start(self, opts: SamplerOptions) -> None:
         # Imported here, on the scheduler only: workers start (and restart) without the pages.
         from dask_pyspy.dashboard import add_routes
 
@@ -119,7 +120,7 @@ class ClusterProfiler:
             None, dumps(PySpyWorkerPlugin(opts)), name=PLUGIN_NAME, idempotent=False
         )
 
-    async def apply(self, opts: dict[str, Any]) -> None:
+    async def apply(self, opts: SamplerOptions) -> None:
         """New options for the scheduler, every worker and future workers; samples are kept."""
         async with self._lock:
             if opts == self.sampler_options:
@@ -131,7 +132,7 @@ class ClusterProfiler:
             # registering the worker plugin again would tear down each worker's task log.
             self.scheduler.worker_plugins[PLUGIN_NAME] = dumps(PySpyWorkerPlugin(opts))
             addresses = list(self.scheduler.workers)
-            replies, missing = await self._ask_workers(addresses, "pyspy_configure", timeout, sampler_options=opts)
+            replies, missing = await self._ask_workers(addresses, "pyspy_configure", timeout, sampler_options=opts.to_dict())
             missing.update((addr, reply["error"]) for addr, reply in replies.items() if reply["error"])
             if missing:
                 logger.warning("dask-pyspy: workers that could not take the new sampler options: %s", missing)
@@ -265,7 +266,8 @@ class PySpyPlugin(SchedulerPlugin):
     """Profile a whole dask cluster: `client.register_plugin(PySpyPlugin())`.
 
     Starts the in-process sampler in the scheduler and in every current and future
-    worker. Options default to dask config (`pyspy.*`); see `dask_pyspy.Sampler`.
+    worker. `options` are `SamplerOptions`' fields by name (rate, idle, ...: see
+    there); those not given (or None) come from dask config (`pyspy.*`).
     Registering it again with other options applies them to every running sampler
     (and future workers), keeping the samples taken so far; with the same options it
     does nothing.
@@ -275,22 +277,9 @@ class PySpyPlugin(SchedulerPlugin):
     idempotent = False
     name = PLUGIN_NAME
 
-    def __init__(
-        self,
-        rate: float | None = None,
-        idle: bool | None = None,
-        gil_only: bool | None = None,
-        cpu_budget: float | None = None,
-        max_memory: int | str | None = None,
-        lines: bool | None = None,
-        function: bool | None = None,
-        reader: str | None = None,
-    ) -> None:
-        self.sampler_options = config.sampler_options(
-            rate=rate, idle=idle, gil_only=gil_only, cpu_budget=cpu_budget,
-            max_memory=max_memory, lines=lines, function=function, reader=reader,
-        )
-        Sampler(**self.sampler_options)  # bad options fail here, in the caller's process
+    def __init__(self, **options: Any) -> None:
+        # A Sampler, never started, checks every option here, in the caller's process.
+        self.sampler_options = Sampler(**options).options
 
     async def start(self, scheduler: Scheduler) -> None:
         current = scheduler.plugins.get(PLUGIN_NAME)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from distributed import Scheduler, Worker
 
 from dask_pyspy._loop import off_loop
+from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler, process_sampler
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ class SamplerHold:
         self.sampler: Sampler | None = None
         self.error: str | None = None
 
-    async def apply(self, opts: dict[str, Any]) -> None:
+    async def apply(self, opts: SamplerOptions) -> None:
         """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
         try:
             if self.sampler is None:

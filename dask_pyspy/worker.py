@@ -18,6 +18,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from dask_pyspy import config
 from dask_pyspy._loop import off_loop
 from dask_pyspy.model import task_totals
+from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler
 from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, remove_handlers
 
@@ -136,7 +137,7 @@ class WorkerProfiler:
         """The worker's profiler, if anyone holds it."""
         return _profilers.get(worker)
 
-    async def attach(self, opts: dict[str, Any]) -> None:
+    async def attach(self, opts: SamplerOptions) -> None:
         """One more holder; its options apply (the last given win, as for the process sampler)."""
         async with self._lock:
             self.holders += 1
@@ -155,7 +156,7 @@ class WorkerProfiler:
                 await self.hold.release()
                 self._tag_tasks()
 
-    async def _apply(self, opts: dict[str, Any]) -> None:
+    async def _apply(self, opts: SamplerOptions) -> None:
         before = self.hold.sampler
         await self.hold.apply(opts)
         if self.hold.sampler is not before:
@@ -192,9 +193,10 @@ class WorkerProfiler:
         return {"process": self.worker.address, "pid": os.getpid(), **await off_loop(sampler.dump)}
 
     async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
-        """New options from the scheduler, applied in place: samples and task log are kept."""
+        """New options from the scheduler (`SamplerOptions.to_dict`), applied in place:
+        samples and task log are kept."""
         async with self._lock:
-            await self._apply(sampler_options)
+            await self._apply(SamplerOptions(**sampler_options))
         return {"error": self.hold.error}
 
 
@@ -207,7 +209,7 @@ class PySpyWorkerPlugin(WorkerPlugin):
     idempotent = True
     name = PLUGIN_NAME
 
-    def __init__(self, sampler_options: dict[str, Any]) -> None:
+    def __init__(self, sampler_options: SamplerOptions) -> None:
         self.sampler_options = sampler_options
 
     async def setup(self, worker: Worker) -> None:

@@ -267,7 +267,7 @@ def test_config_defaults_and_overrides():
     assert dask.config.get("pyspy.cpu_budget") == 0.01
     with dask.config.set({"pyspy.rate": 250, "pyspy.max-memory": "8MiB"}):
         plugin = dask_pyspy.PySpyPlugin()
-        assert plugin.sampler_options["rate"] == 250
-        assert plugin.sampler_options["max_memory"] == 8 * 2**20
+        assert plugin.sampler_options.rate == 250
+        assert plugin.sampler_options.max_memory == 8 * 2**20
     with pytest.raises(ValueError, match="rate must be in"):
         dask_pyspy.PySpyPlugin(rate=-1)

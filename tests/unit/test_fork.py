@@ -10,7 +10,7 @@ import textwrap
 
 PRELUDE = """
 import os, sys, threading, time
-from dask_pyspy import Sampler, _native
+from dask_pyspy import Sampler, _native, config
 from dask_pyspy.sampler import process_sampler
 from tests.unit.test_sampler import wait_for
 
@@ -81,11 +81,11 @@ def test_a_forked_child_starts_clean_and_can_sample_again():
 def test_the_process_sampler_is_free_in_the_child():
     """The plugin's shared sampler: its lock and user count start over in the child."""
     run("""
-        sampler = process_sampler.acquire({"rate": 200})
+        sampler = process_sampler.acquire(config.sampler_options(rate=200))
         pid = os.fork()
         if pid == 0:
             assert process_sampler.sampler is sampler and not sampler.is_running
-            assert process_sampler.acquire({"rate": 200}).is_running
+            assert process_sampler.acquire(config.sampler_options(rate=200)).is_running
             process_sampler.release()
             assert not sampler.is_running
             os._exit(0)

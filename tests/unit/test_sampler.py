@@ -389,17 +389,17 @@ def test_configure_keeps_the_samples_taken(sampler):
         wait_for(lambda: sampler.stats()["store"]["samples_held"] > 20)
         taken = sampler.stats()["store"]["samples_held"]
         sampler.configure(rate=50, lines=False, max_memory=2**20)
-        assert sampler.is_running and sampler.options["rate"] == 50
+        assert sampler.is_running and sampler.options.rate == 50
         stats = sampler.stats()
         assert stats["requested_rate"] == 50 and stats["store"]["max_bytes"] == 2**20
         assert stats["store"]["samples_held"] >= taken, "the samples before the change are kept"
         with pytest.raises(ValueError, match="rate must be in"):
             sampler.configure(rate=0)
-        assert sampler.is_running and sampler.options["rate"] == 50, "a bad option changes nothing"
+        assert sampler.is_running and sampler.options.rate == 50, "a bad option changes nothing"
         with pytest.raises(TypeError, match=r"unknown sampler options \['rates'\]; allowed: rate, idle"):
             sampler.configure(rates=50)
     with pytest.raises(RuntimeError, match=r"call stop\(\) before configure\(\)"):
-        sampler._native.configure(**sampler.options)
+        sampler._native.configure(**sampler.options.to_dict())
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="py-spy in-process sampling is Linux only")
