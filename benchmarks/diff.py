@@ -1,5 +1,5 @@
 """How close `Profile.diff` puts a slowed function's gain to the truth, idle and beside
-CPU hogs (the figure tests/integration/test_saved.py no longer asserts)."""
+CPU hogs (the figure tests/cluster/test_saved.py no longer asserts)."""
 
 from __future__ import annotations
 

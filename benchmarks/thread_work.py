@@ -1,5 +1,5 @@
 """Shapes of work whose thread states are known: pure Python contending for the GIL,
-C code without the GIL, sleeps, arrow's native pool, BLAS. Used by tests/unit/test_states.py
+C code without the GIL, sleeps, arrow's native pool, BLAS. Used by tests/inprocess/test_states.py
 and the states benchmark."""
 
 from __future__ import annotations

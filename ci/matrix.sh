@@ -6,8 +6,8 @@
 # Roots and venvs stay in $DASK_PYSPY_ROOTS (default below) for the next run; logs in its logs/.
 set -euo pipefail
 
-MATRIX_TESTS="tests/unit/test_sampler.py tests/unit/test_reader.py tests/unit/test_states.py
-    tests/integration/test_cluster.py::test_task_attribution tests/integration/test_report.py"
+MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py
+    tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py"
 PYTHONS="3.13:sid 3.14:sid 3.15:sid 3.9:bullseye"
 EXTRA_PACKAGES_sid="chromium chromium-driver" # bullseye runs only the report tests without a browser
 OLDEST_DASK_ON=3.9

@@ -1,4 +1,4 @@
-"""Helpers shared by unit and integration tests."""
+"""Helpers shared by the in-process and cluster tests."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from distributed import Client, LocalCluster
 
 import dask_pyspy
 from tests.conftest import frame_names
-from tests.integration.conftest import start_cluster
-from tests.integration.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper
+from tests.cluster.conftest import start_cluster
+from tests.cluster.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper
 
 
 def run_mixed_workload(client: Client, round: int = 0) -> None:

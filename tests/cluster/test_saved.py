@@ -14,9 +14,9 @@ from distributed import span
 
 from dask_pyspy import Profile
 from tests.conftest import self_seconds
-from tests.integration.browser import console_errors, screenshot, start_chromium
-from tests.integration.test_cli import run
-from tests.integration.workload import spin_then_grind
+from tests.cluster.browser import console_errors, screenshot, start_chromium
+from tests.cluster.test_cli import run
+from tests.cluster.workload import spin_then_grind
 
 TASKS = 80
 SPIN = 0.01

@@ -11,8 +11,8 @@ from distributed import Client, LocalCluster
 from distributed.security import Security
 
 import dask_pyspy
-from tests.integration.conftest import start_cluster
-from tests.integration.workload import alpha, beta, gamma
+from tests.cluster.conftest import start_cluster
+from tests.cluster.workload import alpha, beta, gamma
 
 
 def test_restart_and_retire_while_sampling(fresh):

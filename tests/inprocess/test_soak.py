@@ -7,6 +7,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from dask_pyspy import Sampler
 
@@ -33,6 +34,7 @@ def churn(sampler: Sampler, stop: threading.Event) -> None:
             t.join()
 
 
+@pytest.mark.slow  # a minute or more; ci/test.sh runs it, `-m 'not slow'` skips it
 def test_soak_under_thread_churn():
     s = Sampler(rate=1000, idle=True, cpu_budget=1.0, max_memory=CAP)
     stop = threading.Event()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tests.integration.workload import matmul, wait_io
+from tests.cluster.workload import matmul, wait_io
 
 
 def test_io_and_numpy_tasks_split_as_they_ran(client):

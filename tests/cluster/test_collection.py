@@ -10,7 +10,7 @@ import uuid
 import dask
 import pytest
 
-from tests.integration.workload import spin_for
+from tests.cluster.workload import spin_for
 
 
 def run_prefixes(client, prefixes: dict[str, float], n: int = 40) -> None:

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from dask_pyspy import Profile, Sampler
-from tests.unit.test_sampler import wait_for
+from tests.inprocess.test_sampler import wait_for
 
 SPANS = {"span-1": {"names": ["load", "parse"], "ids": ["span-0", "span-1"]}}
 KEY = "('parse-8d2c', 3)"

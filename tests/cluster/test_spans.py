@@ -12,8 +12,8 @@ import pytest
 from distributed import span
 
 from tests.conftest import frame_names
-from tests.integration.test_cli import DASK, one_line_error, run
-from tests.integration.workload import spin_for
+from tests.cluster.test_cli import DASK, one_line_error, run
+from tests.cluster.workload import spin_for
 
 
 def tasks(client, prefix: str, n: int) -> list:

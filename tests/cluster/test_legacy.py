@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dask_pyspy.legacy import legacy_filename, pyspy, pyspy_on_scheduler
-from tests.integration.workload import alpha
+from tests.cluster.workload import alpha
 
 
 def test_one_speedscope_file_per_worker(client, tmp_path):

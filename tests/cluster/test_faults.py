@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-from tests.integration.workload import alpha
+from tests.cluster.workload import alpha
 
 
 def test_worker_killed_during_collection(fresh):

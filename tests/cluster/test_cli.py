@@ -13,7 +13,7 @@ import pytest
 from distributed import LocalCluster
 
 from dask_pyspy import Profile
-from tests.integration.workload import alpha
+from tests.cluster.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
 

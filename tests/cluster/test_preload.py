@@ -16,7 +16,7 @@ import pytest
 from distributed import Client
 
 import dask_pyspy
-from tests.integration.workload import alpha
+from tests.cluster.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
 

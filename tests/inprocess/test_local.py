@@ -8,8 +8,8 @@ import dask
 import pytest
 
 from dask_pyspy import PySpyProfiler
-from tests.integration.test_cluster import tagged_samples
-from tests.integration.workload import alpha, beta, gamma
+from tests.cluster.test_cluster import tagged_samples
+from tests.cluster.workload import alpha, beta, gamma
 
 FUNCTIONS = {"alpha", "beta", "gamma"}
 # The pool's hand-off code, which tagging from submission to completion charged to tasks.

@@ -14,7 +14,7 @@ from distributed import span
 
 from dask_pyspy import Profile
 from dask_pyspy.client import save_or_keep
-from tests.integration.workload import alpha, gamma
+from tests.cluster.workload import alpha, gamma
 
 UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "mins": 60.0, "hrs": 3600.0}
 

@@ -22,8 +22,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 import dask_pyspy
 from dask_pyspy import Sampler
 from dask_pyspy.report import STATES
-from tests.integration.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
-from tests.integration.workload import alpha, beta, gamma, recurse, spin
+from tests.cluster.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
+from tests.cluster.workload import alpha, beta, gamma, recurse, spin
 
 HOSTILE = "<script>alert(1)</script>"
 
