@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import click
 
@@ -66,18 +67,63 @@ def pyspy() -> None:
     pass
 
 
-@pyspy.command(help="Record the cluster for a while and save the profile (.html report, speedscope .json[.gz] or pprof .pb.gz).")
+@pyspy.command(
+    help="Record the cluster for a while and save the profile (.html report, speedscope .json[.gz] or pprof .pb.gz)."
+)
 @click.option("--scheduler", required=True, help="Scheduler address, e.g. tcp://10.0.0.1:8786.")
-@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds to record.")
-@click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
+@click.option(
+    "--duration",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds to record.",
+)
+@click.option(
+    "--workers",
+    default=None,
+    callback=_workers,
+    help="A number of workers, or comma-separated addresses (default: all).",
+)
 @click.option("--by", type=click.Choice(["thread", "task", "prefix", "span"]), default="thread", show_default=True)
-@click.option("--span", default=None, help="Only this dask span (a name or id) and the spans in it; a/b for a path of names.")
-@click.option("--weight", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True, help="What a sample weighs in the views.")
-@click.option("--aggregate", is_flag=True, help="Each process sends counts per stack and task prefix, not every sample: for big clusters; no timeline.")
-@click.option("-o", "--output", default="pyspy-profile.html", show_default=True, help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).")
-@click.option("--timeout", default=CONNECT_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), help=CONNECT_HELP)
+@click.option(
+    "--span", default=None, help="Only this dask span (a name or id) and the spans in it; a/b for a path of names."
+)
+@click.option(
+    "--weight",
+    type=click.Choice(["wall", "cpu"]),
+    default="wall",
+    show_default=True,
+    help="What a sample weighs in the views.",
+)
+@click.option(
+    "--aggregate",
+    is_flag=True,
+    help="Each process sends counts per stack and task prefix, not every sample: for big clusters; no timeline.",
+)
+@click.option(
+    "-o",
+    "--output",
+    default="pyspy-profile.html",
+    show_default=True,
+    help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).",
+)
+@click.option(
+    "--timeout",
+    default=CONNECT_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help=CONNECT_HELP,
+)
 def record(
-    scheduler: str, duration: float, workers: Any, by: str, span: str | None, weight: str, aggregate: bool, output: str, timeout: float
+    scheduler: str,
+    duration: float,
+    workers: Any,
+    by: str,
+    span: str | None,
+    weight: str,
+    aggregate: bool,
+    output: str,
+    timeout: float,
 ) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
     from dask_pyspy.model import check_writable
@@ -110,8 +156,19 @@ def record(
 
 @pyspy.command(help="Print every thread's current stack on every worker and the scheduler, with its task.")
 @click.option("--scheduler", required=True, help="Scheduler address.")
-@click.option("--workers", default=None, callback=_workers, help="A number of workers, or comma-separated addresses (default: all).")
-@click.option("--timeout", default=CONNECT_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), help=CONNECT_HELP)
+@click.option(
+    "--workers",
+    default=None,
+    callback=_workers,
+    help="A number of workers, or comma-separated addresses (default: all).",
+)
+@click.option(
+    "--timeout",
+    default=CONNECT_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help=CONNECT_HELP,
+)
 def dump(scheduler: str, workers: Any, timeout: float) -> None:
     from dask_pyspy.client import dump as dump_stacks
 
@@ -120,18 +177,28 @@ def dump(scheduler: str, workers: Any, timeout: float) -> None:
 
 
 @pyspy.command(help="Profile a realistic workload on a LocalCluster and save the report.")
-@click.option("-o", "--output", default="dask-pyspy-demo.html", show_default=True, help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).")
+@click.option(
+    "-o",
+    "--output",
+    default="dask-pyspy-demo.html",
+    show_default=True,
+    help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).",
+)
 @click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="Threads per worker.")
-@click.option("--days", default=20, show_default=True, type=click.IntRange(min=1), help="Size of the timeseries data set.")
+@click.option(
+    "--days", default=20, show_default=True, type=click.IntRange(min=1), help="Size of the timeseries data set."
+)
 def demo(output: str, n_workers: int, threads: int, days: int) -> None:
     from dask_pyspy.demo import run_demo
 
     run_demo(output, n_workers=n_workers, threads=threads, days=days)
 
 
-@pyspy.command(help="Compare two saved profiles (.pyspy.gz, or speedscope .json[.gz] saved by dask-pyspy): "
-               "a differential flame graph and the functions and task prefixes that gained or lost most, as an HTML page.")
+@pyspy.command(
+    help="Compare two saved profiles (.pyspy.gz, or speedscope .json[.gz] saved by dask-pyspy): "
+    "a differential flame graph and the functions and task prefixes that gained or lost most, as an HTML page."
+)
 @click.argument("base")
 @click.argument("new")
 @click.option("-o", "--output", default="pyspy-diff.html", show_default=True, help="Output file (.html).")

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from distributed import Client, default_client
+from distributed.core import PooledRPCCall, rpc
 
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
@@ -23,18 +24,21 @@ NO_PLUGIN = (
 )
 
 
-async def _has_plugin(client: Client) -> bool:
+async def _has_plugin(scheduler: rpc | PooledRPCCall) -> bool:
     """Whether the scheduler's handlers are installed, asked without calling one:
     distributed logs a call to an unknown op with a traceback."""
-    events = await client.scheduler.events(topic=EVENT_TOPIC)
+    events = await scheduler.events(topic=EVENT_TOPIC)
     return bool(events) and events[-1][1].get("action") == "start"
 
 
 async def _call(client: Client, op: str, **kwargs: Any) -> Any:
+    scheduler = client.scheduler
+    if scheduler is None:  # an asynchronous client that was never awaited
+        raise RuntimeError(f"the client is not connected to a scheduler: start it before {op}")
     try:
-        if not await _has_plugin(client):
+        if not await _has_plugin(scheduler):
             raise RuntimeError(NO_PLUGIN)
-        reply = await getattr(client.scheduler, op)(**kwargs)
+        reply = await getattr(scheduler, op)(**kwargs)
     except OSError as e:  # includes distributed's CommClosedError
         raise OSError(f"lost the connection to the scheduler during {op}: {e}") from e
     if reply is None:  # distributed answers an unknown op with nothing (the plugin closed since)
@@ -75,7 +79,9 @@ def _request(
         start = stop - seconds
     start, stop = options.window(start, stop)
     timeout = None if timeout is None else options.seconds("timeout", timeout)
-    request = dict(workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout)
+    request = dict(
+        workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout
+    )
     return shown, dict(request, span=options.span(span), aggregate=options.flag("aggregate", aggregate))
 
 
@@ -115,7 +121,13 @@ def get_profile(
     return client.sync(_get_profile, client, shown, **kwargs)
 
 
-SUFFIXES = {"html": ".html", "speedscope": ".json", "speedscope.gz": ".json.gz", "pprof": ".pb.gz", "pyspy": ".pyspy.gz"}
+SUFFIXES = {
+    "html": ".html",
+    "speedscope": ".json",
+    "speedscope.gz": ".json.gz",
+    "pprof": ".pb.gz",
+    "pyspy": ".pyspy.gz",
+}
 
 
 def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:
@@ -129,7 +141,9 @@ def save_or_keep(profile: Profile, path: str | os.PathLike) -> None:
         os.close(fd)
         profile.save(kept)
         logger.error("dask-pyspy: could not save the profile to %s (%s); kept it at %s", path, e, kept)
-        raise OSError(f"could not save the profile to {os.fspath(path)!r}: {e}; it was kept at {kept!r} and on .profile") from e
+        raise OSError(
+            f"could not save the profile to {os.fspath(path)!r}: {e}; it was kept at {kept!r} and on .profile"
+        ) from e
 
 
 class profile:
@@ -160,17 +174,21 @@ class profile:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop = time.time()
-        shown, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
-        self._finish(self.client.sync(_get_profile, self.client, shown, **kwargs))
+        client, shown, kwargs = self._window()
+        self._finish(client.sync(_get_profile, client, shown, **kwargs))
 
     async def __aenter__(self) -> profile:
         return self.__enter__()
 
     async def __aexit__(self, *exc: Any) -> None:
+        client, shown, kwargs = self._window()
+        self._finish(await _get_profile(client, shown, **kwargs))
+
+    def _window(self) -> tuple[Client, dict[str, str], dict[str, Any]]:
+        """The block's window, ending now, as a request to the client chosen on entry."""
         self.stop = time.time()
-        shown, kwargs = _request(start=self.start, stop=self.stop, **self.kwargs)
-        self._finish(await _get_profile(self.client, shown, **kwargs))
+        assert self.client is not None, "set by __enter__"
+        return (self.client, *_request(start=self.start, stop=self.stop, **self.kwargs))
 
     def _finish(self, prof: Profile) -> None:
         self.profile = prof
@@ -185,7 +203,9 @@ class pyspy_report(profile):
     ...     x.compute()
     """
 
-    def __init__(self, filename: str | os.PathLike = "dask-pyspy-report.html", client: Client | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, filename: str | os.PathLike = "dask-pyspy-report.html", client: Client | None = None, **kwargs: Any
+    ) -> None:
         if file_kind(filename) != "html":
             raise ValueError(f"filename must end in .html, got {os.fspath(filename)!r}")
         super().__init__(filename, client=client, **kwargs)
@@ -212,5 +232,6 @@ def _pyspy_dump(self: Client, **kwargs: Any) -> StackDump:
 
 _pyspy_profile.__doc__ = get_profile.__doc__
 _pyspy_dump.__doc__ = dump.__doc__
-Client.pyspy_profile = _pyspy_profile
-Client.pyspy_dump = _pyspy_dump
+# Methods added to distributed's Client, which does not declare them.
+Client.pyspy_profile = _pyspy_profile  # type: ignore[attr-defined]
+Client.pyspy_dump = _pyspy_dump  # type: ignore[attr-defined]

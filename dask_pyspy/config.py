@@ -51,5 +51,7 @@ def max_result() -> int:
     except ValueError:
         size = None
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ValueError(f"config pyspy.max-result must be a size in bytes such as '512MiB' or 536870912, got {value!r}")
+        raise ValueError(
+            f"config pyspy.max-result must be a size in bytes such as '512MiB' or 536870912, got {value!r}"
+        )
     return size

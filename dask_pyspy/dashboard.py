@@ -42,7 +42,9 @@ class ProfilePage(_Page):
             raise web.HTTPError(400, reason=f"last must be a number of seconds in (0, {MAX_LAST:g}]")
         refresh = self.get_argument("refresh", "0")
         if refresh not in {str(r) for r in REFRESH_CHOICES}:
-            raise web.HTTPError(400, reason=f"refresh must be one of {', '.join(map(str, REFRESH_CHOICES))} seconds (0: off)")
+            raise web.HTTPError(
+                400, reason=f"refresh must be one of {', '.join(map(str, REFRESH_CHOICES))} seconds (0: off)"
+            )
         reply = await self.plugin.profile(start=time.time() - last)
         if "error" in reply:
             raise web.HTTPError(400, reason=reply["error"])
@@ -71,7 +73,7 @@ def _link_from_menu(app: Any) -> bool:
     for bokeh in getattr(app, "applications", []):
         for page in getattr(bokeh, "applications", {}).values():
             for handler in getattr(getattr(page, "application", None), "handlers", []):
-                args = getattr(getattr(handler, "_func", None), "args", ())
+                args: tuple[Any, ...] = getattr(getattr(handler, "_func", None), "args", ())
                 plots = args[1].get("plots") if len(args) > 1 and isinstance(args[1], dict) else None
                 if isinstance(plots, list):
                     if MENU_ENTRY not in plots:
@@ -85,6 +87,8 @@ def add_routes(scheduler: Any, plugin: Handlers) -> bool:
     app = getattr(scheduler, "http_application", None)
     if app is None:
         return False
-    app.add_handlers(r".*", [(r"/pyspy/?", ProfilePage, {"plugin": plugin}), (r"/pyspy/dump", StacksPage, {"plugin": plugin})])
+    app.add_handlers(
+        r".*", [(r"/pyspy/?", ProfilePage, {"plugin": plugin}), (r"/pyspy/dump", StacksPage, {"plugin": plugin})]
+    )
     _link_from_menu(app)
     return True

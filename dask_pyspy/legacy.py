@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from distributed import Client, default_client
 
@@ -27,7 +28,9 @@ def legacy_filename(addr: str) -> str:
     return addr.replace("://", "-").replace(".", "_").replace(":", "-") + ".json"
 
 
-def _check_legacy_options(format: str, native: bool, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool) -> None:
+def _check_legacy_options(
+    format: str, native: bool, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool
+) -> None:
     if format != "speedscope":
         raise ValueError(f"format must be 'speedscope' (the only format written in-process), got {format!r}")
     if native:
@@ -36,7 +39,9 @@ def _check_legacy_options(format: str, native: bool, extra_pyspy_args: Sequence[
             "use the py-spy command line with SYS_PTRACE for that"
         )
     if extra_pyspy_args:
-        raise ValueError(f"extra_pyspy_args cannot apply: no py-spy command line is run (got {list(extra_pyspy_args)!r})")
+        raise ValueError(
+            f"extra_pyspy_args cannot apply: no py-spy command line is run (got {list(extra_pyspy_args)!r})"
+        )
     if not subprocesses:
         logger.info("dask-pyspy: subprocesses=False has no effect: each server process samples itself")
     if not nonblocking:
@@ -44,8 +49,16 @@ def _check_legacy_options(format: str, native: bool, extra_pyspy_args: Sequence[
 
 
 @contextmanager
-def _record(client: Client | None, rate: int, function: bool, gil: bool, idle: bool,
-            workers: Any, scheduler: bool, **legacy: Any) -> Iterator[client_api.profile]:
+def _record(
+    client: Client | None,
+    rate: int,
+    function: bool,
+    gil: bool,
+    idle: bool,
+    workers: Any,
+    scheduler: bool,
+    **legacy: Any,
+) -> Iterator[client_api.profile]:
     _check_legacy_options(**legacy)
     client = client or default_client()
     # A cluster that already samples takes these options from now on, keeping its samples.
@@ -72,9 +85,22 @@ def pyspy_on_scheduler(
 ) -> Iterator[None]:
     """Profile the scheduler for the block and write one speedscope file to `output`."""
     check_writable(output)
-    with _record(client, rate, function, gil, idle, workers=[], scheduler=True, format=format, native=native,
-                 extra_pyspy_args=extra_pyspy_args, subprocesses=subprocesses, nonblocking=nonblocking) as rec:
+    with _record(
+        client,
+        rate,
+        function,
+        gil,
+        idle,
+        workers=[],
+        scheduler=True,
+        format=format,
+        native=native,
+        extra_pyspy_args=extra_pyspy_args,
+        subprocesses=subprocesses,
+        nonblocking=nonblocking,
+    ) as rec:
         yield
+    assert rec.profile is not None, "set as the block ended"
     client_api.save_or_keep(rec.profile, output)
 
 
@@ -99,9 +125,22 @@ def pyspy(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     check_writable(out / legacy_filename("tcp://probe"))
-    with _record(client, rate, function, gil, idle, workers=workers, scheduler=False, format=format, native=native,
-                 extra_pyspy_args=extra_pyspy_args, subprocesses=subprocesses, nonblocking=nonblocking) as rec:
+    with _record(
+        client,
+        rate,
+        function,
+        gil,
+        idle,
+        workers=workers,
+        scheduler=False,
+        format=format,
+        native=native,
+        extra_pyspy_args=extra_pyspy_args,
+        subprocesses=subprocesses,
+        nonblocking=nonblocking,
+    ) as rec:
         yield
+    assert rec.profile is not None, "set as the block ended"
     for addr, part in split_by_process(rec.profile).items():
         client_api.save_or_keep(part, out / legacy_filename(addr))
 

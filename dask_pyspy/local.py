@@ -21,7 +21,7 @@ except ImportError:  # dask 2024.8: tasks are (func, *args) tuples only
     Task = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is False
 
 
-def _node(cls: type, state: Any) -> Any:
+def _node(cls: type[Task], state: Any) -> Task:
     """A Task of class `cls` with `state` from `Task.__getstate__`: a shallow copy, made as pickle makes one."""
     node = cls.__new__(cls)
     node.__setstate__(state)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 BY_CHOICES = ("thread", "task", "prefix", "span")
 WEIGHT_CHOICES = ("wall", "cpu")
@@ -77,7 +78,9 @@ def workers(value: Any) -> int | list[str] | None:
         return [value]
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         if value < 1:
-            raise ValueError(f"workers must be None, a positive number of workers or a list of worker addresses, got {value}")
+            raise ValueError(
+                f"workers must be None, a positive number of workers or a list of worker addresses, got {value}"
+            )
         return int(value)
     if isinstance(value, (list, tuple, set)) and all(isinstance(w, str) for w in value):
         return list(value)

@@ -18,8 +18,8 @@ from distributed.protocol.pickle import dumps
 
 from dask_pyspy import _native, config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.protocol import EVENT_TOPIC
 from dask_pyspy.options import SamplerOptions
+from dask_pyspy.protocol import EVENT_TOPIC
 from dask_pyspy.sampler import Sampler
 from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, rejected, remove_handlers
 from dask_pyspy.worker import PySpyWorkerPlugin
@@ -33,14 +33,17 @@ SLACK_BYTES = 1 << 20  # samples a process takes between saying its size and sen
 def too_large(total: int, cap: int, sizes: dict[str, dict[str, int]], aggregate: bool) -> str:
     samples = sum(size["samples"] for size in sizes.values())
     shorter = "a shorter window (last=, or start= and stop=)"
+    ask = shorter if aggregate else "aggregate=True or " + shorter
     return (
         f"the profile would take about {total / 2**20:.0f} MiB ({samples} samples from {len(sizes)} processes), "
-        f"over config pyspy.max-result ({cap / 2**20:.0f} MiB): ask for {shorter if aggregate else 'aggregate=True or ' + shorter}, "
+        f"over config pyspy.max-result ({cap / 2**20:.0f} MiB): ask for {ask}, "
         "or fewer workers, or raise pyspy.max-result"
     )
 
 
-def checked_parts(replies: dict[str, Any], sizes: dict[str, dict[str, int]], missing: dict[str, str]) -> tuple[dict[str, bytes], list[str]]:
+def checked_parts(
+    replies: dict[str, Any], sizes: dict[str, dict[str, int]], missing: dict[str, str]
+) -> tuple[dict[str, bytes], list[str]]:
     """The replies that are wire bytes no larger than announced, by process, and the
     span ids they hold; the rest are named in `missing`. Only heads are read: the
     client decodes the samples (and names a part it cannot decode)."""
@@ -132,7 +135,9 @@ class ClusterProfiler:
             # registering the worker plugin again would tear down each worker's task log.
             self.scheduler.worker_plugins[PLUGIN_NAME] = dumps(PySpyWorkerPlugin(opts))
             addresses = list(self.scheduler.workers)
-            replies, missing = await self._ask_workers(addresses, "pyspy_configure", timeout, sampler_options=opts.to_dict())
+            replies, missing = await self._ask_workers(
+                addresses, "pyspy_configure", timeout, sampler_options=opts.to_dict()
+            )
             missing.update((addr, reply["error"]) for addr, reply in replies.items() if reply["error"])
             if missing:
                 logger.warning("dask-pyspy: workers that could not take the new sampler options: %s", missing)
@@ -155,7 +160,9 @@ class ClusterProfiler:
             raise ValueError(f"workers: unknown worker addresses {unknown}; the cluster has {known}")
         return chosen
 
-    async def _ask_workers(self, addresses: list[str], op: str, timeout: float, **kwargs: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    async def _ask_workers(
+        self, addresses: list[str], op: str, timeout: float, **kwargs: Any
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         """Ask workers concurrently; failures and time-outs are named, never fatal."""
 
         async def ask(addr: str) -> Any:
@@ -225,13 +232,22 @@ class ClusterProfiler:
         total = sum(size["bytes"] for size in sizes.values())
         if total > cap:
             return rejected(ValueError(too_large(total, cap, sizes, aggregate)))
-        replies, failed = await self._ask_workers([a for a in sizes if a != SCHEDULER], "pyspy_profile", timeout, **window)
+        replies, failed = await self._ask_workers(
+            [a for a in sizes if a != SCHEDULER], "pyspy_profile", timeout, **window
+        )
         missing.update(failed)
         if own is not None:
             name = f"scheduler {self.scheduler.address}"
             replies[SCHEDULER] = await off_loop(own.export, start, stop, aggregate, name, {}, {})
         parts, span_ids = await off_loop(checked_parts, replies, sizes, missing)
-        meta = {"window": [start, stop], "workers": addresses, "missing": missing, "collected": time.time(), "span": span, "aggregate": aggregate}
+        meta = {
+            "window": [start, stop],
+            "workers": addresses,
+            "missing": missing,
+            "collected": time.time(),
+            "span": span,
+            "aggregate": aggregate,
+        }
         return {"parts": parts, "spans": self._span_names(span_ids), "metadata": meta}
 
     async def _sizes(
@@ -258,7 +274,11 @@ class ClusterProfiler:
         replies, missing = await self._ask_workers(addresses, "pyspy_dump", timeout)
         sampler = self.hold.sampler
         if scheduler and sampler is not None:
-            replies[SCHEDULER] = {"process": f"scheduler {self.scheduler.address}", "pid": os.getpid(), **await off_loop(sampler.dump)}
+            replies[SCHEDULER] = {
+                "process": f"scheduler {self.scheduler.address}",
+                "pid": os.getpid(),
+                **await off_loop(sampler.dump),
+            }
         return {"processes": replies, "missing": missing}
 
 
@@ -276,6 +296,7 @@ class PySpyPlugin(SchedulerPlugin):
     # Not idempotent: distributed would skip a re-registration, and its new options with it.
     idempotent = False
     name = PLUGIN_NAME
+    profiler: ClusterProfiler
 
     def __init__(self, **options: Any) -> None:
         # A Sampler, never started, checks every option here, in the caller's process.
@@ -295,5 +316,3 @@ class PySpyPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         await self.profiler.close()
-
-

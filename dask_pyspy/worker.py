@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from dask.utils import key_split
 from distributed import Worker
@@ -143,7 +143,12 @@ class WorkerProfiler:
             self.holders += 1
             await self._apply(opts)
             if self.holders == 1:
-                handlers = {"pyspy_profile": self.profile, "pyspy_size": self.size, "pyspy_dump": self.dump, "pyspy_configure": self.configure}
+                handlers: dict[str, Callable[..., Any]] = {
+                    "pyspy_profile": self.profile,
+                    "pyspy_size": self.size,
+                    "pyspy_dump": self.dump,
+                    "pyspy_configure": self.configure,
+                }
                 install_handlers(self.worker, handlers)
 
     async def detach(self) -> None:
@@ -167,7 +172,9 @@ class WorkerProfiler:
         sampler = self.hold.sampler
         with self.worker.active_threads_lock:
             entries = dict(self.worker.active_threads)
-            self.worker.active_threads = entries if sampler is None else TaskTagger(sampler, self.worker, self.spans, entries)
+            self.worker.active_threads = (
+                entries if sampler is None else TaskTagger(sampler, self.worker, self.spans, entries)
+            )
 
     def _check(self) -> Sampler:
         if self.hold.sampler is None:
@@ -184,7 +191,9 @@ class WorkerProfiler:
 
         return await off_loop(export)
 
-    async def size(self, start: float | None = None, stop: float | None = None, aggregate: bool = False) -> dict[str, int]:
+    async def size(
+        self, start: float | None = None, stop: float | None = None, aggregate: bool = False
+    ) -> dict[str, int]:
         """What `profile` would send: samples, and the decoded profile's approximate bytes."""
         return await off_loop(self._check().window_size, start, stop, aggregate)
 
@@ -221,5 +230,3 @@ class PySpyWorkerPlugin(WorkerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         self.profiler.tasks.transition(key, start, finish)
-
-
