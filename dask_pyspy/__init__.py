@@ -5,6 +5,7 @@ from dask_pyspy._native import __version__
 from dask_pyspy.client import dump, get_profile, profile, pyspy_report
 from dask_pyspy.local import PySpyProfiler
 from dask_pyspy.model import Profile
+from dask_pyspy.options import SamplerOptions
 from dask_pyspy.preload import dask_setup, dask_teardown
 from dask_pyspy.protocol import StackDump
 from dask_pyspy.sampler import Sampler
@@ -17,6 +18,7 @@ __all__ = [
     "PySpyWorkerPlugin",
     "Profile",
     "Sampler",
+    "SamplerOptions",
     "StackDump",
     "__version__",
     "dask_setup",
