@@ -10,11 +10,12 @@ from typing import Any, Callable, TypeVar
 
 import click
 
+from dask_pyspy import options
+
 T = TypeVar("T")
 
 # How long an unreachable scheduler takes to fail; a reachable one accepts at once.
 CONNECT_TIMEOUT = 2.0
-CONNECT_HELP = "Seconds to wait for the scheduler to accept the connection."
 
 
 class RequestError(click.ClickException):
@@ -52,14 +53,28 @@ def _ask(call: Callable[[], T]) -> T:
 
 
 def _workers(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
-    from dask_pyspy import options
-
     if not value:
         return None
     try:
         return options.workers(int(value) if value.isdigit() else value.split(","))
     except ValueError as e:
         raise RequestError(f"--workers: {e}") from e
+
+
+workers_option = click.option(
+    "--workers",
+    default=None,
+    callback=_workers,
+    help="A number of workers, or comma-separated addresses (default: all).",
+)
+timeout_option = click.option(
+    "--timeout",
+    default=CONNECT_TIMEOUT,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds to wait for the scheduler to accept the connection.",
+)
+OUTPUT_HELP = "Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof)."
 
 
 @click.group(name="pyspy", help="Profile dask clusters with the in-process py-spy sampler.")
@@ -78,19 +93,14 @@ def pyspy() -> None:
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds to record.",
 )
-@click.option(
-    "--workers",
-    default=None,
-    callback=_workers,
-    help="A number of workers, or comma-separated addresses (default: all).",
-)
-@click.option("--by", type=click.Choice(["thread", "task", "prefix", "span"]), default="thread", show_default=True)
+@workers_option
+@click.option("--by", type=click.Choice(options.BY_CHOICES), default="thread", show_default=True)
 @click.option(
     "--span", default=None, help="Only this dask span (a name or id) and the spans in it; a/b for a path of names."
 )
 @click.option(
     "--weight",
-    type=click.Choice(["wall", "cpu"]),
+    type=click.Choice(options.WEIGHT_CHOICES),
     default="wall",
     show_default=True,
     help="What a sample weighs in the views.",
@@ -105,15 +115,9 @@ def pyspy() -> None:
     "--output",
     default="pyspy-profile.html",
     show_default=True,
-    help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).",
+    help=OUTPUT_HELP,
 )
-@click.option(
-    "--timeout",
-    default=CONNECT_TIMEOUT,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help=CONNECT_HELP,
-)
+@timeout_option
 def record(
     scheduler: str,
     duration: float,
@@ -156,19 +160,8 @@ def record(
 
 @pyspy.command(help="Print every thread's current stack on every worker and the scheduler, with its task.")
 @click.option("--scheduler", required=True, help="Scheduler address.")
-@click.option(
-    "--workers",
-    default=None,
-    callback=_workers,
-    help="A number of workers, or comma-separated addresses (default: all).",
-)
-@click.option(
-    "--timeout",
-    default=CONNECT_TIMEOUT,
-    show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
-    help=CONNECT_HELP,
-)
+@workers_option
+@timeout_option
 def dump(scheduler: str, workers: Any, timeout: float) -> None:
     from dask_pyspy.client import dump as dump_stacks
 
@@ -182,7 +175,7 @@ def dump(scheduler: str, workers: Any, timeout: float) -> None:
     "--output",
     default="dask-pyspy-demo.html",
     show_default=True,
-    help="Output file: .html (report), .json or .json.gz (speedscope), .pb.gz (pprof).",
+    help=OUTPUT_HELP,
 )
 @click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="Threads per worker.")

@@ -49,22 +49,16 @@ def _check_legacy_options(
 
 
 @contextmanager
-def _record(
-    client: Client | None,
-    rate: int,
-    function: bool,
-    gil: bool,
-    idle: bool,
-    workers: Any,
-    scheduler: bool,
-    **legacy: Any,
-) -> Iterator[client_api.profile]:
-    _check_legacy_options(**legacy)
+def _record(client: Client | None, plugin: PySpyPlugin, workers: Any, scheduler: bool) -> Iterator[list[Profile]]:
+    """Record the block with `plugin`'s options; the list yielded holds the profile after it."""
     client = client or default_client()
     # A cluster that already samples takes these options from now on, keeping its samples.
-    client.register_plugin(PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle))
+    client.register_plugin(plugin)
+    recorded: list[Profile] = []
     with client_api.profile(client=client, workers=workers, scheduler=scheduler) as rec:
-        yield rec
+        yield recorded
+    assert rec.profile is not None, "set as the block ended"
+    recorded.append(rec.profile)
 
 
 @contextmanager
@@ -85,23 +79,11 @@ def pyspy_on_scheduler(
 ) -> Iterator[None]:
     """Profile the scheduler for the block and write one speedscope file to `output`."""
     check_writable(output)
-    with _record(
-        client,
-        rate,
-        function,
-        gil,
-        idle,
-        workers=[],
-        scheduler=True,
-        format=format,
-        native=native,
-        extra_pyspy_args=extra_pyspy_args,
-        subprocesses=subprocesses,
-        nonblocking=nonblocking,
-    ) as rec:
+    _check_legacy_options(format, native, extra_pyspy_args, subprocesses, nonblocking)
+    plugin = PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle)
+    with _record(client, plugin, workers=[], scheduler=True) as recorded:
         yield
-    assert rec.profile is not None, "set as the block ended"
-    client_api.save_or_keep(rec.profile, output)
+    client_api.save_or_keep(recorded[0], output)
 
 
 @contextmanager
@@ -125,23 +107,11 @@ def pyspy(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     check_writable(out / legacy_filename("tcp://probe"))
-    with _record(
-        client,
-        rate,
-        function,
-        gil,
-        idle,
-        workers=workers,
-        scheduler=False,
-        format=format,
-        native=native,
-        extra_pyspy_args=extra_pyspy_args,
-        subprocesses=subprocesses,
-        nonblocking=nonblocking,
-    ) as rec:
+    _check_legacy_options(format, native, extra_pyspy_args, subprocesses, nonblocking)
+    plugin = PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle)
+    with _record(client, plugin, workers=workers, scheduler=False) as recorded:
         yield
-    assert rec.profile is not None, "set as the block ended"
-    for addr, part in split_by_process(rec.profile).items():
+    for addr, part in split_by_process(recorded[0]).items():
         client_api.save_or_keep(part, out / legacy_filename(addr))
 
 
