@@ -45,4 +45,5 @@ ENV.filters.update(flame=flame_frame, number=number, basename=os.path.basename)
 
 
 def render(template: str, **context: Any) -> str:
+    """A page (or fragment) from templates/, every value in `context` escaped as it is shown."""
     return ENV.get_template(template).render(**context)
