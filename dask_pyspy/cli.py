@@ -130,7 +130,7 @@ def record(
     timeout: float,
 ) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
-    from dask_pyspy.model import check_writable
+    from dask_pyspy.files import check_writable
 
     try:
         check_writable(output)

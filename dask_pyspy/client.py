@@ -13,7 +13,8 @@ from distributed.core import PooledRPCCall, rpc
 
 from dask_pyspy import config, options
 from dask_pyspy._loop import off_loop
-from dask_pyspy.model import Profile, check_writable, file_kind
+from dask_pyspy.files import check_writable, file_kind
+from dask_pyspy.model import Profile
 from dask_pyspy.protocol import EVENT_TOPIC, StackDump, assemble
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ def run_demo(output: str, n_workers: int = 2, threads: int = 2, days: int = 20) 
     from distributed import Client, LocalCluster
 
     import dask_pyspy
-    from dask_pyspy.model import check_writable
+    from dask_pyspy.files import check_writable
 
     check_writable(output)  # before anything starts
     with (

@@ -17,7 +17,8 @@ from typing import Any
 from distributed import Client, default_client
 
 from dask_pyspy import client as client_api
-from dask_pyspy.model import Profile, check_writable
+from dask_pyspy.files import check_writable
+from dask_pyspy.model import Profile
 from dask_pyspy.scheduler import PySpyPlugin
 
 logger = logging.getLogger(__name__)

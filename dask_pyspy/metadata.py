@@ -40,7 +40,9 @@ FLAG = Is("true or false", lambda v: isinstance(v, bool))
 TEXT = Is("a string", lambda v: isinstance(v, str))
 # A Unix time a date can be made of (the report prints them as dates).
 TIME = Is("a Unix time", lambda v: v is None or (_finite(v) and 0 <= v <= 1e11))
-WINDOW = Is("[start, stop] in Unix seconds", lambda v: isinstance(v, list) and len(v) == 2 and all(TIME.test(t) for t in v))
+WINDOW = Is(
+    "[start, stop] in Unix seconds", lambda v: isinstance(v, list) and len(v) == 2 and all(TIME.test(t) for t in v)
+)
 
 METADATA = {
     "window": Omittable(OrNull(WINDOW)),
@@ -64,8 +66,14 @@ STATS = {
     "last_error": Omittable(OrNull(TEXT)),
     "panic": Omittable(OrNull(TEXT)),
     "reader_stats": Omittable(
-        OrNull({"thread_reads": Omittable(OrNull(NUMBER)), "lost_reads": Omittable(NUMBER), "torn_reads": Omittable(NUMBER),
-                "fallback_reason": Omittable(OrNull(TEXT))})
+        OrNull(
+            {
+                "thread_reads": Omittable(OrNull(NUMBER)),
+                "lost_reads": Omittable(NUMBER),
+                "torn_reads": Omittable(NUMBER),
+                "fallback_reason": Omittable(OrNull(TEXT)),
+            }
+        )
     ),
 }
 

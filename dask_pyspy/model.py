@@ -4,85 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-import threading
 from pathlib import Path
 from typing import Any, Iterable
 
 from dask_pyspy import _native, config, metadata, options
-
-SPECIAL_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                 (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
-
-
-def file_kind(path: str | os.PathLike) -> str:
-    """'speedscope', 'speedscope.gz', 'pprof', 'pyspy' (our lossless file) or 'html', from the file name."""
-    name = os.fspath(path).lower()
-    if name.endswith(".pb.gz"):
-        return "pprof"
-    if name.endswith(".pyspy.gz"):
-        return "pyspy"
-    if name.endswith(".json.gz"):
-        return "speedscope.gz"
-    if name.endswith(".json"):
-        return "speedscope"
-    if name.endswith(".html"):
-        return "html"
-    raise ValueError(
-        f"path must end in .json or .json.gz (speedscope, e.g. out.speedscope.json.gz), "
-        f".pb.gz (pprof), .pyspy.gz (dask-pyspy's own file, loads back losslessly) or .html (report), "
-        f"got {os.fspath(path)!r}"
-    )
-
-
-def read_regular(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of `path` if it is a regular file (after symlinks) of at most `limit`
-    bytes: a device such as /dev/zero would never end, and a FIFO would block."""
-    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            what = next((what for test, what in SPECIAL_FILES if test(st.st_mode)), "a special file")
-            raise ValueError(f"not a regular file but {what}")
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1) if st.st_size <= limit else b""
-    finally:
-        os.close(fd)
-    if max(st.st_size, len(data)) > limit:
-        raise ValueError(f"{max(st.st_size, len(data))} bytes, more than config pyspy.max-result ({limit >> 20} MiB) allows")
-    return data
-
-
-def check_writable(path: str | os.PathLike) -> Path:
-    """Fail before any work is done if `path` cannot be written."""
-    file_kind(path)
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise OSError(f"cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise OSError(f"cannot write {str(path)!r}: permission denied")
-    return path
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, so a failure leaves no half file.
-
-    An error names `path`, not the temporary file the user never asked for.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write {str(path)!r}: {e.strerror}") from None
+from dask_pyspy.diff import ProfileDiff
+from dask_pyspy.files import check_writable, file_kind, read_regular, write_atomic
+from dask_pyspy.report import render_html, render_notebook
 
 
 def task_totals(runs: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
@@ -334,13 +262,9 @@ class Profile:
 
     def to_html(self, title: str = "dask-pyspy report") -> str:
         """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""
-        from dask_pyspy.report import render_html  # the report imports this module, not the other way round
-
         return render_html(self, title=title)
 
     def _repr_html_(self) -> str:
-        from dask_pyspy.report import render_notebook
-
         return render_notebook(self)
 
     def __repr__(self) -> str:
@@ -348,52 +272,3 @@ class Profile:
         return (f"<Profile {self.n_samples} samples, {self.sampled_seconds:.1f} thread-s, by={self.by!r}, "
                 f"weight={self.weight!r}, processes: {names}>")
 
-
-class ProfileDiff:
-    """What changed from a base profile to a new one: `new.diff(base)`.
-
-    `svg`: inferno's differential flame graph, frames as wide as the new profile's
-    time and coloured by their change from the base once the base is scaled to the
-    new profile's total (red grew, blue shrank), so runs of different lengths
-    compare; `base_svg` is as wide as the base, so what shrank or vanished shows.
-    Frames are functions (name and file, lines ignored), grouped by task prefix when
-    either profile has tasks (`by`).
-
-    `functions` (self time, by name and file) and `prefixes` (task prefixes,
-    "(no task)" for the rest) are {"gained": rows, "lost": rows}, the 15 largest
-    changes each way, largest first. A row: `name`, `file` (None for prefixes),
-    `base_seconds`, `new_seconds`, `seconds` (new - base, not scaled), `change_pct`
-    (that change as a percentage of the row's base seconds; None where the base had
-    none) and `share_points` (the change of the row's share of all sampled time, in
-    percentage points: the scaled view the graph's colours show).
-    """
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.by: str = data["by"]
-        self.base_seconds: float = data["base_seconds"]
-        self.new_seconds: float = data["new_seconds"]
-        self.functions: dict[str, list[dict[str, Any]]] = data["functions"]
-        self.prefixes: dict[str, list[dict[str, Any]]] = data["prefixes"]
-        self.svg: str | None = data["svg"]
-        self.base_svg: str | None = data["base_svg"]
-
-    def to_html(self, title: str = "dask-pyspy diff", base: str = "base", new: str = "new") -> str:
-        """A self-contained HTML page: the graphs and tables; `base` and `new` name the profiles."""
-        from dask_pyspy.diff import render_diff  # the page imports this module, not the other way round
-
-        return render_diff(self, title, base, new)
-
-    def save(
-        self, path: str | os.PathLike, title: str = "dask-pyspy diff", base: str = "base", new: str = "new"
-    ) -> Path:
-        """Write the HTML page (`to_html`) to `path`, which must end in .html."""
-        from dask_pyspy.diff import check_output
-
-        path = check_output(path)
-        write_atomic(path, self.to_html(title, base, new).encode())
-        return path
-
-    def __repr__(self) -> str:
-        top = self.functions["gained"][:1]
-        most = f", most gained: {top[0]['name']} +{top[0]['seconds']:.3f} s" if top else ""
-        return f"<ProfileDiff {self.base_seconds:.1f} -> {self.new_seconds:.1f} thread-s{most}>"

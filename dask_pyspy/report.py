@@ -12,10 +12,12 @@ import base64
 import datetime
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_pyspy.pages import render
-from dask_pyspy.model import Profile
+
+if TYPE_CHECKING:  # the model imports this module to render itself
+    from dask_pyspy.model import Profile
 
 
 def _when(t: float | None) -> str:
