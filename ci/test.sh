@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything the tests need on a fresh machine, builds the extension,
-# then runs every test: Rust unit tests, the Python suite, the whole suite again on a
-# loaded machine, and a subset on CPython 3.13, 3.14, 3.15 and 3.9 (ci/matrix.sh,
-# with the manylinux2014 wheel).
+# Installs everything the tests need on a fresh machine, builds the extension, runs
+# the linters (ci/lint.sh), then every test: Rust unit tests, the Python suite, the
+# whole suite again on a loaded machine, and a subset on CPython 3.13, 3.14, 3.15 and
+# 3.9 (ci/matrix.sh, with the manylinux2014 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +36,7 @@ source .venv/bin/activate
 pip install -q -U pip maturin
 maturin develop --release --extras test
 
+bash ci/lint.sh
 cargo test --lib --quiet
 python -m pytest -q -p no:cacheprovider tests
 
