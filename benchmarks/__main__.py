@@ -10,8 +10,19 @@ import time
 
 from benchmarks.common import machine
 
-SECTIONS = ["overhead", "sample_cost", "oracle", "bias", "states", "attribution", "diff", "rate", "idle", "memory",
-            "collection"]
+SECTIONS = [
+    "overhead",
+    "sample_cost",
+    "oracle",
+    "bias",
+    "states",
+    "attribution",
+    "diff",
+    "rate",
+    "idle",
+    "memory",
+    "collection",
+]
 
 
 def main() -> None:
@@ -19,8 +30,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter runs (~15 minutes on 2 cores)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("-o", "--output", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
-    parser.add_argument("--baseline", metavar="PYTHON",
-                        help="an interpreter with another build of dask-pyspy installed, run beside this one (bias)")
+    parser.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="an interpreter with another build of dask-pyspy installed, run beside this one (bias)",
+    )
     args = parser.parse_args()
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(chosen) - set(SECTIONS)
@@ -36,9 +50,11 @@ def main() -> None:
         section = importlib.import_module(f"benchmarks.{name}").run(args.quick)
         # The machine may be shared: the load says how much the figures are worth.
         mode = "quick" if args.quick else "full"
-        section.notes.append(f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}); section took {time.time() - began:.0f} s; "
-                             f"1-minute load average at its end "
-                             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.")
+        section.notes.append(
+            f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}); section took {time.time() - began:.0f} s; "
+            f"1-minute load average at its end "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
+        )
         sections[name] = f"<!-- section: {name} -->\n{section.markdown()}"
         print(section.markdown(), flush=True)
     parts += [sections[name] for name in SECTIONS if name in sections]

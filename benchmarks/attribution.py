@@ -47,8 +47,11 @@ def builtin_share(tree: dict[str, Any], function: str) -> tuple[float, int]:
 def measure(reader: str, scale: int) -> tuple[dict[str, dict[str, float]], dict[str, tuple[float, int]]]:
     """Our split of task-function time, and the built-in profiler's share, for one cluster run."""
     config = {"distributed.worker.profile.enabled": True, "distributed.worker.profile.interval": "10ms"}
-    with dask.config.set(config), LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
-                                               dashboard_address=":0") as cluster, Client(cluster) as client:
+    with (
+        dask.config.set(config),
+        LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(dask_pyspy.PySpyPlugin(rate=500, cpu_budget=0.5, reader=reader))
         start = time.time()
         futures = []
@@ -72,26 +75,49 @@ def run(quick: bool) -> Section:
             running = r["right"] + r["wrong"]
             tagged = running / (running + r["untagged"]) if running else float("nan")
             share, count = builtin[name]
-            rows.append([reader, name, f"{running:.2f}", f"{100 * r['right'] / running:.2f}%" if running else "-",
-                         f"{100 * r['overhead'] / (running + r['overhead']):.1f}%" if running else "-",
-                         f"{100 * tagged:.1f}%", f"{100 * share:.1f}% of {count}"])
+            rows.append(
+                [
+                    reader,
+                    name,
+                    f"{running:.2f}",
+                    f"{100 * r['right'] / running:.2f}%" if running else "-",
+                    f"{100 * r['overhead'] / (running + r['overhead']):.1f}%" if running else "-",
+                    f"{100 * tagged:.1f}%",
+                    f"{100 * share:.1f}% of {count}",
+                ]
+            )
             if name == "task_1ms":
                 precision = r["right"] / running if running else float("nan")
-                notes.append(f"Target (issue 9), {reader} reader: on 1 ms tasks >= 98% of task-function time tagged, "
-                             f"precision 100%. Measured {100 * tagged:.1f}%, {100 * precision:.2f}%: "
-                             f"{verdict(tagged >= 0.98 and precision == 1)}.")
+                notes.append(
+                    f"Target (issue 9), {reader} reader: on 1 ms tasks >= 98% of task-function time tagged, "
+                    f"precision 100%. Measured {100 * tagged:.1f}%, {100 * precision:.2f}%: "
+                    f"{verdict(tagged >= 0.98 and precision == 1)}."
+                )
     return Section(
         "Attribution accuracy",
         "Tasks of 1, 10 and 100 ms interleaved on 2 workers x 2 threads; dask-pyspy at 500 Hz next to "
         "distributed's built-in profiler (10 ms) in the same run; one cluster per reader.",
-        [table(["reader", "task", "tagged s running a task function", "tagged with that task",
-                "tagged s in distributed's per-task code", "task-function time tagged",
-                "built-in: per-key samples holding the function"], rows)],
-        notes + [
+        [
+            table(
+                [
+                    "reader",
+                    "task",
+                    "tagged s running a task function",
+                    "tagged with that task",
+                    "tagged s in distributed's per-task code",
+                    "task-function time tagged",
+                    "built-in: per-key samples holding the function",
+                ],
+                rows,
+            )
+        ],
+        notes
+        + [
             "'Tagged with that task' is the accuracy (precision): of samples whose stack runs a task function and "
             "carry a task tag, the share whose tag is that function's task.",
             "Per-task code (result sizeof, metering) runs under the task's key in `_run_task`; it is charged to "
             "the task and is why the built-in profiler's share is below 100% too.",
             "Untagged task-function samples are the ones read while the task started or ended "
-            "(left untagged on purpose) and ones read before `active_threads` was set."],
+            "(left untagged on purpose) and ones read before `active_threads` was set.",
+        ],
     )

@@ -71,8 +71,10 @@ def main(rate: float, periods: float, share: float, threads: int, seconds: float
     stop = threading.Event()
     truths = [{"churny": 0.0, "steady": 0.0} for _ in range(threads)]
     period = periods / rate
-    pool = [threading.Thread(target=alternate, args=(period, share, truths[i], stop), name=f"alt-{i}")
-            for i in range(threads)]
+    pool = [
+        threading.Thread(target=alternate, args=(period, share, truths[i], stop), name=f"alt-{i}")
+        for i in range(threads)
+    ]
     for t in pool:
         t.start()
     time.sleep(0.5)  # past the threads' start

@@ -16,8 +16,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from distributed import Client, Future
 
@@ -25,7 +26,8 @@ import dask_pyspy
 import dask_pyspy.client
 from benchmarks.common import Section, spread, table, verdict
 from benchmarks.merge_scale import scale_rows
-from benchmarks.stacks import PREFIXES, TASKS, VARIANTS as PATHS_PER_PREFIX
+from benchmarks.stacks import PREFIXES, TASKS
+from benchmarks.stacks import VARIANTS as PATHS_PER_PREFIX
 
 N_WORKERS = 16
 THREADS = 4
@@ -42,6 +44,7 @@ MIB = 2**20
 
 # --- the cluster: real processes, so the scheduler's memory is its own ---
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,14 +52,24 @@ def free_port() -> int:
 
 
 def spawn(args: list[str], log: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               # distributed's own profiler walks every stack 100 times a second in each worker: on 2 cores it
-               # slowed the fill by a fifth, and it is beside the point here.
-               DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        # distributed's own profiler walks every stack 100 times a second in each worker: on 2 cores it
+        # slowed the fill by a fifth, and it is beside the point here.
+        DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False",
+    )
     with open(log, "wb") as out:
         # A session of its own: the whole process group (nannies' workers too) goes at teardown.
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        return subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
 
 def _die_with_parent() -> None:
@@ -86,10 +99,29 @@ def cluster(logs: str) -> Iterator[tuple[str, int]]:
     # A SIGTERM to the benchmark unwinds through the teardown below instead of ending it on the spot.
     previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
-        procs.append(spawn([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
-                           os.path.join(logs, "scheduler.log")))
-        procs.append(spawn([dask, "worker", address, "--nworkers", str(N_WORKERS), "--nthreads", str(THREADS),
-                            "--memory-limit", "0", "--no-dashboard"], os.path.join(logs, "workers.log")))
+        procs.append(
+            spawn(
+                [dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+                os.path.join(logs, "scheduler.log"),
+            )
+        )
+        procs.append(
+            spawn(
+                [
+                    dask,
+                    "worker",
+                    address,
+                    "--nworkers",
+                    str(N_WORKERS),
+                    "--nthreads",
+                    str(THREADS),
+                    "--memory-limit",
+                    "0",
+                    "--no-dashboard",
+                ],
+                os.path.join(logs, "workers.log"),
+            )
+        )
         yield address, procs[0].pid
     finally:
         for proc in reversed(procs):
@@ -102,6 +134,7 @@ def _exit_on_term(signum: int, frame: Any) -> None:
 
 
 # --- the task stream ---
+
 
 class TaskStream:
     """Keeps IN_FLIGHT tasks queued or running, from a background thread: of 50-300 ms
@@ -133,7 +166,9 @@ class TaskStream:
             futures -= done
             batch: dict[str, list[tuple[int, float]]] = {}
             for _ in range(IN_FLIGHT - len(futures)):
-                batch.setdefault(rng.choice(PREFIXES), []).append((rng.randrange(PATHS_PER_PREFIX), rng.uniform(*self.seconds)))
+                batch.setdefault(rng.choice(PREFIXES), []).append(
+                    (rng.randrange(PATHS_PER_PREFIX), rng.uniform(*self.seconds))
+                )
             for prefix, args in batch.items():
                 variants, seconds = zip(*args)
                 futures.update(self.client.map(TASKS[prefix], variants, seconds, pure=False))
@@ -142,6 +177,7 @@ class TaskStream:
 
 
 # --- event-loop stall monitors on the scheduler and every worker ---
+
 
 def _install(server: Any) -> None:
     state = {"max": 0.0}
@@ -186,10 +222,15 @@ def take_stalls(client: Client) -> tuple[float, float]:
 
 # --- the samplers ---
 
+
 def _store() -> dict[str, Any]:
     st = dask_pyspy.sampler.process_sampler.sampler.stats()
-    return {"held": st["store"]["samples_held"], "evicted": st["store"]["samples_evicted"],
-            "bytes": st["store"]["bytes"], "hz": st["achieved_rate"]}
+    return {
+        "held": st["store"]["samples_held"],
+        "evicted": st["store"]["samples_evicted"],
+        "bytes": st["store"]["bytes"],
+        "hz": st["achieved_rate"],
+    }
 
 
 def _pause() -> None:
@@ -201,7 +242,11 @@ def fill(client: Client, deadline: float) -> tuple[float, dict[str, dict[str, An
     began = time.perf_counter()
     while True:
         held = min(s["held"] for s in client.run(_store).values())
-        print(f"\r  filling: {time.perf_counter() - began:.0f} s, {held:,} samples in the emptiest store", end="", flush=True)
+        print(
+            f"\r  filling: {time.perf_counter() - began:.0f} s, {held:,} samples in the emptiest store",
+            end="",
+            flush=True,
+        )
         if held >= TARGET or time.perf_counter() - began > deadline:
             break
         time.sleep(2)
@@ -212,6 +257,7 @@ def fill(client: Client, deadline: float) -> tuple[float, dict[str, dict[str, An
 
 
 # --- what the scheduler and the client receive ---
+
 
 def unknown_keyword(error: TypeError, variant: dict[str, Any]) -> None:
     """Returns if `error` is about a keyword of `variant` (which today's code may lack); else raises it."""
@@ -265,6 +311,7 @@ def distinct_stacks(wire: bytes) -> int:
 
 
 # --- the scheduler's memory and CPU ---
+
 
 def status_kib(pid: int, name: str) -> int:
     with open(f"/proc/{pid}/status") as f:
@@ -326,9 +373,17 @@ def collect(rig: Rig, op: str, variant: dict[str, Any]) -> dict[str, float]:
     prof.save(os.path.join(rig.out, "report.html" if op == "report" else f"profile-{op}.json.gz"))
     saved = time.perf_counter()
     size = rig.meter.size
-    return {"collect": collected - began, "save": saved - collected, "total": saved - began,
-            "decode": collected - rig.meter.arrived if size else float("nan"), "reply": size or float("nan"),
-            "transient": (peak - rss) * 1024, "cpu": cpu, "sched": sched, "work": work}
+    return {
+        "collect": collected - began,
+        "save": saved - collected,
+        "total": saved - began,
+        "decode": collected - rig.meter.arrived if size else float("nan"),
+        "reply": size or float("nan"),
+        "transient": (peak - rss) * 1024,
+        "cpu": cpu,
+        "sched": sched,
+        "work": work,
+    }
 
 
 def baseline(rig: Rig, seconds: float) -> dict[str, float]:
@@ -352,21 +407,48 @@ def label(op: str, variant: dict[str, Any]) -> str:
 
 
 def op_row(op: str, variant: dict[str, Any], runs: list[dict[str, float]], received: int | None) -> list[object]:
-    col = lambda k, scale=1.0: [scale * r[k] for r in runs]
+    def col(k, scale=1.0):
+        return [scale * r[k] for r in runs]
+
     ratio = spread([v / received for v in col("transient")], "{:.1f}") if received else "?"
-    return [label(op, variant), spread(col("collect"), "{:.2f}"), spread(col("decode"), "{:.2f}"), spread(col("save"), "{:.2f}"),
-            spread(col("total"), "{:.2f}"), spread(col("cpu"), "{:.2f}"), spread(col("transient", 1 / MIB), "{:.0f}"), ratio,
-            spread(col("sched", 1000), "{:.0f}"), spread(col("work", 1000), "{:.0f}")]
+    return [
+        label(op, variant),
+        spread(col("collect"), "{:.2f}"),
+        spread(col("decode"), "{:.2f}"),
+        spread(col("save"), "{:.2f}"),
+        spread(col("total"), "{:.2f}"),
+        spread(col("cpu"), "{:.2f}"),
+        spread(col("transient", 1 / MIB), "{:.0f}"),
+        ratio,
+        spread(col("sched", 1000), "{:.0f}"),
+        spread(col("work", 1000), "{:.0f}"),
+    ]
 
 
 def baseline_row(bases: list[dict[str, float]]) -> list[object]:
-    col = lambda k, scale=1.0: [scale * b[k] for b in bases]
-    return [f"baseline: no collection, {spread(col('seconds'), '{:.1f}')} s", "-", "-", "-", "-", spread(col("cpu"), "{:.2f}"),
-            "-", "-", spread(col("sched", 1000), "{:.0f}"), spread(col("work", 1000), "{:.0f}")]
+    def col(k, scale=1.0):
+        return [scale * b[k] for b in bases]
+
+    return [
+        f"baseline: no collection, {spread(col('seconds'), '{:.1f}')} s",
+        "-",
+        "-",
+        "-",
+        "-",
+        spread(col("cpu"), "{:.2f}"),
+        "-",
+        "-",
+        spread(col("sched", 1000), "{:.0f}"),
+        spread(col("work", 1000), "{:.0f}"),
+    ]
 
 
-def notes_for(variant: dict[str, Any], results: dict[str, list[dict[str, float]]], bases: list[dict[str, float]],
-              received: int | None) -> list[str]:
+def notes_for(
+    variant: dict[str, Any],
+    results: dict[str, list[dict[str, float]]],
+    bases: list[dict[str, float]],
+    received: int | None,
+) -> list[str]:
     name = f" ({', '.join(f'{k}={v!r}' for k, v in variant.items())})" if variant else ""
     collect = max(statistics.median(r["collect"] for r in results[b]) for b in BYS)
     report = statistics.median(r["total"] for r in results["report"])
@@ -374,22 +456,31 @@ def notes_for(variant: dict[str, Any], results: dict[str, list[dict[str, float]]
     # Worst stall while collecting minus the worst in any baseline window.
     sched = max(r["sched"] for r in runs) - max(b["sched"] for b in bases)
     work = max(r["work"] for r in runs) - max(b["work"] for b in bases)
-    notes = [f"Target (issue 13){name}: pyspy_profile < 2 s. Measured {collect:.2f} s (slowest grouping, median): {verdict(collect < 2)}.",
-             f"Target (issue 13){name}: report < 4 s. Measured {report:.2f} s (median): {verdict(report < 4)}.",
-             f"Target (issue 13){name}: no event loop stalled > 50 ms beyond its baseline. Worst stall while collecting "
-             f"minus worst in a baseline: scheduler {1000 * sched:+.0f} ms, workers {1000 * work:+.0f} ms: {verdict(max(sched, work) <= 0.05)}."]
+    notes = [
+        f"Target (issue 13){name}: pyspy_profile < 2 s. Measured {collect:.2f} s (slowest grouping, median): "
+        f"{verdict(collect < 2)}.",
+        f"Target (issue 13){name}: report < 4 s. Measured {report:.2f} s (median): {verdict(report < 4)}.",
+        f"Target (issue 13){name}: no event loop stalled > 50 ms beyond its baseline. Worst stall while collecting "
+        f"minus worst in a baseline: scheduler {1000 * sched:+.0f} ms, workers {1000 * work:+.0f} ms: "
+        f"{verdict(max(sched, work) <= 0.05)}.",
+    ]
     noise = max(max(b["sched"], b["work"]) for b in bases)
     if noise > 0.05:
-        notes.append(f"The baseline itself stalled {1000 * noise:.0f} ms at worst: on this loaded machine the stall "
-                     "verdict cannot resolve differences near 50 ms.")
+        notes.append(
+            f"The baseline itself stalled {1000 * noise:.0f} ms at worst: on this loaded machine the stall "
+            "verdict cannot resolve differences near 50 ms."
+        )
     if received:
         ratio = max(r["transient"] for r in runs) / received
-        notes.append(f"Target (issue 13){name}: scheduler transient memory < 4x the bytes it received from workers. "
-                     f"Measured {ratio:.2f}x at worst: {verdict(ratio < 4)}.")
+        notes.append(
+            f"Target (issue 13){name}: scheduler transient memory < 4x the bytes it received from workers. "
+            f"Measured {ratio:.2f}x at worst: {verdict(ratio < 4)}."
+        )
     return notes
 
 
 # --- the section ---
+
 
 @dataclass
 class Measured:
@@ -402,15 +493,22 @@ class Measured:
 def sizes_row(variant: dict[str, Any], replies: dict[str, bytes] | None, runs: list[dict[str, float]]) -> list[object]:
     lengths = [len(r) for r in replies.values()] if replies else []
     to_client = [r["reply"] / MIB for r in runs]
-    return [request(variant), len(lengths) or "?", spread([n / MIB for n in lengths], "{:.2f}") if lengths else "?",
-            f"{sum(lengths) / MIB:.1f}" if lengths else "?", spread(to_client, "{:.1f}")]
+    return [
+        request(variant),
+        len(lengths) or "?",
+        spread([n / MIB for n in lengths], "{:.2f}") if lengths else "?",
+        f"{sum(lengths) / MIB:.1f}" if lengths else "?",
+        spread(to_client, "{:.1f}"),
+    ]
 
 
 def measure_variant(rig: Rig, variant: dict[str, Any], repeats: int) -> Measured:
     """Operation rows, a sizes row and verdict notes for one variant."""
     if not accepts(rig.client, variant):
         missing = f"not available: pyspy_profile takes no {', '.join(variant)} keyword"
-        return Measured([[label(op, variant), missing, *["-"] * 8] for op in OPS], [request(variant), missing, *["-"] * 3])
+        return Measured(
+            [[label(op, variant), missing, *["-"] * 8] for op in OPS], [request(variant), missing, *["-"] * 3]
+        )
     print(f"  {request(variant)}: worker replies", flush=True)
     replies = worker_replies(rig.client, variant)
     received = sum(len(r) for r in replies.values()) if replies else None
@@ -422,23 +520,41 @@ def measure_variant(rig: Rig, variant: dict[str, Any], repeats: int) -> Measured
             results[op].append(collect(rig, op, variant))
         bases.append(baseline(rig, statistics.median(results[op][-1]["collect"] for op in OPS)))
     rows = [op_row(op, variant, runs, received) for op, runs in results.items()] + [baseline_row(bases)]
-    return Measured(rows, sizes_row(variant, replies, [r for runs in results.values() for r in runs]),
-                    notes_for(variant, results, bases, received), next(iter(replies.values())) if replies else None)
+    return Measured(
+        rows,
+        sizes_row(variant, replies, [r for runs in results.values() for r in runs]),
+        notes_for(variant, results, bases, received),
+        next(iter(replies.values())) if replies else None,
+    )
 
 
-def fill_row(seconds: float, stores: dict[str, dict[str, Any]], part: bytes | None, tasks_per_s: list[float]) -> list[object]:
+def fill_row(
+    seconds: float, stores: dict[str, dict[str, Any]], part: bytes | None, tasks_per_s: list[float]
+) -> list[object]:
     held = [s["held"] for s in stores.values()]
-    return [f"{N_WORKERS} x {THREADS}", f"{seconds:.0f}", spread(held, "{:,.0f}"), f"{sum(held):,}",
-            f"{statistics.median(held) / (100 * THREADS * 60):.1f}", spread([s["hz"] for s in stores.values()], "{:.0f}"),
-            sum(s["evicted"] for s in stores.values()), spread([s["bytes"] / MIB for s in stores.values()], "{:.1f}"),
-            distinct_stacks(part) if part else "?", " / ".join(f"{r:.0f}" for r in tasks_per_s)]
+    return [
+        f"{N_WORKERS} x {THREADS}",
+        f"{seconds:.0f}",
+        spread(held, "{:,.0f}"),
+        f"{sum(held):,}",
+        f"{statistics.median(held) / (100 * THREADS * 60):.1f}",
+        spread([s["hz"] for s in stores.values()], "{:.0f}"),
+        sum(s["evicted"] for s in stores.values()),
+        spread([s["bytes"] / MIB for s in stores.values()], "{:.1f}"),
+        distinct_stacks(part) if part else "?",
+        " / ".join(f"{r:.0f}" for r in tasks_per_s),
+    ]
 
 
 def run(quick: bool) -> Section:
     repeats = 1 if quick else 3
     deadline = 300.0 if quick else 480.0
-    with tempfile.TemporaryDirectory(prefix="pyspy-bench-") as tmp, cluster(tmp) as (address, pid), \
-            Client(address) as client, ReplyMeter() as meter:
+    with (
+        tempfile.TemporaryDirectory(prefix="pyspy-bench-") as tmp,
+        cluster(tmp) as (address, pid),
+        Client(address) as client,
+        ReplyMeter() as meter,
+    ):
         client.wait_for_workers(N_WORKERS, timeout=180)
         client.register_plugin(dask_pyspy.PySpyPlugin(rate=RATE, cpu_budget=1.0, max_memory=256 * MIB))
         client.run(_install_worker)
@@ -455,27 +571,59 @@ def run(quick: bool) -> Section:
     real_parts = {kind: m.part for kind, m in zip(("raw", "aggregated"), measured) if m.part is not None}
     print("  merging copies of one worker's parts", flush=True)
     scale = scale_rows(real_parts)
-    return Section("Collection", intro(repeats, deadline), [
-        table(["workers x threads", "fill s", "samples per worker", "samples in all", "equivalent minutes per worker",
-               "achieved Hz per worker", "evicted", "store MiB per worker", "distinct stacks (one worker)",
-               "tasks/s, filling / measuring"], [fill_row(seconds, stores, part, tasks_per_s)]),
-        table(["request", "workers", "reply MiB per worker", "scheduler received MiB", "client received MiB"],
-              [m.sizes for m in measured]),
-        table(["operation", "collect s", "of which client decode s", "save s", "total s", "scheduler CPU s off loop",
-               "scheduler transient MiB", "x bytes received", "scheduler stall ms", "worker stall ms"],
-              [r for m in measured for r in m.rows]),
-        "Towards 1000 workers: copies of one worker's part above (raw, and aggregated), each as its own process "
-        "with task keys of its own, merged in one fresh process as the client merges a collection "
-        "(`python -m benchmarks.merge_scale`); the report drawn from the merged profile after.",
-        table(["part", "workers", "samples", "wire MiB", "merge s", "peak MiB over RSS", "then"], scale),
-    ], [n for m in measured for n in m.notes] + [
-        f"Only the samples are compressed in time, not the tasks: the fill ran {filled / N_WORKERS:,.0f} tasks per "
-        f"worker, so the stores hold that many task keys, where 10 real minutes of 175 ms tasks on {THREADS} busy "
-        f"threads would hold ~{600 * THREADS / 0.175:,.0f}.",
-        "While filling, the task stream keeps both cores busy (dask's own work per task); while measuring its tasks "
-        "are longer, so the figures are the collection's more than the load's.",
-        f"Tasks that failed during the run: {errors}.",
-    ])
+    return Section(
+        "Collection",
+        intro(repeats, deadline),
+        [
+            table(
+                [
+                    "workers x threads",
+                    "fill s",
+                    "samples per worker",
+                    "samples in all",
+                    "equivalent minutes per worker",
+                    "achieved Hz per worker",
+                    "evicted",
+                    "store MiB per worker",
+                    "distinct stacks (one worker)",
+                    "tasks/s, filling / measuring",
+                ],
+                [fill_row(seconds, stores, part, tasks_per_s)],
+            ),
+            table(
+                ["request", "workers", "reply MiB per worker", "scheduler received MiB", "client received MiB"],
+                [m.sizes for m in measured],
+            ),
+            table(
+                [
+                    "operation",
+                    "collect s",
+                    "of which client decode s",
+                    "save s",
+                    "total s",
+                    "scheduler CPU s off loop",
+                    "scheduler transient MiB",
+                    "x bytes received",
+                    "scheduler stall ms",
+                    "worker stall ms",
+                ],
+                [r for m in measured for r in m.rows],
+            ),
+            "Towards 1000 workers: copies of one worker's part above (raw, and aggregated), each as its own process "
+            "with task keys of its own, merged in one fresh process as the client merges a collection "
+            "(`python -m benchmarks.merge_scale`); the report drawn from the merged profile after.",
+            table(["part", "workers", "samples", "wire MiB", "merge s", "peak MiB over RSS", "then"], scale),
+        ],
+        [n for m in measured for n in m.notes]
+        + [
+            f"Only the samples are compressed in time, not the tasks: the fill ran {filled / N_WORKERS:,.0f} tasks per "
+            f"worker, so the stores hold that many task keys, where 10 real minutes of 175 ms tasks on {THREADS} busy "
+            f"threads would hold ~{600 * THREADS / 0.175:,.0f}.",
+            "While filling, the task stream keeps both cores busy (dask's own work per task); while measuring its "
+            "tasks are longer, so the figures are the collection's more than the load's.",
+            f"Tasks that failed during the run: {errors}.",
+        ],
+    )
 
 
 def intro(repeats: int, deadline: float) -> str:
@@ -487,12 +635,13 @@ def intro(repeats: int, deadline: float) -> str:
         "first table says what was reached); then every sampler is paused, its samples kept, so each collection sees "
         f"the same stores. A task stream runs throughout, the measurements included: {IN_FLIGHT} tasks queued or "
         f"running, of {len(PREFIXES)} prefixes, 50-300 ms each while filling and {MEASURE_TASK_SECONDS[0]:g}-"
-        f"{MEASURE_TASK_SECONDS[1]:g} s each while measuring, 15-40 frames deep along {PATHS_PER_PREFIX} call paths per "
-        "prefix, mostly in 20 ms sleeps with a little pure-Python compute (task threads are sampled while they sleep); "
+        f"{MEASURE_TASK_SECONDS[1]:g} s each while measuring, 15-40 frames deep along {PATHS_PER_PREFIX} call "
+        "paths per prefix, mostly in 20 ms sleeps with a little pure-Python compute (task threads are sampled while they sleep); "
         "distributed's built-in profiler is off. "
         f"Each operation runs {repeats} time(s), interleaved: median (min-max). Collect = `client.pyspy_profile()` "
         "until it returns; client decode = from the reply's arrival to then. Scheduler CPU = user + system seconds "
-        "of the scheduler's threads but its event loop's (where its part of a collection runs: its own export, reading heads) during the collection. "
+        "of the scheduler's threads but its event loop's (where its part of a collection runs: its own export, "
+        "reading heads) during the collection. "
         "Stall = worst extra delay of a 5 ms asyncio timer during the collection (not the save), on the scheduler "
         "and on the worst worker; each round ends with a baseline window as long as its median collection (same "
         "load, no collection). Transient memory = the scheduler's VmHWM during the collection minus its VmRSS before "

@@ -65,16 +65,20 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     try:
-        pyspy = subprocess.run([os.path.join(os.path.dirname(sys.executable), "py-spy"), "--version"],
-                               capture_output=True, text=True).stdout.strip()
+        pyspy = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "py-spy"), "--version"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         pyspy = "py-spy CLI not installed"
-    return table(["what", "value"], [
-        ["date", datetime.datetime.now().isoformat(timespec="seconds")],
-        ["machine", f"{os.cpu_count()} cores, {cpu}, {platform.platform()}"],
-        ["load average at start (1, 5, 15 min)", ", ".join(f"{x:.1f}" for x in os.getloadavg())],
-        ["python", sys.version.split()[0]],
-        ["dask / distributed", f"{dask.__version__} / {distributed.__version__}"],
-        ["dask-pyspy", dask_pyspy.__version__],
-        ["py-spy CLI", pyspy],
-    ])
+    return table(
+        ["what", "value"],
+        [
+            ["date", datetime.datetime.now().isoformat(timespec="seconds")],
+            ["machine", f"{os.cpu_count()} cores, {cpu}, {platform.platform()}"],
+            ["load average at start (1, 5, 15 min)", ", ".join(f"{x:.1f}" for x in os.getloadavg())],
+            ["python", sys.version.split()[0]],
+            ["dask / distributed", f"{dask.__version__} / {distributed.__version__}"],
+            ["dask-pyspy", dask_pyspy.__version__],
+            ["py-spy CLI", pyspy],
+        ],
+    )

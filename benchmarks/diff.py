@@ -27,8 +27,10 @@ def window(client: Client, grind_seconds: float) -> tuple[dask_pyspy.Profile, fl
 
 def measure(reader: str, rounds: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"truth": [], "diff": [], "top": []}
-    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3, reader=reader))
         for _ in range(rounds):
             (base, base_took), (new, new_took) = window(client, BASE), window(client, NEW)
@@ -54,16 +56,38 @@ def run(quick: bool) -> Section:
                     stress.kill()
                     stress.wait()
             errors = [100 * (d - t) / t for d, t in zip(m["diff"], m["truth"])]
-            rows.append([load, reader, f"{TASKS * (NEW - BASE):.2f}", spread(m["truth"], "{:.2f}"),
-                         spread(m["diff"], "{:.2f}"), spread(errors, "{:+.0f}%"),
-                         f"{sum(m['top']):.0f} of {rounds}"])
+            rows.append(
+                [
+                    load,
+                    reader,
+                    f"{TASKS * (NEW - BASE):.2f}",
+                    spread(m["truth"], "{:.2f}"),
+                    spread(m["diff"], "{:.2f}"),
+                    spread(errors, "{:+.0f}%"),
+                    f"{sum(m['top']):.0f} of {rounds}",
+                ]
+            )
     return Section(
         "Diff accuracy",
         f"{TASKS} tasks on 2 workers x 2 threads spin {SPIN * 1000:.0f} ms then `grind` {BASE * 1000:.0f} ms; a "
         f"second run grinds {NEW * 1000:.0f} ms. `new.diff(base)` at 200 Hz against the gain in `grind`'s wall "
         f"time by the tasks' own clocks; {rounds} pairs of runs per row, median (min-max).",
-        [table(["load", "reader", "injected gain s", "gain by the tasks' clocks s", "gain in the diff s",
-                "diff vs tasks' clocks", "grind on top of the gained"], rows)],
-        ["The tests assert only that grind is on top with a positive gain, equal to what the profiles' own "
-         "stacks hold: how much of the truth sampling catches depends on the load, shown here."],
+        [
+            table(
+                [
+                    "load",
+                    "reader",
+                    "injected gain s",
+                    "gain by the tasks' clocks s",
+                    "gain in the diff s",
+                    "diff vs tasks' clocks",
+                    "grind on top of the gained",
+                ],
+                rows,
+            )
+        ],
+        [
+            "The tests assert only that grind is on top with a positive gain, equal to what the profiles' own "
+            "stacks hold: how much of the truth sampling catches depends on the load, shown here."
+        ],
     )

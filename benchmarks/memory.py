@@ -6,8 +6,8 @@ import itertools
 import threading
 import time
 
-from distributed import Client, LocalCluster
 import dask
+from distributed import Client, LocalCluster
 
 import dask_pyspy
 from benchmarks.common import Section, table
@@ -61,9 +61,18 @@ def long_run(seconds: float, churn: bool, max_memory: int) -> list[list[object]]
         time.sleep(max(0.0, began + mark * seconds - time.time()))
         st = s.stats()
         hours = st["store"]["samples_recorded"] / (100 * 8 * 3600)
-        rows.append([f"{'yes' if churn else 'no'}", f"{time.time() - began:.0f}", f"{hours:.2f}",
-                     st["store"]["samples_held"], st["store"]["samples_evicted"], st["store"]["compactions"],
-                     f"{st['store']['bytes'] / 2**20:.1f}", f"{rss_mib():.0f}"])
+        rows.append(
+            [
+                f"{'yes' if churn else 'no'}",
+                f"{time.time() - began:.0f}",
+                f"{hours:.2f}",
+                st["store"]["samples_held"],
+                st["store"]["samples_evicted"],
+                st["store"]["compactions"],
+                f"{st['store']['bytes'] / 2**20:.1f}",
+                f"{rss_mib():.0f}",
+            ]
+        )
     s.stop()
     stop.set()
     return rows
@@ -72,11 +81,17 @@ def long_run(seconds: float, churn: bool, max_memory: int) -> list[list[object]]
 def worker_growth(seconds: float, builtin: bool) -> list[object]:
     """A worker busy for `seconds`: its RSS growth with the built-in profiler or with dask-pyspy."""
     config = {"distributed.worker.profile.enabled": builtin, "distributed.worker.profile.interval": "10ms"}
-    with dask.config.set(config), LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
-                                               dashboard_address=":0") as cluster, Client(cluster) as client:
+    with (
+        dask.config.set(config),
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         if not builtin:
             client.register_plugin(dask_pyspy.PySpyPlugin())
-        rss = lambda: next(iter(client.run(lambda: __import__("psutil").Process().memory_info().rss).values())) / 2**20
+
+        def rss():
+            return next(iter(client.run(lambda: __import__("psutil").Process().memory_info().rss).values())) / 2**20
+
         before = rss()
         began = time.time()
         i = 0
@@ -84,8 +99,12 @@ def worker_growth(seconds: float, builtin: bool) -> list[object]:
             client.gather(client.map(cpu_task, range(i, i + 50), [0.01] * 50))
             i += 50
         after = rss()
-    return ["built-in profiler (10 ms)" if builtin else "dask-pyspy (defaults)", f"{before:.0f}", f"{after:.0f}",
-            f"{after - before:+.0f}"]
+    return [
+        "built-in profiler (10 ms)" if builtin else "dask-pyspy (defaults)",
+        f"{before:.0f}",
+        f"{after:.0f}",
+        f"{after - before:+.0f}",
+    ]
 
 
 def run(quick: bool) -> Section:
@@ -97,7 +116,20 @@ def run(quick: bool) -> Section:
         "Memory",
         f"8 threads a few frames deep, sampled at up to 2000 Hz with idle threads kept, for {seconds:.0f} s; "
         f"store cap {cap // 2**20} MiB. 'Hours' = samples recorded / (100 Hz x 8 threads x 3600 s).",
-        [table(["thread churn + new task keys", "s", "equivalent hours at 100 Hz x 8 threads", "samples held",
-                "samples evicted", "table compactions", "store MiB", "process RSS MiB"], rows),
-         table(["worker busy for %.0f s with" % (seconds / 2), "RSS MiB before", "after", "growth"], growth)],
+        [
+            table(
+                [
+                    "thread churn + new task keys",
+                    "s",
+                    "equivalent hours at 100 Hz x 8 threads",
+                    "samples held",
+                    "samples evicted",
+                    "table compactions",
+                    "store MiB",
+                    "process RSS MiB",
+                ],
+                rows,
+            ),
+            table(["worker busy for %.0f s with" % (seconds / 2), "RSS MiB before", "after", "growth"], growth),
+        ],
     )

@@ -48,8 +48,11 @@ def python_stacks(idents: set[int]) -> dict[int, Stack]:
 
 
 def dumped_stacks(sampler: Sampler, idents: set[int]) -> dict[int, Stack]:
-    return {t["ident"]: [(f["name"], f["file"], f["line"]) for f in t["frames"]]
-            for t in sampler.dump()["threads"] if t["ident"] in idents}
+    return {
+        t["ident"]: [(f["name"], f["file"], f["line"]) for f in t["frames"]]
+        for t in sampler.dump()["threads"]
+        if t["ident"] in idents
+    }
 
 
 def stable(rounds: int) -> dict[str, int]:
@@ -140,26 +143,38 @@ def run(quick: bool) -> Section:
     counts = stable(300 if quick else 1000)
     total = counts.pop("thread-stacks")
     shares = {k: v / total for k, v in counts.items()}
-    churn_rows, notes = [], [
-        f"Target (issue 9): fast matches pyspy on >= 99.9% of stable thread-stacks. "
-        f"Measured {100 * shares['fast = pyspy']:.2f}%: {verdict(shares['fast = pyspy'] >= 0.999)}."]
+    churn_rows, notes = (
+        [],
+        [
+            f"Target (issue 9): fast matches pyspy on >= 99.9% of stable thread-stacks. "
+            f"Measured {100 * shares['fast = pyspy']:.2f}%: {verdict(shares['fast = pyspy'] >= 0.999)}."
+        ],
+    )
     for reader in READERS:
         r = churning(reader, 3.0 if quick else 10.0)
         lost = r["lost"] / r["reads"] if r["reads"] else float("nan")
         mixed = r["mixed"] / r["samples"]
-        churn_rows.append([reader, r["samples"], f"{100 * lost:.2f}%".replace("nan%", "-"), r["mixed"], f"{100 * mixed:.2f}%"])
+        churn_rows.append(
+            [reader, r["samples"], f"{100 * lost:.2f}%".replace("nan%", "-"), r["mixed"], f"{100 * mixed:.2f}%"]
+        )
         if reader == "fast":
-            notes.append(f"Target (issue 18): under churn, mixed chains <= 0.5% of the fast reader's samples. "
-                         f"Measured {100 * mixed:.2f}% ({100 * lost:.2f}% of reads lost): {verdict(mixed <= 0.005)}.")
+            notes.append(
+                f"Target (issue 18): under churn, mixed chains <= 0.5% of the fast reader's samples. "
+                f"Measured {100 * mixed:.2f}% ({100 * lost:.2f}% of reads lost): {verdict(mixed <= 0.005)}."
+            )
     return Section(
         "Reader oracle",
         "Stable: 7 threads parked at known stacks (depths 1-300, a generator, a coroutine on an asyncio loop), "
         "dumped by a sampler of each reader in turn; names, files and lines compared. Churn: 2 threads "
         "alternating two call chains through the same frames, sampled at 1000 Hz by each reader in turn.",
-        [table(["thread-stacks", *counts], [[total, *(f"{100 * s:.2f}%" for s in shares.values())]]),
-         table(["reader", "churning thread-samples", "reads lost", "mixed chains kept", "mixed share"],
-               churn_rows)],
-        notes + ["A lost read is a thread the fast reader saw change under it in every copy, through its re-reads "
-                 "in the tick (counted in its stats, not kept; py-spy's reader loses the whole tick instead). A mixed "
-                 "chain is a kept sample whose stack is neither chain nor a prefix of one."],
+        [
+            table(["thread-stacks", *counts], [[total, *(f"{100 * s:.2f}%" for s in shares.values())]]),
+            table(["reader", "churning thread-samples", "reads lost", "mixed chains kept", "mixed share"], churn_rows),
+        ],
+        notes
+        + [
+            "A lost read is a thread the fast reader saw change under it in every copy, through its re-reads "
+            "in the tick (counted in its stats, not kept; py-spy's reader loses the whole tick instead). A mixed "
+            "chain is a kept sample whose stack is neither chain nor a prefix of one."
+        ],
     )

@@ -20,8 +20,10 @@ from benchmarks.workload import run_workloads, tiny
 
 PYSPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
 # Contenders sampling at 100 Hz per reader, judged against issue 9's target.
-AT_100HZ = {"fast": "dask-pyspy 100 Hz, fast reader (default budget 1%)",
-            "pyspy": "dask-pyspy 100 Hz, pyspy reader (budget 20%)"}
+AT_100HZ = {
+    "fast": "dask-pyspy 100 Hz, fast reader (default budget 1%)",
+    "pyspy": "dask-pyspy 100 Hz, pyspy reader (budget 20%)",
+}
 
 Setup = Callable[[Client], Callable[[], dict[str, float]]]
 
@@ -48,9 +50,21 @@ def with_pyspy_cli(nonblocking: bool) -> Setup:
         out = tempfile.mkdtemp(prefix="pyspy-cli-")
         procs = [
             subprocess.Popen(
-                [PYSPY, "record", "--pid", str(pid), "--rate", "100", "--format", "speedscope",
-                 "-o", f"{out}/{pid}.json", *(["--nonblocking"] if nonblocking else [])],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    PYSPY,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    "100",
+                    "--format",
+                    "speedscope",
+                    "-o",
+                    f"{out}/{pid}.json",
+                    *(["--nonblocking"] if nonblocking else []),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             for pid in client.run(os.getpid).values()
         ]
@@ -70,9 +84,11 @@ def with_pyspy_cli(nonblocking: bool) -> Setup:
 
 def contender(config: dict[str, Any], setup: Setup | None, quick: bool) -> Callable[[], dict[str, float]]:
     def run() -> dict[str, float]:
-        with dask.config.set(config), LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster, Client(cluster) as client:
+        with (
+            dask.config.set(config),
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
             client.gather(client.map(tiny, range(100), key=[f"warm-{i}" for i in range(100)]))
             finish = setup(client) if setup else None
             measured = run_workloads(client, quick)
@@ -107,8 +123,10 @@ def run(quick: bool) -> Section:
         row: list[object] = [name]
         for w in workloads:
             row += [spread(r[w], "{:.2f}"), f"{statistics.median(r[w]) / base[w]:.3f}"]
-        row += [spread(r["sampler CPU %"], "{:.1f}") if "sampler CPU %" in r else "-",
-                spread(r["achieved Hz"], "{:.0f}") if "achieved Hz" in r else "-"]
+        row += [
+            spread(r["sampler CPU %"], "{:.1f}") if "sampler CPU %" in r else "-",
+            spread(r["achieved Hz"], "{:.0f}") if "achieved Hz" in r else "-",
+        ]
         rows.append(row)
     header = ["contender"]
     for w in workloads:
@@ -118,8 +136,10 @@ def run(quick: bool) -> Section:
     for reader, name in AT_100HZ.items():
         ratio = statistics.median(results[name]["pure Python"]) / base["pure Python"]
         hz = min(results[name]["achieved Hz"])
-        notes.append(f"Target (issue 9), {reader} reader: pure-Python ratio <= 1.01 with 100 Hz achieved. "
-                     f"Measured {ratio:.3f} at {hz:.1f} Hz at least: {verdict(ratio <= 1.01 and hz >= 98)}.")
+        notes.append(
+            f"Target (issue 9), {reader} reader: pure-Python ratio <= 1.01 with 100 Hz achieved. "
+            f"Measured {ratio:.3f} at {hz:.1f} Hz at least: {verdict(ratio <= 1.01 and hz >= 98)}."
+        )
     return Section(
         "Workload overhead",
         "LocalCluster of 2 worker processes x 1 thread (both cores busy); one fresh cluster per "

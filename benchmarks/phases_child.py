@@ -55,15 +55,20 @@ def delta(before: dict, after: dict) -> dict[str, float]:
 def main(quick: bool, reader: str) -> dict:
     days = 4 if quick else 10
     phases = {
-        "pandas shuffle": lambda c: dask.datasets.timeseries(
-            start="2000-01-01", end=f"2000-01-{1 + days:02d}", freq="1s", partition_freq="1d"
-        ).set_index("id")[["x", "y"]].mean().compute(),
+        "pandas shuffle": lambda c: (
+            dask.datasets.timeseries(start="2000-01-01", end=f"2000-01-{1 + days:02d}", freq="1s", partition_freq="1d")
+            .set_index("id")[["x", "y"]]
+            .mean()
+            .compute()
+        ),
         "small tasks": lambda c: c.gather(c.map(tiny, range(2000 if quick else 6000))),
         "pure Python": lambda c: c.gather(c.map(cpu_task, range(40 if quick else 120))),
     }
     out = {}
-    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         client.gather(client.map(tiny, range(100), key=[f"warm-{i}" for i in range(100)]))
         client.register_plugin(dask_pyspy.PySpyPlugin(reader=reader))
         time.sleep(1)

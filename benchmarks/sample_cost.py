@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from benchmarks.common import READERS, Section, table, verdict
 from dask_pyspy import Sampler
@@ -33,8 +33,9 @@ def parked(threads: int, depth: int) -> Iterator[None]:
     """`threads` threads parked `depth` Python frames deep."""
     stop = threading.Event()
     ready = threading.Barrier(threads + 1)
-    pool = [threading.Thread(target=_hold, args=(depth - OTHER_FRAMES, ready, stop), daemon=True)
-            for _ in range(threads)]
+    pool = [
+        threading.Thread(target=_hold, args=(depth - OTHER_FRAMES, ready, stop), daemon=True) for _ in range(threads)
+    ]
     for t in pool:
         t.start()
     ready.wait()
@@ -98,9 +99,21 @@ def readv_calls(reader: str, threads: int, depth: int) -> list[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         done = subprocess.run(
-            [strace, "-f", "-c", "-e", "trace=process_vm_readv", "-o", out.name, sys.executable, "-c",
-             CHILD.format(root=root, threads=threads, depth=depth, reader=reader)],
-            capture_output=True, text=True, timeout=120,
+            [
+                strace,
+                "-f",
+                "-c",
+                "-e",
+                "trace=process_vm_readv",
+                "-o",
+                out.name,
+                sys.executable,
+                "-c",
+                CHILD.format(root=root, threads=threads, depth=depth, reader=reader),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         report = open(out.name).read()
     counted = re.search(r"FRAMES (\d+) TICKS (\d+)", done.stdout)
@@ -122,9 +135,20 @@ def run(quick: bool) -> Section:
                 target = cost
         for reader, (on, off) in cost.items():
             ratio = cost["pyspy"][0]["us_per_tick"] / on["us_per_tick"]
-            rows.append([threads, depth, reader, on["frames"], f"{on['us_per_tick']:.0f}", f"{on['us_per_frame']:.2f}",
-                         f"{off['us_per_frame']:.2f}", f"{100 * (1 - off['us_per_tick'] / on['us_per_tick']):.0f}%",
-                         f"{100 * on['system_share']:.0f}%".replace("nan%", "-"), "-" if reader == "pyspy" else f"{ratio:.0f}x"])
+            rows.append(
+                [
+                    threads,
+                    depth,
+                    reader,
+                    on["frames"],
+                    f"{on['us_per_tick']:.0f}",
+                    f"{on['us_per_frame']:.2f}",
+                    f"{off['us_per_frame']:.2f}",
+                    f"{100 * (1 - off['us_per_tick'] / on['us_per_tick']):.0f}%",
+                    f"{100 * on['system_share']:.0f}%".replace("nan%", "-"),
+                    "-" if reader == "pyspy" else f"{ratio:.0f}x",
+                ]
+            )
     readv = [[reader, *readv_calls(reader, *TARGET)] for reader in READERS]
     fast_us = target["fast"][0]["us_per_tick"]
     ratio = target["pyspy"][0]["us_per_tick"] / fast_us
@@ -133,15 +157,38 @@ def run(quick: bool) -> Section:
         "Threads parked `depth` Python frames deep (all of each thread's frames), sampled at 200 Hz with idle "
         "threads kept and no budget, by each reader in turn on the same threads. Cost is the sampling thread's "
         "CPU clock per tick; frames per tick include the main thread.",
-        [table(["threads", "depth", "reader", "frames/tick", "us/tick", "us/frame (lines)", "us/frame (no lines)",
-                "saved without lines", "system time share", "cheaper than pyspy"], rows),
-         table(["reader", f"process_vm_readv calls per tick ({TARGET[0]} threads x {TARGET[1]} frames, strace -c)",
-                "per frame"], readv)],
-        [f"Target (issue 9), {TARGET[0]} threads x {TARGET[1]} frames, lines on: fast <= 100 us per tick and >= 30x "
-         f"below pyspy. Measured {fast_us:.0f} us, {ratio:.0f}x: {verdict(fast_us <= 100 and ratio >= 30)}.",
-         f"The fast reader's cost per tick grows with the time between ticks (caches go cold): same threads at "
-         f"100 Hz {by_rate[100]:.0f} us, at 1000 Hz {by_rate[1000]:.0f} us.",
-         "py-spy's reader copies each frame, code object, name, filename and line table with one syscall each. "
-         "The fast reader copies each thread's live stack chunk in one batched call and caches code objects by "
-         "address, so its cost is the few syscalls per tick plus walking frames in a local copy."],
+        [
+            table(
+                [
+                    "threads",
+                    "depth",
+                    "reader",
+                    "frames/tick",
+                    "us/tick",
+                    "us/frame (lines)",
+                    "us/frame (no lines)",
+                    "saved without lines",
+                    "system time share",
+                    "cheaper than pyspy",
+                ],
+                rows,
+            ),
+            table(
+                [
+                    "reader",
+                    f"process_vm_readv calls per tick ({TARGET[0]} threads x {TARGET[1]} frames, strace -c)",
+                    "per frame",
+                ],
+                readv,
+            ),
+        ],
+        [
+            f"Target (issue 9), {TARGET[0]} threads x {TARGET[1]} frames, lines on: fast <= 100 us per tick and >= 30x "
+            f"below pyspy. Measured {fast_us:.0f} us, {ratio:.0f}x: {verdict(fast_us <= 100 and ratio >= 30)}.",
+            f"The fast reader's cost per tick grows with the time between ticks (caches go cold): same threads at "
+            f"100 Hz {by_rate[100]:.0f} us, at 1000 Hz {by_rate[1000]:.0f} us.",
+            "py-spy's reader copies each frame, code object, name, filename and line table with one syscall each. "
+            "The fast reader copies each thread's live stack chunk in one batched call and caches code objects by "
+            "address, so its cost is the few syscalls per tick plus walking frames in a local copy.",
+        ],
     )

@@ -19,7 +19,7 @@ STOPS = 3  # depths along a path where the task spends time
 SLICE = 0.02  # seconds of each sleep
 
 # Two call sites per step: the same function is on the stack at either of two lines.
-_STEP = '''
+_STEP = """
 def {name}(path, depth, seconds):
     if depth in path.stops:
         wait_io(seconds / STOPS)
@@ -28,13 +28,13 @@ def {name}(path, depth, seconds):
     if depth % 2:
         return path.calls[depth](path, depth + 1, seconds)
     return path.calls[depth](path, depth + 1, seconds) + 1
-'''
+"""
 
-_TASK = '''
+_TASK = """
 def {prefix}(variant, seconds):
     path = PATHS[{prefix!r}][variant]
     return path.calls[0](path, 1, seconds)
-'''
+"""
 
 
 def checksum(n: int) -> int:

@@ -20,7 +20,13 @@ def shapes(path: str) -> list[tuple[str, str, Callable[..., int], int, tuple[Any
     """(name, expected, work, threads, args)"""
     return [
         ("4 pure-Python threads", "on CPU, GIL ~25%, waiting for the GIL ~75%", spin, 4, ()),
-        (f"sha256 in {2 * CORES} threads (2 x cores)", "on CPU, no GIL ~50%, waiting for a CPU ~50%", hash_, 2 * CORES, ()),
+        (
+            f"sha256 in {2 * CORES} threads (2 x cores)",
+            "on CPU, no GIL ~50%, waiting for a CPU ~50%",
+            hash_,
+            2 * CORES,
+            (),
+        ),
         ("time.sleep in 2 threads", "blocked 100%", nap, 2, ()),
         ("parquet read, arrow's pool", "native threads, most", parquet, 1, (path,)),
         ("numpy matmul (OpenBLAS)", "on CPU, no GIL (or waiting for a CPU)", matmul, 1, ()),
@@ -35,17 +41,34 @@ def measure(path: str, samples: int) -> list[list[object]]:
         truth = accounted.truth()
         stats = profile.processes[0]["stats"]
         on_cpu = got["gil"] + got["no_gil"]
-        rows.append([name, expected, *(f"{100 * got[s]:.0f}%" for s in STATES),
-                     f"{100 * truth['cpu']:.0f}% / {100 * on_cpu:.0f}%", f"{100 * truth['runq']:.0f}% / {100 * got['cpu_wait']:.0f}%",
-                     f"{stats['states']['syscall_reads'] / max(stats['ticks'], 1):.2f}"])
+        rows.append(
+            [
+                name,
+                expected,
+                *(f"{100 * got[s]:.0f}%" for s in STATES),
+                f"{100 * truth['cpu']:.0f}% / {100 * on_cpu:.0f}%",
+                f"{100 * truth['runq']:.0f}% / {100 * got['cpu_wait']:.0f}%",
+                f"{stats['states']['syscall_reads'] / max(stats['ticks'], 1):.2f}",
+            ]
+        )
     return rows
 
 
 def run(quick: bool) -> Section:
     samples = 300 if quick else 1000
-    header = ["shape", "expected", "on CPU, GIL", "on CPU, no GIL", "waiting for a CPU", "waiting for the GIL",
-              "native threads", "blocked", "on CPU: kernel / sampled", "run queue: kernel / sampled",
-              "syscall reads per tick"]
+    header = [
+        "shape",
+        "expected",
+        "on CPU, GIL",
+        "on CPU, no GIL",
+        "waiting for a CPU",
+        "waiting for the GIL",
+        "native threads",
+        "blocked",
+        "on CPU: kernel / sampled",
+        "run queue: kernel / sampled",
+        "syscall reads per tick",
+    ]
     section = Section("Thread states", __doc__.split("\n\n")[0].replace("\n", " "))
     with tempfile.TemporaryDirectory() as tmp:
         path = write_parquet(os.path.join(tmp, "t.parquet"))
@@ -59,8 +82,10 @@ def run(quick: bool) -> Section:
                 stress.wait()
         else:
             section.notes.append("stress-ng is not installed: the loaded run was left out.")
-    section.notes.append(f"{CORES} cores; shares are of each shape's task wall time, from the report's summary; "
-                         f"at least {samples} samples per shape. Kernel: the tasks' threads' own schedstat (CPU time, "
-                         "run-queue delay) read at each task's start and end, the truth the sampled shares estimate. "
-                         "Syscall reads: of /proc/self/task/TID/syscall, per tick of the whole process.")
+    section.notes.append(
+        f"{CORES} cores; shares are of each shape's task wall time, from the report's summary; "
+        f"at least {samples} samples per shape. Kernel: the tasks' threads' own schedstat (CPU time, "
+        "run-queue delay) read at each task's start and end, the truth the sampled shares estimate. "
+        "Syscall reads: of /proc/self/task/TID/syscall, per tick of the whole process."
+    )
     return section

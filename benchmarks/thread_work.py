@@ -92,7 +92,11 @@ class Accounted:
         finally:
             (cpu2, runq2), end = read(), time.monotonic()
             with self.lock:
-                self.cpu, self.runq, self.wall = self.cpu + cpu2 - cpu, self.runq + runq2 - runq, self.wall + end - start
+                self.cpu, self.runq, self.wall = (
+                    self.cpu + cpu2 - cpu,
+                    self.runq + runq2 - runq,
+                    self.wall + end - start,
+                )
 
     def truth(self) -> dict[str, float]:
         """Shares of wall time on a CPU, waiting for one, and neither."""

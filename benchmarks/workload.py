@@ -27,7 +27,9 @@ def run_workloads(client: Client, quick: bool) -> dict[str, float]:
     client.gather(client.map(cpu_task, range(40 if quick else 120)))
     out["pure Python"] = time.perf_counter() - t
     t = time.perf_counter()
-    df = dask.datasets.timeseries(start="2000-01-01", end="2000-01-05" if quick else "2000-01-11", freq="1s", partition_freq="1d")
+    df = dask.datasets.timeseries(
+        start="2000-01-01", end="2000-01-05" if quick else "2000-01-11", freq="1s", partition_freq="1d"
+    )
     df.set_index("id")[["x", "y"]].mean().compute()
     out["pandas shuffle"] = time.perf_counter() - t
     t = time.perf_counter()

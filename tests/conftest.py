@@ -27,4 +27,6 @@ def self_seconds(doc: dict[str, Any], name: str) -> float:
     """Seconds a function of this name was the leaf of a stack, over a speedscope
     document's thread profiles (by="thread" documents hold no other)."""
     frames = doc["shared"]["frames"]
-    return sum(w for p in doc["profiles"] for s, w in zip(p["samples"], p["weights"]) if s and frames[s[-1]]["name"] == name)
+    return sum(
+        w for p in doc["profiles"] for s, w in zip(p["samples"], p["weights"]) if s and frames[s[-1]]["name"] == name
+    )

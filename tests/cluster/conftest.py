@@ -8,7 +8,10 @@ import dask_pyspy
 
 def start_cluster(processes: bool, n_workers: int = 2) -> tuple[LocalCluster, Client]:
     cluster = LocalCluster(
-        n_workers=n_workers, threads_per_worker=2, processes=processes, dashboard_address=":0",
+        n_workers=n_workers,
+        threads_per_worker=2,
+        processes=processes,
+        dashboard_address=":0",
         worker_dashboard_address=None,
     )
     client = Client(cluster)

@@ -71,7 +71,10 @@ def test_unreachable_scheduler_fails_in_seconds(tmp_path):
     nowhere = ("--scheduler", "tcp://127.0.0.1:1", "-o", str(tmp_path / "x.html"))
     quick, quick_took = timed_run("record", *nowhere, "--timeout", "0.5")
     done, took = timed_run("record", *nowhere)
-    one_line_error(quick, "cannot reach the scheduler at tcp://127.0.0.1:1: Timed out trying to connect to tcp://127.0.0.1:1 after 0.5 s")
+    one_line_error(
+        quick,
+        "cannot reach the scheduler at tcp://127.0.0.1:1: Timed out trying to connect to tcp://127.0.0.1:1 after 0.5 s",
+    )
     one_line_error(done, "after 2 s")
     # Both pay the same start-up; the default waits 1.5 s longer (the old 10 s default, 9.5 s).
     assert took < quick_took + 6, (took, quick_took)
@@ -80,7 +83,9 @@ def test_unreachable_scheduler_fails_in_seconds(tmp_path):
 
 def test_cluster_without_the_plugin_fails_before_recording(tmp_path):
     with LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster:
-        done, took = timed_run("record", "--scheduler", cluster.scheduler_address, "--duration", "60", "-o", str(tmp_path / "x.html"))
+        done, took = timed_run(
+            "record", "--scheduler", cluster.scheduler_address, "--duration", "60", "-o", str(tmp_path / "x.html")
+        )
         dumped = run("dump", "--scheduler", cluster.scheduler_address)
     one_line_error(done, "no dask-pyspy plugin")
     assert took < 40, f"the check came after the recording: {took:.0f} s"
@@ -90,8 +95,17 @@ def test_cluster_without_the_plugin_fails_before_recording(tmp_path):
 
 def test_unknown_worker_fails_before_recording(client, tmp_path):
     address = client.scheduler.address
-    done, took = timed_run("record", "--scheduler", address, "--duration", "60", "--workers", "tcp://127.0.0.1:1",
-                           "-o", str(tmp_path / "x.html"))
+    done, took = timed_run(
+        "record",
+        "--scheduler",
+        address,
+        "--duration",
+        "60",
+        "--workers",
+        "tcp://127.0.0.1:1",
+        "-o",
+        str(tmp_path / "x.html"),
+    )
     one_line_error(done, "unknown worker addresses ['tcp://127.0.0.1:1']")
     assert took < 40, f"the check came after the recording: {took:.0f} s"
     one_line_error(run("dump", "--scheduler", address, "--workers", "tcp://127.0.0.1:1"), "unknown worker addresses")
@@ -124,7 +138,9 @@ def test_diff_of_bad_files_is_one_line(tmp_path):
     one_line_error(run("diff", missing, str(garbage)), f"BASE: [Errno 2] No such file or directory: {missing!r}")
     one_line_error(run("diff", str(garbage), missing), f"BASE: cannot load {str(garbage)!r}: not gzip-compressed")
     other = str(tmp_path / "a.txt")
-    one_line_error(run("diff", other, missing), f"BASE: cannot load {other!r}: the path must end in .pyspy.gz, .json or .json.gz")
+    one_line_error(
+        run("diff", other, missing), f"BASE: cannot load {other!r}: the path must end in .pyspy.gz, .json or .json.gz"
+    )
     one_line_error(run("diff", missing, missing, "-o", str(tmp_path / "d.json")), "--output: path must end in .html")
     nowhere = str(tmp_path / "nowhere" / "d.html")
     one_line_error(run("diff", missing, missing, "-o", nowhere), f"--output: cannot write {nowhere!r}: directory")

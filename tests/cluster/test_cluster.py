@@ -10,9 +10,9 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster
 
 import dask_pyspy
-from tests.conftest import frame_names
 from tests.cluster.conftest import start_cluster
 from tests.cluster.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper
+from tests.conftest import frame_names
 
 
 def run_mixed_workload(client: Client, round: int = 0) -> None:
@@ -158,7 +158,9 @@ def test_without_plugin_the_error_says_what_to_do(caplog):
     scheduler_log.addHandler(caplog.handler)
     try:
         with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
-            with pytest.raises(RuntimeError, match=r"register_plugin\(dask_pyspy.PySpyPlugin\(\)\).*--preload dask_pyspy"):
+            with pytest.raises(
+                RuntimeError, match=r"register_plugin\(dask_pyspy.PySpyPlugin\(\)\).*--preload dask_pyspy"
+            ):
                 c.pyspy_profile()
             with pytest.raises(RuntimeError, match="no dask-pyspy plugin"):
                 c.pyspy_dump()
@@ -226,7 +228,9 @@ def test_registering_again_applies_new_options_and_keeps_history(fresh, recwarn)
     started = {name: s["started"] for name, s in sampler_stats(client).items()}
     client.register_plugin(dask_pyspy.PySpyPlugin(rate=50, cpu_budget=0.3))
     assert {name: s["started"] for name, s in sampler_stats(client).items()} == started
-    assert not [w for w in recwarn if "overwriting" in str(w.message)], "the replaced plugin is not overwritten with a warning"
+    assert not [w for w in recwarn if "overwriting" in str(w.message)], (
+        "the replaced plugin is not overwritten with a warning"
+    )
 
 
 def test_live_dump_shows_running_tasks(client):

@@ -60,7 +60,9 @@ def test_aggregate_must_be_a_bool(client):
 def test_a_request_over_the_cap_is_refused_before_collecting(client):
     run_prefixes(client, {"capped": 0.002}, n=20)
     with dask.config.set({"pyspy.max-result": "1KiB"}):  # the scheduler runs in this process
-        with pytest.raises(ValueError, match=r"over config pyspy.max-result \(0 MiB\): ask for aggregate=True or a shorter window"):
+        with pytest.raises(
+            ValueError, match=r"over config pyspy.max-result \(0 MiB\): ask for aggregate=True or a shorter window"
+        ):
             client.pyspy_profile(last=600)
         with pytest.raises(ValueError, match=r"ask for a shorter window"):
             client.pyspy_profile(last=600, aggregate=True)

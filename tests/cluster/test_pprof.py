@@ -24,7 +24,9 @@ def go_pprof(path: Path, *args: str) -> str:
     assert shutil.which("go"), "go is missing: ci/test.sh installs golang-go"
     home = path.parent / "go-home"
     env = {**os.environ, "HOME": str(home), "GOCACHE": str(home / "cache")}
-    done = subprocess.run(["go", "tool", "pprof", *args, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        ["go", "tool", "pprof", *args, str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 

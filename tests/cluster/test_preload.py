@@ -8,9 +8,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import pytest
 from distributed import Client
@@ -37,16 +38,44 @@ def preloaded(tmp_path: Path, scheduler_preload: bool) -> Iterator[Preloaded]:
     if scheduler_preload:
         env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"] = '["dask_pyspy"]'
     procs = [
-        subprocess.Popen([DASK, "scheduler", "--scheduler-file", str(scheduler_file), "--port", "0",
-                          "--dashboard-address", ":0", "--no-show"], env=env, cwd=tmp_path,
-                         stderr=logs.scheduler_log.open("w")),
+        subprocess.Popen(
+            [
+                DASK,
+                "scheduler",
+                "--scheduler-file",
+                str(scheduler_file),
+                "--port",
+                "0",
+                "--dashboard-address",
+                ":0",
+                "--no-show",
+            ],
+            env=env,
+            cwd=tmp_path,
+            stderr=logs.scheduler_log.open("w"),
+        ),
     ]
     deadline = time.time() + 60
     while not scheduler_file.exists() and time.time() < deadline:
         time.sleep(0.2)
-    procs.append(subprocess.Popen([DASK, "worker", "--scheduler-file", str(scheduler_file), "--preload", "dask_pyspy",
-                                   "--nthreads", "2", "--no-dashboard"], env=env, cwd=tmp_path,
-                                  stderr=logs.worker_log.open("w")))
+    procs.append(
+        subprocess.Popen(
+            [
+                DASK,
+                "worker",
+                "--scheduler-file",
+                str(scheduler_file),
+                "--preload",
+                "dask_pyspy",
+                "--nthreads",
+                "2",
+                "--no-dashboard",
+            ],
+            env=env,
+            cwd=tmp_path,
+            stderr=logs.worker_log.open("w"),
+        )
+    )
     try:
         with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
             client.wait_for_workers(1, timeout=60)
@@ -158,8 +187,7 @@ SNAPSHOT_BEFORE_IMPORT = textwrap.dedent("""
 def test_config_restored_from_a_snapshot_before_import(tmp_path):
     script = tmp_path / "snapshot.py"
     script.write_text(SNAPSHOT_BEFORE_IMPORT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                          cwd=tmp_path)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "KeyError" not in done.stderr and "Failed to start preload" not in done.stderr, done.stderr
     result = json.loads(done.stdout)

@@ -11,9 +11,9 @@ import uuid
 import pytest
 from distributed import span
 
-from tests.conftest import frame_names
 from tests.cluster.test_cli import DASK, one_line_error, run
 from tests.cluster.workload import spin_for
+from tests.conftest import frame_names
 
 
 def tasks(client, prefix: str, n: int) -> list:
@@ -147,14 +147,43 @@ def test_an_unknown_span_is_refused_naming_the_known_ones(client, tmp_path):
     assert client.pyspy_profile(start=start, span="known").n_samples > 0
     # An id passes unknown: samples keep the id of a span the scheduler cannot name.
     assert client.pyspy_profile(start=start, span=str(uuid.uuid4())).n_samples == 0
-    one_line_error(run("record", "--scheduler", client.scheduler.address, "--duration", "0.5", "--span", "nope",
-                       "-o", str(tmp_path / "x.html")), "span: no span is named 'nope'")
+    one_line_error(
+        run(
+            "record",
+            "--scheduler",
+            client.scheduler.address,
+            "--duration",
+            "0.5",
+            "--span",
+            "nope",
+            "-o",
+            str(tmp_path / "x.html"),
+        ),
+        "span: no span is named 'nope'",
+    )
 
 
 def test_record_by_span_from_the_cli(client, tmp_path):
     out = tmp_path / "spans.json"
-    cli = subprocess.Popen([DASK, "pyspy", "record", "--scheduler", client.scheduler.address, "--duration", "2",
-                            "--by", "span", "--span", "cli-span", "-o", str(out)], stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen(
+        [
+            DASK,
+            "pyspy",
+            "record",
+            "--scheduler",
+            client.scheduler.address,
+            "--duration",
+            "2",
+            "--by",
+            "span",
+            "--span",
+            "cli-span",
+            "-o",
+            str(out),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while cli.poll() is None:  # work in the span and outside it until the recording ends
         with span("cli-span"):
             inside = tasks(client, "cli_work", 40)

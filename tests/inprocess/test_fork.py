@@ -125,7 +125,6 @@ def test_a_fork_pool_used_while_sampling():
     assert done.stdout.split() == ["ok"]
 
 
-
 def test_many_forks_while_the_sampler_ticks_fast_and_a_thread_reads_its_store():
     """Forks land while the sampling thread sleeps, ticks or waits for a lock: no child
     may hang or crash on a lock or a table of waiting threads its parent left behind."""

@@ -50,9 +50,15 @@ def speedscope(samples: int, seconds: float, threads: int) -> bytes:
     of `samples` samples weighted `seconds` each."""
     doc = {
         "shared": {"frames": [{"name": "f", "file": "f.py", "line": 1}]},
-        "profiles": [{"type": "sampled", "unit": "seconds", "samples": [[0]] * samples, "weights": [seconds] * samples}],
-        "x-dask-pyspy": {"metadata": {}, "processes": [{"name": "w", "pid": 1, "host": "h", "token": "t", "stats": {}}],
-                         "by": "thread", "threads": [{"profile": 0, "process": 0, "ident": i, "name": None} for i in range(threads)]},
+        "profiles": [
+            {"type": "sampled", "unit": "seconds", "samples": [[0]] * samples, "weights": [seconds] * samples}
+        ],
+        "x-dask-pyspy": {
+            "metadata": {},
+            "processes": [{"name": "w", "pid": 1, "host": "h", "token": "t", "stats": {}}],
+            "by": "thread",
+            "threads": [{"profile": 0, "process": 0, "ident": i, "name": None} for i in range(threads)],
+        },
     }
     return gzip.compress(json.dumps(doc, separators=(",", ":")).encode(), 9)
 
@@ -96,7 +102,12 @@ def test_a_valid_file_loads_and_renders(good, tmp_path):
     "samples, seconds, threads, message",
     [
         # 3 KB: 100,000 samples of 4e6 s each, split into 932 apiece: 93M samples, 3.6 GiB.
-        (100_000, 4e6, 1, "its sample weights expand into 93200000 samples, more than config pyspy.max-result (512 MiB) holds"),
+        (
+            100_000,
+            4e6,
+            1,
+            "its sample weights expand into 93200000 samples, more than config pyspy.max-result (512 MiB) holds",
+        ),
         # 10,000 threads all naming one profile of 10,000 samples: 1e8 samples.
         (10_000, 1.0, 10_000, "profile 0 is named by more than one thread"),
     ],
@@ -128,15 +139,19 @@ def test_json_that_would_parse_into_gigabytes_is_refused_unparsed(good, tmp_path
     assert path.stat().st_size < 2 << 20
     said = load_limited(path)
     assert said.startswith(f"cannot load {str(path)!r}: parsing its JSON could take ") and said.endswith(
-        " MiB, more than twice config pyspy.max-result (512 MiB)"), said
+        " MiB, more than twice config pyspy.max-result (512 MiB)"
+    ), said
 
 
-@pytest.mark.parametrize("name, target, what", [
-    ("zero.pyspy.gz", "/dev/zero", "a character device"),
-    ("urandom.json", "/dev/urandom", "a character device"),
-    ("fifo.pyspy.gz", None, "a FIFO"),
-    ("dir.json.gz", "", "a directory"),
-])
+@pytest.mark.parametrize(
+    "name, target, what",
+    [
+        ("zero.pyspy.gz", "/dev/zero", "a character device"),
+        ("urandom.json", "/dev/urandom", "a character device"),
+        ("fifo.pyspy.gz", None, "a FIFO"),
+        ("dir.json.gz", "", "a directory"),
+    ],
+)
 def test_only_regular_files_are_read(good, tmp_path, name, target, what):
     path = tmp_path / name
     if target is None:
@@ -167,20 +182,34 @@ def set_path(doc: dict, where: str, value) -> dict:
     return doc
 
 
-@pytest.mark.parametrize("where, value, message", [
-    ("profile.processes.0.stats", {}, "processes[0].stats.requested_rate is missing"),
-    ("profile.processes.0.stats.config", "x", "processes[0].stats.config must be an object, got 'x'"),
-    ("profile.processes.0.stats.config.cpu_budget", None, "processes[0].stats.config.cpu_budget must be a number, got None"),
-    ("profile.metadata.window", [1], "metadata.window must be [start, stop] in Unix seconds, got [1]"),
-    ("profile.metadata.window", [1e300, 2], "metadata.window must be [start, stop] in Unix seconds, got [1e+300, 2]"),
-    ("profile.metadata.missing", ["w2"], "metadata.missing must be an object, got ['w2']"),
-    ("profile.metadata.missing", {"w2": 1}, "metadata.missing['w2'] must be a string, got 1"),
-    ("profile.metadata.tasks", [], "metadata.tasks must be an object, got []"),
-    ("profile.metadata.tasks", {"w": {"f": 3}}, "metadata.tasks['w']['f'] must be an object, got 3"),
-    ("profile.processes.0.stats.window_cpu", {"process_cpu_s": 1.0, "native_cpu_s": "x"},
-     "processes[0].stats.window_cpu.native_cpu_s must be a number, got 'x'"),
-    ("profile.processes.0.stats.cores", -2, "processes[0].stats.cores must be a count, got -2"),
-])
+@pytest.mark.parametrize(
+    "where, value, message",
+    [
+        ("profile.processes.0.stats", {}, "processes[0].stats.requested_rate is missing"),
+        ("profile.processes.0.stats.config", "x", "processes[0].stats.config must be an object, got 'x'"),
+        (
+            "profile.processes.0.stats.config.cpu_budget",
+            None,
+            "processes[0].stats.config.cpu_budget must be a number, got None",
+        ),
+        ("profile.metadata.window", [1], "metadata.window must be [start, stop] in Unix seconds, got [1]"),
+        (
+            "profile.metadata.window",
+            [1e300, 2],
+            "metadata.window must be [start, stop] in Unix seconds, got [1e+300, 2]",
+        ),
+        ("profile.metadata.missing", ["w2"], "metadata.missing must be an object, got ['w2']"),
+        ("profile.metadata.missing", {"w2": 1}, "metadata.missing['w2'] must be a string, got 1"),
+        ("profile.metadata.tasks", [], "metadata.tasks must be an object, got []"),
+        ("profile.metadata.tasks", {"w": {"f": 3}}, "metadata.tasks['w']['f'] must be an object, got 3"),
+        (
+            "profile.processes.0.stats.window_cpu",
+            {"process_cpu_s": 1.0, "native_cpu_s": "x"},
+            "processes[0].stats.window_cpu.native_cpu_s must be a number, got 'x'",
+        ),
+        ("profile.processes.0.stats.cores", -2, "processes[0].stats.cores must be a count, got -2"),
+    ],
+)
 def test_metadata_a_report_cannot_read_is_refused_at_load(good, tmp_path, where, value, message):
     path = write(tmp_path / "bad.pyspy.gz", set_path(good, where, value))
     assert load_limited(path) == f"cannot load {str(path)!r}: {message}"

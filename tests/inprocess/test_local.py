@@ -37,7 +37,7 @@ def prefix_rows(html: str) -> dict[str, dict[str, str]]:
 def test_short_tasks_tagged_with_their_own_prefix(scheduler):
     with PySpyProfiler(rate=500, cpu_budget=0.3) as prof:
         # Again until enough was sampled: a loaded machine may sample little of one round.
-        for rounds in range(1, 11):
+        for _ in range(10):
             dask.compute(short_tasks(300), scheduler=scheduler, num_workers=2)
             doc = prof.profile.speedscope(by="prefix")
             prefixes = {prefix for prefix, _, _ in tagged_samples(doc)}
@@ -75,4 +75,4 @@ def test_processes_scheduler_gets_plain_tasks():
 def test_profile_before_compute_is_an_error():
     prof = PySpyProfiler()
     with pytest.raises(RuntimeError, match="nothing was computed"):
-        prof.profile
+        _ = prof.profile

@@ -57,8 +57,15 @@ def test_unprivileged_user_without_capabilities():
     python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     if not Path(python).exists():
         pytest.fail(f"{python} is needed to run as another user (ci/test.sh installs it)")
-    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--no-new-privs"]
+    drop = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+    ]
     result = run_child(drop, python)
     assert result["uid"] == "65534" and int(result["caps"], 16) == 0
     assert result["found"] and result["ticks"] > 0
@@ -67,8 +74,17 @@ def test_unprivileged_user_without_capabilities():
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
 def test_blocked_process_vm_readv_falls_back_to_proc_mem():
     """As under a seccomp profile that forbids process_vm_readv: the reader uses /proc/self/mem instead."""
-    block = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=process_vm_readv",
-             "-e", "inject=process_vm_readv:error=EPERM"]
+    block = [
+        "strace",
+        "-f",
+        "-qq",
+        "-o",
+        "/dev/null",
+        "-e",
+        "trace=process_vm_readv",
+        "-e",
+        "inject=process_vm_readv:error=EPERM",
+    ]
     result = run_child(block, sys.executable)
     assert result["found"] and result["ticks"] > 0
     if sys.version_info >= (3, 11):
@@ -76,7 +92,9 @@ def test_blocked_process_vm_readv_falls_back_to_proc_mem():
 
 
 def test_free_threaded_interpreter_is_refused(monkeypatch):
-    monkeypatch.setattr(dask_pyspy.sampler.sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else None)
+    monkeypatch.setattr(
+        dask_pyspy.sampler.sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else None
+    )
     s = Sampler()
     with pytest.raises(RuntimeError, match="free-threaded .* neither its reader nor py-spy.s reads one"):
         s.start()
