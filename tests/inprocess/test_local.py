@@ -37,7 +37,9 @@ def prefix_rows(html: str) -> dict[str, dict[str, str]]:
 def test_short_tasks_tagged_with_their_own_prefix(scheduler):
     with PySpyProfiler(rate=500, cpu_budget=0.3) as prof:
         # Again until enough was sampled: a loaded machine may sample little of one round.
-        for _ in range(10):
+        rounds = 0
+        while rounds < 10:
+            rounds += 1
             dask.compute(short_tasks(300), scheduler=scheduler, num_workers=2)
             doc = prof.profile.speedscope(by="prefix")
             prefixes = {prefix for prefix, _, _ in tagged_samples(doc)}
