@@ -1,32 +1,21 @@
 //! Python bindings only: every piece of logic lives in its own module.
 
-mod compress;
-mod config;
-mod diff;
-mod files;
-mod flamegraph;
-mod limits;
-mod model;
-mod pprof;
+mod formats;
+mod names;
+mod profile;
 mod reader;
-mod sampler;
-mod speedscope;
-mod speedscope_read;
-mod states;
-mod store;
+mod sampling;
 mod sync;
-mod spans;
-mod summary;
-mod tags;
-mod views;
-mod wire;
 
 #[cfg(test)]
 mod hostile_tests;
 
-use config::SamplerConfig;
 use flate2::Compression;
-use model::{Merger, ProfileData, Sample, Span, Tag};
+use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
+use profile::model::{Merger, ProfileData, Sample, Span, Tag};
+use profile::{spans, summary, views};
+use sampling::config::SamplerConfig;
+use sampling::{sampler, store};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};

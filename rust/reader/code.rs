@@ -11,7 +11,7 @@ use super::frees::FreeLog;
 use super::layout::{Layout, OB_SIZE, OB_TYPE};
 use super::linetable::line_at;
 use super::memory::{u32_at, u64_at, Batch, Memory};
-use crate::model::Frame;
+use crate::profile::model::Frame;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Arc;
 

@@ -13,6 +13,7 @@ mod layout;
 mod linetable;
 mod memory;
 mod pyspy;
+pub mod tags;
 mod threads;
 
 use check::open_fast;
@@ -21,9 +22,9 @@ pub use fast::FastReader;
 pub use pyspy::PySpyReader;
 pub use threads::thread_cpu_ns;
 
-use crate::model::{Frame, Tag};
-use crate::states::GilAt;
-use crate::tags::ThreadTags;
+use crate::profile::model::{Frame, Tag};
+use std::ops::Range;
+use tags::ThreadTags;
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -66,6 +67,14 @@ pub struct ThreadStack {
     pub tag: Result<Option<Arc<Tag>>, ()>,
 }
 
+/// Where the GIL is, to tell its waits from other locks'.
+pub enum GilAt {
+    /// The bytes of the GIL's state: its condition variables and mutexes.
+    Range(Range<u64>),
+    /// Unknown (py-spy's reader): a futex wait counts as the GIL's while another thread holds it.
+    HeldElsewhere(bool),
+}
+
 pub trait StackReader {
     /// "fast" or "pyspy".
     fn name(&self) -> &'static str;
@@ -96,7 +105,7 @@ impl std::str::FromStr for ReaderChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let names = [("auto", ReaderChoice::Auto), ("fast", ReaderChoice::Fast), ("pyspy", ReaderChoice::Pyspy)];
-        crate::config::choose("reader", s, &names)
+        crate::names::choose("reader", s, &names)
     }
 }
 

@@ -3,9 +3,9 @@
 
 use super::threads::thread_cpu_ns;
 use super::{StackReader, ThreadStack, Want};
-use crate::model::Frame;
-use crate::states::GilAt;
-use crate::tags::ThreadTags;
+use crate::profile::model::Frame;
+use crate::reader::GilAt;
+use crate::reader::tags::ThreadTags;
 use py_spy::config::{LineNo, LockingStrategy};
 use py_spy::{PythonSpy, StackTrace};
 use rustc_hash::FxHashMap;

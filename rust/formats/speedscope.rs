@@ -4,8 +4,8 @@
 //! stacks cut to the task's own code. Then one profile per thread with its raw stacks,
 //! which is what `speedscope_read.rs` loads back.
 
-use crate::model::{Process, ProfileData, Sample, Thread};
-use crate::views::{By, Shown, View, Weight};
+use crate::profile::model::{Process, ProfileData, Sample, Thread};
+use crate::profile::views::{By, Shown, View, Weight};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -271,8 +271,8 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
     use serde_json::json;
 
     fn wall(by: By) -> Shown {

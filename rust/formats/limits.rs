@@ -4,7 +4,7 @@
 //! parsed, and speedscope weights cannot expand into more samples than fit (see
 //! `speedscope_read.rs`). A load then takes at most about twice `max-result`.
 
-use crate::compress;
+use crate::formats::compress;
 use serde_json::value::RawValue;
 use std::collections::HashMap;
 

@@ -9,13 +9,13 @@
 //!
 //! It never touches the GIL: the readers read interpreter memory directly.
 
-use crate::config::SamplerConfig;
-use crate::model::{Frame, Process, ProfileData, State};
+use crate::sampling::config::SamplerConfig;
+use crate::profile::model::{Frame, Process, ProfileData, State};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
-use crate::states::{CpuSeries, StateStats, States};
-use crate::store::{Recorded, Store, Window, WindowSize};
+use crate::sampling::states::{CpuSeries, StateStats, States};
+use crate::sampling::store::{Recorded, Store, Window, WindowSize};
 use crate::sync::{Condvar, Mutex};
-use crate::tags::ThreadTags;
+use crate::reader::tags::ThreadTags;
 use nix::time::{clock_gettime, ClockId};
 use rustc_hash::FxHashMap;
 use serde::Serialize;

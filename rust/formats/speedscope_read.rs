@@ -9,13 +9,13 @@
 //! (a path is its own id). Consecutive equal samples come back as one. Files of
 //! other tools are refused: they hold no processes or tags.
 
-use crate::limits::{self, Limits};
-use crate::model::{Builder, Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
-use crate::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
-use crate::views::NO_SPAN;
+use crate::formats::limits::{self, Limits};
+use crate::profile::model::{Builder, Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
+use crate::formats::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
+use crate::profile::views::NO_SPAN;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use crate::views::By;
+use crate::profile::views::By;
 use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
@@ -281,11 +281,11 @@ pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::files::tests::rich;
-    use crate::limits::tests::LOOSE;
-    use crate::model::tests::profile;
-    use crate::speedscope;
-    use crate::views::{Shown, Weight};
+    use crate::formats::files::tests::rich;
+    use crate::formats::limits::tests::LOOSE;
+    use crate::profile::model::tests::profile;
+    use crate::formats::speedscope;
+    use crate::profile::views::{Shown, Weight};
     use serde_json::{json, Value};
     use std::collections::BTreeMap;
 

@@ -3,15 +3,6 @@
 use crate::reader::{LineMode, ReaderChoice};
 use serde::Serialize;
 
-/// The value named `s` in `names`, or an error naming the option `what` and every
-/// allowed name, as `options.py` words it.
-pub fn choose<T: Copy>(what: &str, s: &str, names: &[(&str, T)]) -> Result<T, String> {
-    names.iter().find(|(name, _)| *name == s).map(|&(_, value)| value).ok_or_else(|| {
-        let allowed: Vec<String> = names.iter().map(|(name, _)| format!("'{name}'")).collect();
-        format!("{what} must be one of {}, got {s:?}", allowed.join(", "))
-    })
-}
-
 pub const MAX_RATE: f64 = 10_000.0;
 pub const MIN_MEMORY: usize = 1 << 20;
 

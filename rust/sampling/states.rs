@@ -12,14 +12,13 @@
 //!
 //! Also the CPU time of threads Python does not know (BLAS, arrow).
 
-use crate::model::State;
-use crate::reader::{thread_cpu_ns, ThreadStack};
+use crate::profile::model::State;
+use crate::reader::{thread_cpu_ns, GilAt, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::time::Instant;
 
@@ -76,14 +75,6 @@ impl Files {
         self.wait = Some((cpu_ns, wait));
         (wait, true)
     }
-}
-
-/// Where the GIL is, to tell its waits from other locks'.
-pub enum GilAt {
-    /// The bytes of the GIL's state: its condition variables and mutexes.
-    Range(Range<u64>),
-    /// Unknown (py-spy's reader): a futex wait counts as the GIL's while another thread holds it.
-    HeldElsewhere(bool),
 }
 
 fn classify(line: &str, gil: &GilAt) -> Wait {

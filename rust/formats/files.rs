@@ -5,10 +5,10 @@
 //! keep their meaning in every version, so a reader can say what a file is before
 //! it parses the rest.
 
-use crate::compress;
-use crate::limits::{raw_field, Limits};
-use crate::model::ProfileData;
-use crate::views::By;
+use crate::formats::compress;
+use crate::formats::limits::{raw_field, Limits};
+use crate::profile::model::ProfileData;
+use crate::profile::views::By;
 use flate2::Compression;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -72,9 +72,9 @@ pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use crate::limits::tests::LOOSE;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::formats::limits::tests::LOOSE;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
     use proptest::prelude::*;
     use serde_json::json;
 

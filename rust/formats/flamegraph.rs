@@ -1,7 +1,7 @@
 //! Flame graph SVG (inferno) over any subset of a profile's samples, as `views` shows them.
 
-use crate::model::{Frame, ProfileData, Sample};
-use crate::views::{By, Shown, View};
+use crate::profile::model::{Frame, ProfileData, Sample};
+use crate::profile::views::{By, Shown, View};
 use inferno::flamegraph::{self, Options};
 use std::collections::HashMap;
 
@@ -84,8 +84,8 @@ pub fn render<'a>(lines: impl IntoIterator<Item = &'a str>, title: &str, negate:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::views::Weight;
+    use crate::profile::model::tests::profile;
+    use crate::profile::views::Weight;
 
     const WALL: Shown = Shown { by: By::Thread, weight: Weight::Wall };
 

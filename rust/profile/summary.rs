@@ -2,8 +2,8 @@
 //! top functions), and the functions with the most self time. Every row splits its
 //! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
-use crate::model::{ProfileData, Sample, State};
-use crate::views::Weight;
+use crate::profile::model::{ProfileData, Sample, State};
+use crate::profile::views::Weight;
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -253,8 +253,8 @@ pub fn summarize(data: &ProfileData) -> Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::{Span, FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::{Span, FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
 
     #[test]
     fn totals_by_prefix_state_and_function() {

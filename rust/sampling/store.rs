@@ -3,7 +3,7 @@
 //! the tables themselves grow (thread churn, many task keys), compacting them to
 //! what the remaining samples still use.
 
-use crate::model::{Builder, Folder, Frame, Process, ProfileData, Remap, Sample, Tag, Thread};
+use crate::profile::model::{Builder, Folder, Frame, Process, ProfileData, Remap, Sample, Tag, Thread};
 use rustc_hash::FxHashSet;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -197,8 +197,8 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::frame;
-    use crate::model::Tables;
+    use crate::profile::model::tests::frame;
+    use crate::profile::model::Tables;
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }

@@ -4,9 +4,9 @@
 //! nanoseconds; labelled with the task key, prefix and span, the process and thread.
 //! One Location per frame (its line), one Function per (name, file).
 
-use crate::compress;
-use crate::model::{ProfileData, State, Tag};
-use crate::views::Weight;
+use crate::formats::compress;
+use crate::profile::model::{ProfileData, State, Tag};
+use crate::profile::views::Weight;
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -235,8 +235,8 @@ pub fn write(data: &ProfileData) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
 
     fn decode(data: &ProfileData) -> proto::Profile {
         proto::Profile::decode(&compress::gunzip_at_most(&write(data), usize::MAX).unwrap().unwrap()[..]).unwrap()

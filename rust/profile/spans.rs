@@ -3,7 +3,7 @@
 //! spans nested in it; a path (outermost first) keeps the spans whose path starts
 //! with it. Samples outside any span (or any task) are never kept.
 
-use crate::model::{ProfileData, Tag};
+use crate::profile::model::{ProfileData, Tag};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SpanFilter {
@@ -33,8 +33,8 @@ impl SpanFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
 
     fn names(p: &ProfileData) -> Vec<String> {
         p.samples.iter().map(|s| p.frames[*p.stacks[s.stack as usize].last().unwrap() as usize].name.clone()).collect()

@@ -4,8 +4,8 @@
 //!
 //! Layout: `MAGIC`, the head's length (u32, little-endian), the head, the body.
 
-use crate::compress;
-use crate::model::{Frame, Merger, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::formats::compress;
+use crate::profile::model::{Frame, Merger, Process, ProfileData, Sample, Span, Tag, Thread};
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -303,8 +303,8 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::files::tests::rich;
-    use crate::model::Builder;
+    use crate::formats::files::tests::rich;
+    use crate::profile::model::Builder;
     use proptest::prelude::*;
 
     #[test]

@@ -3,8 +3,8 @@
 //! folded so one deep recursion cannot set a flame graph's height. The samples
 //! themselves are never changed.
 
-use crate::config::choose;
-use crate::model::{ProfileData, Sample};
+use crate::names::choose;
+use crate::profile::model::{ProfileData, Sample};
 use std::collections::HashMap;
 use std::str::FromStr;
 
@@ -172,7 +172,7 @@ impl<'a> View<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
+    use crate::profile::model::tests::profile;
 
     fn names(data: &ProfileData, frames: &[u32]) -> Vec<String> {
         frames.iter().map(|&f| data.frames[f as usize].name.clone()).collect()

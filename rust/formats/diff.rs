@@ -13,9 +13,9 @@
 //! of the row's share of all sampled time, in percentage points: the scaled view
 //! the graph's colours show.
 
-use crate::flamegraph::{folded, render};
-use crate::model::ProfileData;
-use crate::views::{By, Shown, Weight, NO_TASK};
+use crate::formats::flamegraph::{folded, render};
+use crate::profile::model::ProfileData;
+use crate::profile::views::{By, Shown, Weight, NO_TASK};
 use inferno::differential;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -148,7 +148,7 @@ pub fn diff(base: &ProfileData, new: &ProfileData) -> Diff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
+    use crate::profile::model::tests::profile;
 
     fn run(slow: usize) -> ProfileData {
         let mut samples: Vec<(u64, &[&str], Option<&str>)> = vec![(1, &["main", "steady"][..], Some("a-1")); 10];
