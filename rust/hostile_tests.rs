@@ -3,10 +3,10 @@
 //! becomes markup.
 
 use crate::formats::limits::tests::LOOSE;
-use crate::profile::model::{tests::profile, Frame, Tag};
-use crate::profile::views::{By, Shown, Weight};
 use crate::formats::{diff, files, flamegraph, speedscope, speedscope_read};
+use crate::profile::model::{tests::profile, Frame, Tag};
 use crate::profile::summary;
+use crate::profile::views::{By, Shown, Weight};
 use proptest::prelude::*;
 
 fn hostile() -> impl Strategy<Value = String> {

@@ -141,7 +141,13 @@ pub fn diff(base: &ProfileData, new: &ProfileData) -> Diff {
         functions,
         prefixes,
         svg: graph(base, new, by, "New profile, coloured by change from the base (red grew, blue shrank)", false),
-        base_svg: graph(new, base, by, "Base profile, coloured by change to the new one (blue shrank or vanished, red grew)", true),
+        base_svg: graph(
+            new,
+            base,
+            by,
+            "Base profile, coloured by change to the new one (blue shrank or vanished, red grew)",
+            true,
+        ),
     }
 }
 
@@ -185,7 +191,10 @@ mod tests {
         // inferno's differential tooltips: "name (N μs, share%; +change%)".
         assert!(svg.contains("slow (slow.py) (300,000 μs, 73.17%; +25.55%)"), "{svg}");
         assert!(svg.contains("steady (steady.py) (100,000 μs, 24.39%; -23.23%)"));
-        assert!(d.base_svg.unwrap().contains("slow (slow.py) (100,000 μs, 47.62%; +25.55%)"), "negated: red still means grew");
+        assert!(
+            d.base_svg.unwrap().contains("slow (slow.py) (100,000 μs, 47.62%; +25.55%)"),
+            "negated: red still means grew"
+        );
         assert!(diff(&run(10), &profile("w", &[])).svg.is_none(), "nothing to draw as wide as an empty profile");
     }
 }

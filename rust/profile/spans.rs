@@ -42,8 +42,14 @@ mod tests {
 
     #[test]
     fn names_ids_and_paths_keep_nested_spans() {
-        let mut data = profile("w", &[(1, &["f"], Some("f-1")), (1, &["g"], Some("g-1")), (1, &["h"], Some("h-1")), (1, &["i"], None)]);
-        let span = |names: &[&str], ids: &[&str]| Span { names: names.iter().map(|n| n.to_string()).collect(), ids: ids.iter().map(|n| n.to_string()).collect() };
+        let mut data = profile(
+            "w",
+            &[(1, &["f"], Some("f-1")), (1, &["g"], Some("g-1")), (1, &["h"], Some("h-1")), (1, &["i"], None)],
+        );
+        let span = |names: &[&str], ids: &[&str]| Span {
+            names: names.iter().map(|n| n.to_string()).collect(),
+            ids: ids.iter().map(|n| n.to_string()).collect(),
+        };
         data.spans.insert("a".into(), span(&["load"], &["a"]));
         data.spans.insert("b".into(), span(&["load", "parse"], &["a", "b"]));
         data.tags[0].span = Some("a".into());

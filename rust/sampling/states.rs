@@ -70,7 +70,8 @@ impl Files {
             return (wait, false);
         }
         let mut buf = [0u8; 160];
-        let line = self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
+        let line =
+            self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
         let wait = line.map_or(Wait::Running, |l| classify(&l, gil));
         self.wait = Some((cpu_ns, wait));
         (wait, true)
@@ -163,7 +164,9 @@ impl States {
             // Off a CPU for the rest of the interval and runnable now: in the run queue,
             // where its clock stands still. Back on a CPU now: the rest was its last wait,
             // or the run queue for one never seen blocked.
-            Wait::Running if thread_cpu_ns(tid).is_some_and(|after| after > before) && files.blocked_in != Wait::Running => {
+            Wait::Running
+                if thread_cpu_ns(tid).is_some_and(|after| after > before) && files.blocked_in != Wait::Running =>
+            {
                 blocked(files.blocked_in, native)
             }
             Wait::Running => State::CpuWait,
@@ -197,7 +200,12 @@ fn guess(t: &ThreadStack) -> State {
     }
 }
 
-fn files_of<'a>(files: &'a mut FxHashMap<u64, Files>, stats: &mut StateStats, tid: u64, now: Instant) -> Option<&'a mut Files> {
+fn files_of<'a>(
+    files: &'a mut FxHashMap<u64, Files>,
+    stats: &mut StateStats,
+    tid: u64,
+    now: Instant,
+) -> Option<&'a mut Files> {
     if !files.contains_key(&tid) {
         if files.len() >= MAX_OPEN {
             stats.unopened += 1;
