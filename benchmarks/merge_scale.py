@@ -28,7 +28,7 @@ def _status_mib(field: str) -> float:
 
 def _merge_once(part_path: str, n: int) -> dict[str, float]:
     part = Profile.from_wire(open(part_path, "rb").read())._native
-    parts = {f"w{i}": part._as_process(f"w{i}", f"-w{i}").to_wire() for i in range(n)}
+    parts = {f"w{i}": _native._testing.as_process(part, f"w{i}", f"-w{i}").to_wire() for i in range(n)}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak, so it is the merge's alone
     before = _status_mib("VmRSS")
@@ -49,7 +49,7 @@ def _available_mib() -> float:
 
 def _needs_mib(part: bytes, n: int) -> float:
     """Decoded copies merged, plus their wire bytes, with room for the tables."""
-    head = json.loads(_native.Profile.wire_head(part))
+    head = _native.Profile.wire_head(part)
     return n * (head["memory_bytes"] + len(part)) * 1.5 / 2**20
 
 

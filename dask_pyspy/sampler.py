@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sysconfig
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 from dask_pyspy import _native, options
@@ -101,7 +101,7 @@ class Sampler:
         reader: str = "auto",
     ) -> None:
         self.options = _checked(rate, idle, gil_only, cpu_budget, max_memory, lines, function, reader)
-        self._native = _native.Sampler(**self.options)
+        self._native = _native.Sampler(SimpleNamespace(**self.options))
         _samplers.add(self)
 
     def configure(self, **changes: Any) -> None:
@@ -117,7 +117,7 @@ class Sampler:
         running = self.is_running
         self.stop()
         try:
-            self._native.configure(**new)
+            self._native.configure(SimpleNamespace(**new))
             self.options = new
         finally:
             if running:
@@ -125,9 +125,9 @@ class Sampler:
 
     def start(self) -> None:
         """Start sampling; raises RuntimeError if this interpreter cannot be read."""
-        if os.environ.get("DASK_PYSPY_TEST_UNREADABLE"):
+        if os.environ.get("DASK_PYSPY_TESTING") == "unreadable":
             # Test switch: fail as a process whose memory py-spy cannot read would.
-            raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TEST_UNREADABLE")
+            raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TESTING=unreadable")
         if sysconfig.get_config_var("Py_GIL_DISABLED"):
             raise RuntimeError(
                 "dask-pyspy cannot sample a free-threaded (no-GIL) CPython build: "
@@ -152,7 +152,7 @@ class Sampler:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the sampling thread and its store (rate achieved, CPU used, drops)."""
-        return json.loads(self._native.stats_json())
+        return self._native.stats()
 
     def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:
         """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`,
@@ -178,7 +178,7 @@ class Sampler:
         options.by(by)
         self._check_started()
         self.name_threads()
-        native = self._native.profile(*self._bounds(start, stop), name or f"{socket.gethostname()}:{os.getpid()}", socket.gethostname())
+        native = self._native.profile(self._bounds(start, stop), name or f"{socket.gethostname()}:{os.getpid()}")
         return Profile(native, by=by)
 
     def export(
@@ -194,13 +194,12 @@ class Sampler:
         between; `aggregate` folds it (see `Profile.merge_wire`)."""
         self._check_started()
         self.name_threads()
-        meta, named = json.dumps(metadata, default=str), json.dumps(spans)
-        return self._native.export(*self._bounds(start, stop), aggregate, name, socket.gethostname(), meta, named)
+        return self._native.export(self._bounds(start, stop), aggregate, name, metadata, spans)
 
     def window_size(self, start: float | None, stop: float | None, aggregate: bool) -> dict[str, int]:
         """What `export` would hold: samples taken, and the decoded profile's approximate bytes."""
         self._check_started()
-        samples, size = self._native.window_size(*self._bounds(start, stop), aggregate)
+        samples, size = self._native.window_size(self._bounds(start, stop), aggregate)
         return {"samples": samples, "bytes": size}
 
     def _check_started(self) -> None:
@@ -214,7 +213,7 @@ class Sampler:
     def dump(self) -> dict[str, Any]:
         """Every thread's stack now (leaf first), with its task and state."""
         self.name_threads()
-        return json.loads(self._native.dump_json())
+        return self._native.dump()
 
 
 def _after_fork_in_child() -> None:
@@ -224,7 +223,7 @@ def _after_fork_in_child() -> None:
     _running.clear()
     for sampler in list(_samplers):
         # The old native sampler, once dropped, leaks its state rather than touch it.
-        sampler._native = _native.Sampler(**sampler.options)
+        sampler._native = _native.Sampler(SimpleNamespace(**sampler.options))
     process_sampler._after_fork_in_child()
 
 

@@ -22,11 +22,12 @@ pub use fast::FastReader;
 pub use pyspy::PySpyReader;
 pub use threads::thread_cpu_ns;
 
+use crate::error::Error;
 use crate::profile::model::{Frame, Tag};
-use std::ops::Range;
-use tags::ThreadTags;
 use serde_json::Value;
+use std::ops::Range;
 use std::sync::Arc;
+use tags::ThreadTags;
 
 /// Which threads a tick reads.
 #[derive(Clone, Copy, Debug)]
@@ -102,8 +103,8 @@ pub enum ReaderChoice {
 }
 
 impl std::str::FromStr for ReaderChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
         let names = [("auto", ReaderChoice::Auto), ("fast", ReaderChoice::Fast), ("pyspy", ReaderChoice::Pyspy)];
         crate::names::choose("reader", s, &names)
     }
@@ -117,10 +118,12 @@ pub enum Chosen {
 }
 
 /// The reader for `choice`, opened (and self-checked) with the GIL held.
-pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Result<Chosen, String> {
+pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Result<Chosen, Error> {
     match choice {
         ReaderChoice::Pyspy => Ok(Chosen::PySpy { reason: None }),
-        ReaderChoice::Fast => open_fast(py, mode).map(|r| Chosen::Fast(Box::new(r))).map_err(|e| format!("reader='fast' cannot be used: {e}")),
+        ReaderChoice::Fast => open_fast(py, mode)
+            .map(|r| Chosen::Fast(Box::new(r)))
+            .map_err(|e| Error::Broken(format!("reader='fast' cannot be used: {e}"))),
         ReaderChoice::Auto => Ok(match open_fast(py, mode) {
             Ok(r) => Chosen::Fast(Box::new(r)),
             Err(e) => Chosen::PySpy { reason: Some(e) },

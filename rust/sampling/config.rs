@@ -1,12 +1,14 @@
-//! Sampler options, checked once.
+//! Sampler options, read by attribute from Python's options object and checked once.
 
+use crate::error::{Error, Result};
 use crate::reader::{LineMode, ReaderChoice};
+use pyo3::prelude::*;
 use serde::Serialize;
 
 pub const MAX_RATE: f64 = 10_000.0;
 pub const MIN_MEMORY: usize = 1 << 20;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, FromPyObject)]
 pub struct SamplerConfig {
     /// Samples per second requested.
     pub rate: f64,
@@ -23,7 +25,12 @@ pub struct SamplerConfig {
     /// Aggregate by the first line of each function, like `py-spy record --function`.
     pub function: bool,
     /// Which stack reader to use; `auto` prefers the fast one where its self-check passes.
+    #[pyo3(from_py_with = reader_choice)]
     pub reader: ReaderChoice,
+}
+
+fn reader_choice(name: &Bound<'_, PyAny>) -> PyResult<ReaderChoice> {
+    Ok(name.extract::<String>()?.parse()?)
 }
 
 impl Default for SamplerConfig {
@@ -42,21 +49,24 @@ impl Default for SamplerConfig {
 }
 
 impl SamplerConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         if !(self.rate > 0.0 && self.rate <= MAX_RATE) {
-            return Err(format!("rate must be in (0, {MAX_RATE}] samples per second, got {}", self.rate));
+            return Err(Error::BadInput(format!(
+                "rate must be in (0, {MAX_RATE}] samples per second, got {}",
+                self.rate
+            )));
         }
         if !(self.cpu_budget > 0.0 && self.cpu_budget <= 1.0) {
-            return Err(format!(
+            return Err(Error::BadInput(format!(
                 "cpu_budget must be a fraction of one core in (0, 1], got {}",
                 self.cpu_budget
-            ));
+            )));
         }
         if self.max_memory < MIN_MEMORY {
-            return Err(format!(
+            return Err(Error::BadInput(format!(
                 "max_memory must be at least {MIN_MEMORY} bytes (1 MiB), got {}",
                 self.max_memory
-            ));
+            )));
         }
         Ok(())
     }
@@ -90,7 +100,7 @@ mod tests {
         ];
         let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory"];
         for (cfg, name) in bad.iter().zip(names) {
-            assert!(cfg.validate().unwrap_err().starts_with(name));
+            assert!(cfg.validate().unwrap_err().to_string().starts_with(name));
         }
         assert!(SamplerConfig::default().validate().is_ok());
     }
@@ -100,6 +110,10 @@ mod tests {
         assert_eq!(SamplerConfig::default().line_mode(), LineMode::Current);
         assert_eq!(SamplerConfig { lines: false, ..Default::default() }.line_mode(), LineMode::None);
         assert_eq!(SamplerConfig { function: true, ..Default::default() }.line_mode(), LineMode::First);
-        assert!("nope".parse::<ReaderChoice>().unwrap_err().starts_with("reader must be one of 'auto', 'fast', 'pyspy'"));
+        assert!("nope"
+            .parse::<ReaderChoice>()
+            .unwrap_err()
+            .to_string()
+            .starts_with("reader must be one of 'auto', 'fast', 'pyspy'"));
     }
 }

@@ -5,3 +5,4 @@ pub mod config;
 pub mod sampler;
 pub mod states;
 pub mod store;
+pub mod thread;

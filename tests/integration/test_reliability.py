@@ -33,7 +33,7 @@ def test_sampler_panic_on_a_worker_is_contained(fresh):
     cluster, client = fresh
     client.gather(client.map(alpha, range(50)))
     victim = list(client.scheduler_info()["workers"])[0]
-    client.run(lambda: dask_pyspy.sampler.process_sampler.sampler._native._inject_panic(), workers=[victim])
+    client.run(lambda: dask_pyspy._native._testing.inject_panic(dask_pyspy.sampler.process_sampler.sampler._native), workers=[victim])
 
     def panicked() -> bool:
         return client.run(lambda: dask_pyspy.sampler.process_sampler.sampler.stats()["panic"], workers=[victim])[victim]
@@ -180,7 +180,7 @@ def test_tls_cluster():
 
 def test_unreadable_worker_reports_its_error_and_the_cluster_runs():
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      env={"DASK_PYSPY_TEST_UNREADABLE": "1"}) as cluster, Client(cluster) as client:
+                      env={"DASK_PYSPY_TESTING": "unreadable"}) as cluster, Client(cluster) as client:
         client.register_plugin(dask_pyspy.PySpyPlugin())
         (worker,) = client.scheduler_info()["workers"]
         assert client.submit(alpha, 3, key="still-runs").result() == 3

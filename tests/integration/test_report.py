@@ -168,7 +168,7 @@ def test_time_outside_tasks_has_its_split_and_top_functions():
 
 
 def test_a_reader_fallback_is_an_error(chromium, tmp_path, monkeypatch):
-    monkeypatch.setenv("DASK_PYSPY_TEST_BREAK_SELF_CHECK", "1")
+    monkeypatch.setenv("DASK_PYSPY_TESTING", "break-self-check")
     html = sampled_report(Sampler(reader="auto"), until=lambda st: st["ticks"])
     row = process_row(chromium, html, tmp_path)
     assert row["reader"] == "pyspy" and row["errors"].startswith("fast reader not used:"), row

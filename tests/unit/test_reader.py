@@ -163,7 +163,7 @@ def test_auto_reader_is_the_fast_one_where_it_works():
 def test_fast_reader_where_it_cannot_work_raises(monkeypatch):
     if FAST_WORKS:
         # Test switch: the self-check sees a wrong line, as with a layout it misreads.
-        monkeypatch.setenv("DASK_PYSPY_TEST_BREAK_SELF_CHECK", "1")
+        monkeypatch.setenv("DASK_PYSPY_TESTING", "break-self-check")
     s = Sampler(reader="fast")
     with pytest.raises(RuntimeError, match=rf"reader='fast' cannot be used: .*CPython 3\.{sys.version_info.minor}"):
         s.start()

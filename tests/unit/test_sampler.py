@@ -7,6 +7,7 @@ import json
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -317,7 +318,7 @@ def test_memory_cap_and_dropped_samples_reported():
 
 def test_panic_in_the_sampling_thread_is_contained(sampler):
     sampler.start()
-    sampler._native._inject_panic()
+    _native._testing.inject_panic(sampler._native)
     deadline = time.time() + 5
     while sampler.is_running and time.time() < deadline:
         time.sleep(0.05)
@@ -331,7 +332,7 @@ def test_panic_in_the_sampling_thread_is_contained(sampler):
 def test_a_panic_in_a_call_is_a_runtime_error():
     """Not pyo3's PanicException, a BaseException that `except Exception` lets through."""
     with pytest.raises(RuntimeError, match="injected by the test switch"):
-        _native._panic_in_call()
+        _native._testing.panic_in_call()
 
 
 @pytest.mark.parametrize(
@@ -399,7 +400,7 @@ def test_configure_keeps_the_samples_taken(sampler):
         with pytest.raises(TypeError, match=r"unknown sampler options \['rates'\]; allowed: rate, idle"):
             sampler.configure(rates=50)
     with pytest.raises(RuntimeError, match=r"call stop\(\) before configure\(\)"):
-        sampler._native.configure(**sampler.options)
+        sampler._native.configure(SimpleNamespace(**sampler.options))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="py-spy in-process sampling is Linux only")

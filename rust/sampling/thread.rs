@@ -1,0 +1,323 @@
+//! The sampling thread: reads this process's Python stacks at random times, one in
+//! each slot of `1 / rate`, tags each sample with the task its thread runs, and
+//! stretches the slots so its own CPU use stays within budget.
+//!
+//! Where a tick falls in its slot is drawn uniformly: work that repeats at (or near)
+//! the sampling period cannot lock onto fixed sample times and always be seen in
+//! the same phase, while the rate stays exact and each sample stands for one slot's
+//! wall time (a stratified sample: less noise than independent random times).
+//!
+//! It never touches the GIL: the readers read interpreter memory directly.
+
+use crate::profile::model::{Frame, State};
+use crate::reader::tags::ThreadTags;
+use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
+use crate::sampling::config::SamplerConfig;
+use crate::sampling::states::{CpuSeries, StateStats, States};
+use crate::sampling::store::{Recorded, Store};
+use crate::sync::{Condvar, Mutex};
+use nix::time::{clock_gettime, ClockId};
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use serde_json::Value;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Wall time for which unspent CPU budget is kept: long enough that an occasional
+/// costly tick does not cost rate, short enough that a burst stays small.
+const CREDIT_S: f64 = 1.0;
+/// Ticks between refreshes of the reader's counters in the stats.
+const READER_STATS_EVERY: u64 = 10;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RunStats {
+    pub running: bool,
+    pub started_ns: Option<u64>,
+    pub ticks: u64,
+    pub failed_ticks: u64,
+    pub throttled_ticks: u64,
+    /// Samples whose thread started or ended a task while its stack was read: left untagged.
+    pub boundary_samples: u64,
+    pub cpu_ns: u64,
+    pub wall_ns: u64,
+    pub interval_s: f64,
+    pub last_error: Option<String>,
+    pub panic: Option<String>,
+    pub reader: Option<&'static str>,
+    pub reader_stats: Value,
+    pub states: StateStats,
+}
+
+/// One thread of a live dump.
+pub struct DumpThread {
+    pub stack: ThreadStack,
+    pub state: State,
+    pub frames: Vec<Frame>,
+}
+
+/// Every thread's stack at the last tick that read them all, for live dumps.
+pub struct LastTick {
+    pub time_ns: u64,
+    pub threads: Vec<DumpThread>,
+}
+
+pub struct Shared {
+    /// Changes only while stopped (`configure`); a run reads its own copy.
+    pub config: Mutex<SamplerConfig>,
+    pub tags: ThreadTags,
+    pub store: Mutex<Store>,
+    /// CPU per second of the whole process and of its threads Python does not know.
+    pub cpu: Mutex<CpuSeries>,
+    pub stats: Mutex<RunStats>,
+    pub last: Mutex<Option<LastTick>>,
+    pub dumped: Condvar,
+    /// A dump asks the next tick to read every thread, idle ones too.
+    pub want_all: AtomicBool,
+    pub stop: Mutex<bool>,
+    pub wake: Condvar,
+    pub inject_panic: AtomicBool,
+}
+
+pub fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn thread_cpu_ns() -> u64 {
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+}
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result::Result<(), String>>) {
+    shared.stats.lock().running = true;
+    let config = shared.config.lock().clone();
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let reader: Box<dyn StackReader> = match chosen {
+            Chosen::Fast(fast) => fast,
+            Chosen::PySpy { reason } => match PySpyReader::new(config.lines, config.function, reason) {
+                Ok(spy) => Box::new(spy),
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            },
+        };
+        let mut stats = shared.stats.lock();
+        stats.reader = Some(reader.name());
+        stats.reader_stats = reader.stats();
+        drop(stats);
+        let _ = ready.send(Ok(()));
+        Loop::new(&shared, config, reader).run();
+    }));
+    let mut stats = shared.stats.lock();
+    if let Err(panic) = outcome {
+        stats.panic = Some(format!("the sampling thread panicked and stopped: {}", panic_message(&*panic)));
+    }
+    stats.running = false;
+    drop(stats);
+    shared.dumped.notify_all();
+}
+
+struct Loop<'a> {
+    shared: &'a Shared,
+    config: SamplerConfig,
+    reader: Box<dyn StackReader>,
+    base: Duration,
+    interval: Duration,
+    /// CPU seconds the budget allows that ticks have not spent (negative: overdrawn).
+    credit_s: f64,
+    stacks: Vec<ThreadStack>,
+    /// The state of each of `stacks`.
+    states: Vec<State>,
+    kernel: States,
+    rng: fastrand::Rng,
+    /// Reader frame id -> store frame id, valid for `ids_valid_for` (reader epoch, store generation).
+    store_ids: FxHashMap<u64, u32>,
+    ids_valid_for: (u64, u64),
+}
+
+impl<'a> Loop<'a> {
+    fn new(shared: &'a Shared, config: SamplerConfig, reader: Box<dyn StackReader>) -> Self {
+        let base = Duration::from_secs_f64(config.interval_secs());
+        Loop {
+            shared,
+            config,
+            reader,
+            base,
+            interval: base,
+            credit_s: 0.0,
+            stacks: Vec::new(),
+            states: Vec::new(),
+            kernel: States::new(),
+            rng: fastrand::Rng::new(),
+            store_ids: FxHashMap::default(),
+            ids_valid_for: (0, 0),
+        }
+    }
+
+    fn run(&mut self) {
+        let started = Instant::now();
+        // Time is cut into slots of one interval, so ticks / elapsed is the rate.
+        let mut slot = started;
+        loop {
+            let length = self.interval;
+            let at = slot + length.mul_f64(self.rng.f64());
+            if self.wait_until(at) {
+                break;
+            }
+            let now = Instant::now();
+            // A sample stands for its slot; a tick that a stall pushed past its slot
+            // also for the time it came late, up to one more slot.
+            let weight = (now - slot).clamp(length, 2 * length);
+            let cpu0 = thread_cpu_ns();
+            self.tick(weight);
+            let cost = thread_cpu_ns().saturating_sub(cpu0);
+            self.adapt(cost, weight);
+            let mut stats = self.shared.stats.lock();
+            stats.cpu_ns += cost;
+            stats.wall_ns = started.elapsed().as_nanos() as u64;
+            stats.interval_s = self.interval.as_secs_f64();
+            stats.throttled_ticks += (self.interval > self.base) as u64;
+            if stats.ticks % READER_STATS_EVERY == 1 {
+                stats.reader_stats = self.reader.stats();
+                stats.states = self.kernel.stats;
+            }
+            drop(stats);
+            // A late tick's weight reached `now`: the next slot starts there, and a
+            // stall never leads to a burst of ticks.
+            slot = (slot + length).max(now);
+        }
+        let mut stats = self.shared.stats.lock();
+        stats.wall_ns = started.elapsed().as_nanos() as u64;
+        stats.reader_stats = self.reader.stats();
+    }
+
+    /// Sleeps until `deadline` or until a dump asks for a tick; true when asked to stop.
+    fn wait_until(&self, deadline: Instant) -> bool {
+        let mut stop = self.shared.stop.lock();
+        while !*stop && !self.shared.want_all.load(Ordering::SeqCst) {
+            if self.shared.wake.wait_until(&mut stop, deadline).timed_out() {
+                return false;
+            }
+        }
+        *stop
+    }
+
+    /// Keeps the sampler's CPU within the budget on average: the budget accrues CPU
+    /// time as wall time passes, each tick spends its cost, and the interval stretches
+    /// only while the account is overdrawn, until it is paid back. Unused budget is
+    /// kept for `CREDIT_S` of wall time, so a costly tick among cheap ones costs no
+    /// rate; the first tick (cold, the costliest) is paid for before any other, so a
+    /// process too costly to read is never read at full rate first.
+    fn adapt(&mut self, cost_ns: u64, weight: Duration) {
+        let budget = self.config.cpu_budget;
+        let earned = budget * weight.as_secs_f64();
+        self.credit_s = (self.credit_s + earned - cost_ns as f64 / 1e9).min(budget * CREDIT_S);
+        self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
+    }
+
+    fn tick(&mut self, weight: Duration) {
+        if self.shared.inject_panic.swap(false, Ordering::SeqCst) {
+            panic!("injected by the test switch");
+        }
+        let all = self.shared.want_all.swap(false, Ordering::SeqCst);
+        let config = &self.config;
+        let want = Want { idle: config.idle || all, gil_only: config.gil_only && !all };
+        let time_ns = now_ns();
+        match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
+            Ok(()) => {
+                self.read_states(time_ns);
+                self.record(time_ns, weight);
+                if all {
+                    self.keep_for_dump(time_ns);
+                }
+            }
+            Err(e) => {
+                // Torn reads of a live process happen; one bad tick is skipped, not fatal.
+                let mut stats = self.shared.stats.lock();
+                stats.failed_ticks += 1;
+                stats.last_error = Some(e);
+            }
+        }
+        self.shared.stats.lock().ticks += 1;
+    }
+
+    /// Each stack's state, and the CPU the process and its native threads used.
+    fn read_states(&mut self, time_ns: u64) {
+        if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), thread_cpu_ns()) {
+            self.shared.cpu.lock().record(time_ns, process, native);
+        }
+        let gil = self.reader.gil(&self.stacks);
+        self.states.clear();
+        for t in &self.stacks {
+            self.states.push(self.kernel.state(t, &gil, self.rng.f64()));
+        }
+    }
+
+    fn record(&mut self, time_ns: u64, weight: Duration) {
+        let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
+        let config = &self.config;
+        let keep = Want { idle: config.idle, gil_only: config.gil_only };
+        let mut boundary = 0;
+        let mut store = self.shared.store.lock();
+        let mut ids = Vec::new();
+        for (t, state) in self.stacks.iter().zip(&self.states) {
+            // A tag that changed during the read (Err) was a task's at selection.
+            let in_task = !matches!(t.tag, Ok(None));
+            if !keep.keeps(t.active, t.holds_gil, in_task) || t.frames.is_empty() {
+                continue;
+            }
+            let tag = t.tag.clone().unwrap_or_else(|()| {
+                boundary += 1;
+                None
+            });
+            let valid_for = (self.reader.epoch(), store.generation());
+            if valid_for != self.ids_valid_for {
+                self.store_ids.clear();
+                self.ids_valid_for = valid_for;
+            }
+            ids.clear();
+            for &f in t.frames.iter().rev() {
+                let reader = &self.reader;
+                ids.push(*self.store_ids.entry(f).or_insert_with(|| store.frame_id(reader.frame(f))));
+            }
+            let flags = state.flags(t.holds_gil);
+            let cpu_us = (t.cpu_ns / 1000).min(u32::MAX as u64) as u32;
+            store.record_ids(Recorded {
+                time_ns,
+                ident: t.ident,
+                name: self.shared.tags.name(t.ident).or_else(|| t.name.clone()),
+                frames: &ids,
+                tag: tag.as_deref(),
+                weight_us,
+                cpu_us,
+                flags,
+            });
+        }
+        drop(store);
+        self.shared.stats.lock().boundary_samples += boundary;
+    }
+
+    fn keep_for_dump(&self, time_ns: u64) {
+        let threads = self
+            .stacks
+            .iter()
+            .zip(&self.states)
+            .map(|(s, &state)| DumpThread {
+                stack: s.clone(),
+                state,
+                frames: s.frames.iter().map(|&f| self.reader.frame(f)).collect(),
+            })
+            .collect();
+        *self.shared.last.lock() = Some(LastTick { time_ns, threads });
+        self.shared.dumped.notify_all();
+    }
+}
