@@ -153,14 +153,14 @@ pub mod tests {
     #[test]
     fn a_file_is_read_within_its_limits() {
         let bomb = compress::gzip(&vec![b' '; 1 << 20], Compression::best());
-        assert!(super::read(&bomb, Limits { json: 1 << 19, memory: 1 << 30 })
+        assert!(super::parse(&bomb, Limits { json: 1 << 19, memory: 1 << 30 })
             .unwrap_err()
             .starts_with("it decompresses to more than"));
         let objects = vec![r#"{"a":0}"#; 10_000].join(",");
         let doc = format!(
             r#"{{"format": "{FORMAT}", "version": 1, "by": "thread", "profile": {{"metadata": {{"x": [{objects}]}}}}}}"#
         );
-        let e = super::read(
+        let e = super::parse(
             &compress::gzip(doc.as_bytes(), Compression::fast()),
             Limits { json: 1 << 20, memory: 1 << 22 },
         )
@@ -172,7 +172,7 @@ pub mod tests {
         let limits = Limits { json: 1 << 30, memory: 6 << 20 };
         let json = String::from_utf8(limits.gunzip(&file).unwrap()).unwrap();
         assert!(limits.check_parse(&json, None).is_err(), "as values the columns would not fit");
-        assert_eq!(super::read(&file, limits).unwrap().0.samples.len(), 100_000);
+        assert_eq!(super::parse(&file, limits).unwrap().0.samples.len(), 100_000);
     }
 
     proptest! {

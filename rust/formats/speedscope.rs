@@ -96,7 +96,7 @@ impl Roots {
         let mut ids: HashMap<(&str, &str), u32> = HashMap::new();
         let mut ids_of = |names: Vec<&'a str>| -> Vec<u32> {
             let spans = if by == By::Span { names.len().saturating_sub(1) } else { 0 };
-            let files = std::iter::repeat(SPAN_FILE).take(spans).chain(std::iter::repeat(TASK_FILE));
+            let files = std::iter::repeat_n(SPAN_FILE, spans).chain(std::iter::repeat(TASK_FILE));
             names
                 .into_iter()
                 .zip(files)

@@ -438,19 +438,19 @@ mod tests {
     #[test]
     fn weights_never_expand_past_the_memory_limit() {
         let limits = Limits { json: 1 << 30, memory: 1 << 20 };
-        let (back, _) = super::read(&weighted(1000, 1.0, 1), limits).unwrap();
+        let (back, _) = super::parse(&weighted(1000, 1.0, 1), limits).unwrap();
         assert_eq!(back.samples.len(), 1000);
         // 4e6 s is 932 samples of the most a sample holds: 932,000 samples, 37 MB.
-        let e = super::read(&weighted(1000, 4e6, 1), limits).unwrap_err();
+        let e = super::parse(&weighted(1000, 4e6, 1), limits).unwrap_err();
         assert!(
             e.starts_with("its sample weights expand into 932000 samples") && e.contains("pyspy.max-result (1 MiB)"),
             "{e}"
         );
         assert_eq!(
-            super::read(&weighted(10, 1.0, 2), limits).unwrap_err(),
+            super::parse(&weighted(10, 1.0, 2), limits).unwrap_err(),
             "profile 0 is named by more than one thread"
         );
-        let e = super::read(&weighted(1000, 1.0, 1), Limits { json: 1 << 10, memory: 1 << 20 }).unwrap_err();
+        let e = super::parse(&weighted(1000, 1.0, 1), Limits { json: 1 << 10, memory: 1 << 20 }).unwrap_err();
         assert!(e.starts_with("more than 0 MiB of JSON"), "{e}");
     }
 }

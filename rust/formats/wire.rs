@@ -336,7 +336,7 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
 mod tests {
     use super::*;
     use crate::formats::files::tests::rich;
-    use crate::profile::model::Builder;
+    use crate::profile::build::Builder;
     use proptest::prelude::*;
 
     #[test]

@@ -219,11 +219,8 @@ mod tests {
 
     #[test]
     fn recursion_folds_but_repeated_wrappers_do_not() {
-        let deep: Vec<&str> = ["main"]
-            .into_iter()
-            .chain(std::iter::repeat(["visit", "walk"]).take(80).flatten())
-            .chain(["leaf"])
-            .collect();
+        let deep: Vec<&str> =
+            ["main"].into_iter().chain(std::iter::repeat_n(["visit", "walk"], 80).flatten()).chain(["leaf"]).collect();
         let data = profile(
             "w",
             &[

@@ -206,8 +206,8 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::build::Tables;
     use crate::profile::model::tests::frame;
-    use crate::profile::model::Tables;
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
