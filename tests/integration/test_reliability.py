@@ -33,7 +33,11 @@ def test_sampler_panic_on_a_worker_is_contained(fresh):
     cluster, client = fresh
     client.gather(client.map(alpha, range(50)))
     victim = list(client.scheduler_info()["workers"])[0]
-    client.run(lambda: dask_pyspy._native._testing.inject_panic(dask_pyspy.sampler.process_sampler.sampler._native), workers=[victim])
+
+    def inject_panic() -> None:
+        dask_pyspy._native._testing.inject_panic(dask_pyspy.sampler.process_sampler.sampler._native)
+
+    client.run(inject_panic, workers=[victim])
 
     def panicked() -> bool:
         return client.run(lambda: dask_pyspy.sampler.process_sampler.sampler.stats()["panic"], workers=[victim])[victim]

@@ -57,7 +57,10 @@ def test_cluster_profile_loads_back_exactly_in_another_process(runs, tmp_path):
     back = Profile.load(path)
     assert _testing.digest(back._native) == _testing.digest(prof._native)
     assert (back.by, back.metadata, back.summary()) == (prof.by, prof.metadata, prof.summary())
-    code = "import sys; from dask_pyspy import Profile, _native; print(_native._testing.digest(Profile.load(sys.argv[1])._native))"
+    code = (
+        "import sys; from dask_pyspy import Profile, _native; "
+        "print(_native._testing.digest(Profile.load(sys.argv[1])._native))"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == _testing.digest(prof._native), done.stderr
     assert "Task time across the cluster" in back.to_html()

@@ -59,7 +59,9 @@ def test_pyspy_file_loads_back_exactly_in_another_process(tagged, tmp_path):
     assert path.read_bytes()[:2] == b"\x1f\x8b", "a plain gzip file"
     assert json.loads(gzip.decompress(path.read_bytes()))["version"] == 1
     back = Profile.load(path)
-    assert _testing.digest(back._native) == _testing.digest(tagged._native), "every sample, tag, span, process and metadata entry"
+    assert _testing.digest(back._native) == _testing.digest(tagged._native), (
+        "every sample, tag, span, process and metadata entry"
+    )
     assert back.by == "prefix", "the grouping saved with it"
     assert back._native.span_ids() == ["span-1"] and back.metadata == tagged.metadata
     assert back.summary() == tagged.summary()
