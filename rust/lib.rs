@@ -59,12 +59,12 @@ fn window((start, stop): (f64, f64), aggregate: bool) -> Window {
     Window { start_ns: ns(start), stop_ns: ns(stop), aggregate }
 }
 
-fn metadata(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Map<String, Value>> {
+fn metadata_arg(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Map<String, Value>> {
     dict.map_or(Ok(Map::new()), values::object)
 }
 
 /// `{id: {"names": [...], "ids": [...]}}`, outermost first.
-fn spans(dict: Option<&Bound<'_, PyDict>>) -> PyResult<BTreeMap<String, Span>> {
+fn spans_arg(dict: Option<&Bound<'_, PyDict>>) -> PyResult<BTreeMap<String, Span>> {
     dict.map_or(Ok(BTreeMap::new()), |d| values::typed(d, "spans"))
 }
 
@@ -98,7 +98,7 @@ impl PySampler {
         }
         no_panic(|| {
             let config = self.inner.config();
-            let chosen = reader::choose(py, config.reader, config.line_mode())?;
+            let chosen = reader::choose(py, config.reader_choice(), config.line_mode())?;
             Ok(detached(py, || self.inner.start(chosen))??)
         })
     }
@@ -177,7 +177,7 @@ impl PySampler {
         metadata: Option<&Bound<'py, PyDict>>,
         spans: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let (metadata, spans) = (self::metadata(metadata)?, self::spans(spans)?);
+        let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
         let bytes = detached(py, || {
             let mut data = self.inner.profile(window(bounds, aggregate), process_name, metadata);
             data.spans = spans;
@@ -210,7 +210,7 @@ impl From<SpanArg> for SpanFilter {
 }
 
 /// The keyword arguments of `flamegraph_svg` that narrow its samples.
-fn only(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Only> {
+fn only_arg(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Only> {
     let mut only = Only::default();
     for (key, value) in kwargs.into_iter().flat_map(|d| d.iter()) {
         match key.extract::<String>()?.as_str() {
@@ -268,7 +268,7 @@ impl PyProfile {
         metadata: Option<&Bound<'_, PyDict>>,
         spans: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let (metadata, spans) = (self::metadata(metadata)?, self::spans(spans)?);
+        let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
         let parts: Vec<(String, &[u8])> = parts.iter().map(|(name, b)| (name.clone(), b.as_bytes())).collect();
         Ok(PyProfile::new(detached(py, || wire::merge(&parts, metadata, spans))?))
     }
@@ -307,7 +307,7 @@ impl PyProfile {
         metadata: Option<&Bound<'_, PyDict>>,
         spans: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let (metadata, spans) = (self::metadata(metadata)?, self::spans(spans)?);
+        let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
         let parts: Vec<Arc<ProfileData>> = parts.iter().map(|p| p.data.clone()).collect();
         let data = detached(py, || {
             let owned: Vec<&ProfileData> = parts.iter().map(|p| &**p).collect();
@@ -357,7 +357,7 @@ impl PyProfile {
         only: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Option<String>> {
         let shown = shown(by, weight)?;
-        let only = self::only(only)?;
+        let only = only_arg(only)?;
         detached(py, || flamegraph::svg_of(&self.data, title, shown, &only))
     }
 
@@ -406,7 +406,7 @@ impl PyProfile {
 
     /// A copy that knows the spans in `spans` ({id: {"names": [...], "ids": [...]}}).
     fn with_spans(&self, spans: &Bound<'_, PyDict>) -> PyResult<Self> {
-        let spans = self::spans(Some(spans))?;
+        let spans = spans_arg(Some(spans))?;
         let mut data = (*self.data).clone();
         data.spans.extend(spans);
         Ok(PyProfile::new(data))

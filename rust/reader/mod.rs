@@ -94,8 +94,7 @@ pub trait StackReader {
 }
 
 /// The reader a sampler was asked for.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ReaderChoice {
     Auto,
     Fast,

@@ -24,13 +24,10 @@ pub struct SamplerConfig {
     pub lines: bool,
     /// Aggregate by the first line of each function, like `py-spy record --function`.
     pub function: bool,
-    /// Which stack reader to use; `auto` prefers the fast one where its self-check passes.
-    #[pyo3(from_py_with = reader_choice)]
-    pub reader: ReaderChoice,
-}
-
-fn reader_choice(name: &Bound<'_, PyAny>) -> PyResult<ReaderChoice> {
-    Ok(name.extract::<String>()?.parse()?)
+    /// Which stack reader to use (see `ReaderChoice`); `auto` prefers the fast one
+    /// where its self-check passes. A name, so a wrong one is a ValueError of
+    /// `validate`, not a TypeError of reading the options.
+    pub reader: String,
 }
 
 impl Default for SamplerConfig {
@@ -43,13 +40,14 @@ impl Default for SamplerConfig {
             max_memory: 64 << 20,
             lines: true,
             function: false,
-            reader: ReaderChoice::Auto,
+            reader: "auto".into(),
         }
     }
 }
 
 impl SamplerConfig {
     pub fn validate(&self) -> Result<()> {
+        self.reader.parse::<ReaderChoice>()?;
         if !(self.rate > 0.0 && self.rate <= MAX_RATE) {
             return Err(Error::BadInput(format!(
                 "rate must be in (0, {MAX_RATE}] samples per second, got {}",
@@ -69,6 +67,10 @@ impl SamplerConfig {
             )));
         }
         Ok(())
+    }
+
+    pub fn reader_choice(&self) -> ReaderChoice {
+        self.reader.parse().expect("validated")
     }
 
     pub fn interval_secs(&self) -> f64 {
@@ -97,8 +99,9 @@ mod tests {
             SamplerConfig { cpu_budget: 0.0, ..Default::default() },
             SamplerConfig { cpu_budget: 1.5, ..Default::default() },
             SamplerConfig { max_memory: 1000, ..Default::default() },
+            SamplerConfig { reader: "nope".into(), ..Default::default() },
         ];
-        let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory"];
+        let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory", "reader"];
         for (cfg, name) in bad.iter().zip(names) {
             assert!(cfg.validate().unwrap_err().to_string().starts_with(name));
         }
@@ -110,8 +113,9 @@ mod tests {
         assert_eq!(SamplerConfig::default().line_mode(), LineMode::Current);
         assert_eq!(SamplerConfig { lines: false, ..Default::default() }.line_mode(), LineMode::None);
         assert_eq!(SamplerConfig { function: true, ..Default::default() }.line_mode(), LineMode::First);
-        assert!("nope"
-            .parse::<ReaderChoice>()
+        let config = SamplerConfig { reader: "nope".into(), ..Default::default() };
+        assert!(config
+            .validate()
             .unwrap_err()
             .to_string()
             .starts_with("reader must be one of 'auto', 'fast', 'pyspy'"));
