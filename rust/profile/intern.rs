@@ -1,6 +1,6 @@
-//! Tables that store each distinct item once, and what their items cost in memory.
+//! Tables that store each distinct item once, and what their items cost in memory
+//! (the model's items say theirs in `model.rs`).
 
-use crate::profile::model::{Frame, Tag, Thread};
 use rustc_hash::FxHashMap;
 use std::hash::Hash;
 
@@ -23,27 +23,9 @@ pub trait Footprint {
     fn heap_bytes(&self) -> usize;
 }
 
-impl Footprint for Frame {
-    fn heap_bytes(&self) -> usize {
-        self.name.len() + self.file.len()
-    }
-}
-
 impl Footprint for Vec<u32> {
     fn heap_bytes(&self) -> usize {
         self.len() * 4
-    }
-}
-
-impl Footprint for Tag {
-    fn heap_bytes(&self) -> usize {
-        self.key.len() + self.prefix.len() + self.span.as_ref().map_or(0, |s| s.len())
-    }
-}
-
-impl Footprint for Thread {
-    fn heap_bytes(&self) -> usize {
-        self.name.as_ref().map_or(0, |n| n.len())
     }
 }
 

@@ -232,6 +232,24 @@ pub struct ProfileData {
     pub spans: BTreeMap<String, Span>,
 }
 
+impl Footprint for Frame {
+    fn heap_bytes(&self) -> usize {
+        self.name.len() + self.file.len()
+    }
+}
+
+impl Footprint for Tag {
+    fn heap_bytes(&self) -> usize {
+        self.key.len() + self.prefix.len() + self.span.as_ref().map_or(0, |s| s.len())
+    }
+}
+
+impl Footprint for Thread {
+    fn heap_bytes(&self) -> usize {
+        self.name.as_ref().map_or(0, |n| n.len())
+    }
+}
+
 impl ProfileData {
     /// The span path of `tag`, outermost first: names where known, else the id alone.
     pub fn span_names<'a>(&'a self, tag: &'a Tag) -> Vec<&'a str> {
