@@ -21,7 +21,7 @@ use error::Error;
 use flate2::Compression;
 use formats::flamegraph::Only;
 use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
-use profile::model::{ProfileData, Span, Tag};
+use profile::model::{Metadata, ProfileData, Span, Tag};
 use profile::spans::SpanFilter;
 use profile::summary;
 use profile::views::{By, Shown};
@@ -32,7 +32,6 @@ use sampling::config::SamplerConfig;
 use sampling::sampler::{self, Sampler};
 use sampling::store::Window;
 use sampling::thread::panic_message;
-use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -59,8 +58,8 @@ fn window((start, stop): (f64, f64), aggregate: bool) -> Window {
     Window { start_ns: ns(start), stop_ns: ns(stop), aggregate }
 }
 
-fn metadata_arg(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Map<String, Value>> {
-    dict.map_or(Ok(Map::new()), values::object)
+fn metadata_arg(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Metadata> {
+    dict.map_or(Ok(Metadata::default()), |d| values::typed(d, "metadata"))
 }
 
 /// `{id: {"names": [...], "ids": [...]}}`, outermost first.
@@ -161,7 +160,7 @@ impl PySampler {
 
     /// The samples captured in `bounds` (Unix seconds), as process `process_name`.
     fn profile(&self, py: Python<'_>, bounds: (f64, f64), process_name: String) -> PyResult<PyProfile> {
-        let data = detached(py, || self.inner.profile(window(bounds, false), process_name, Map::new()))?;
+        let data = detached(py, || self.inner.profile(window(bounds, false), process_name, Metadata::default()))?;
         Ok(PyProfile::new(data))
     }
 
@@ -398,7 +397,7 @@ impl PyProfile {
 
     /// A copy with `metadata` merged into the metadata.
     fn with_metadata(&self, metadata: &Bound<'_, PyDict>) -> PyResult<Self> {
-        let extra = values::object(metadata)?;
+        let extra = metadata_arg(Some(metadata))?;
         let mut data = (*self.data).clone();
         data.metadata.extend(extra);
         Ok(PyProfile::new(data))

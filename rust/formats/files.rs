@@ -93,7 +93,7 @@ pub mod tests {
         let b = profile("w2", &[(7, &["main", "f"], Some("f-2"))]);
         let mut data = ProfileData::merge(
             &[&a, &b],
-            json!({"window": [1.5, 2.25], "tasks": {"w1": {"f": {"count": 3}}}}).as_object().unwrap().clone(),
+            serde_json::from_value(json!({"window": [1.5, 2.25], "tasks": {"w1": {"f": {"count": 3}}}})).unwrap(),
         );
         data.tags[0].span = Some("s1".into());
         data.spans.insert("s1".into(), Span { names: vec!["load".into()], ids: vec!["s1".into()] });

@@ -4,10 +4,9 @@
 //! stacks cut to the task's own code. Then one profile per thread with its raw stacks,
 //! which is what `speedscope_read.rs` loads back.
 
-use crate::profile::model::{Process, ProfileData, Sample, Thread};
+use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
 use crate::profile::views::{By, Shown, View, Weight};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap};
 
 #[derive(Serialize)]
@@ -29,7 +28,7 @@ struct File<'a> {
 /// which threads, and what the synthetic root frames stand for.
 #[derive(Serialize, Deserialize)]
 pub struct Extension {
-    pub metadata: Map<String, Value>,
+    pub metadata: Metadata,
     pub processes: Vec<Process>,
     /// The grouping: the root frames of thread profiles are task keys or prefixes.
     /// This and `threads` are missing from files of earlier versions.
@@ -281,7 +280,7 @@ mod tests {
     use super::*;
     use crate::profile::model::tests::profile;
     use crate::profile::model::Span;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn wall(by: By) -> Shown {
         Shown { by, weight: Weight::Wall }

@@ -7,7 +7,7 @@
 use crate::error::Error;
 use crate::formats::compress;
 use crate::profile::build::Merger;
-use crate::profile::model::{Frame, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Span, Tag, Thread};
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -24,7 +24,7 @@ const MAGIC: &[u8; 8] = b"DPSPY\0w2";
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Head {
     pub processes: Vec<Process>,
-    pub metadata: Map<String, Value>,
+    pub metadata: Metadata,
     /// Names of spans, as far as the sender knew them.
     pub spans: BTreeMap<String, Span>,
     /// Every span id the tags name, named or not.
@@ -193,20 +193,16 @@ pub fn read_head(bytes: &[u8]) -> Result<Head, Error> {
 
 /// One profile of the named parts, with `metadata` and `spans`. A part that does not
 /// decode is left out and named, with why, under the metadata's `missing`.
-pub fn merge(
-    parts: &[(String, &[u8])],
-    mut metadata: Map<String, Value>,
-    spans: BTreeMap<String, Span>,
-) -> ProfileData {
+pub fn merge(parts: &[(String, &[u8])], mut metadata: Metadata, spans: BTreeMap<String, Span>) -> ProfileData {
     let mut merger = Merger::default();
-    let mut missing = match metadata.remove("missing") {
-        Some(Value::Object(m)) => m,
+    let mut missing = match std::mem::take(&mut metadata.missing) {
+        Value::Object(m) => m,
         _ => Map::new(),
     };
     for (name, e) in merge_parts(parts, &mut merger) {
         missing.insert(name, Value::String(format!("an unreadable profile: {e}")));
     }
-    metadata.insert("missing".into(), Value::Object(missing));
+    metadata.missing = Value::Object(missing);
     let mut merged = merger.finish(metadata);
     merged.spans.extend(spans);
     merged
@@ -364,7 +360,7 @@ mod tests {
         assert!(unpack(b"{\"frames\": []}").unwrap_err().contains("no wire header"));
         assert!(unpack(&bytes[..10]).unwrap_err().contains("cut short"));
         assert!(unpack(&bytes[..bytes.len() - 5]).unwrap_err().contains("damaged body"));
-        let empty = Builder::default().finish(Vec::new(), Map::new());
+        let empty = Builder::default().finish(Vec::new(), Metadata::default());
         assert_eq!(decode(&encode(&empty)).unwrap(), empty);
     }
 

@@ -3,7 +3,7 @@
 //! aggregating samples that differ only in time.
 
 use crate::profile::intern::Interner;
-use crate::profile::model::{Frame, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Span, Tag, Thread};
 use rustc_hash::FxHashMap;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -134,7 +134,7 @@ impl Builder {
         Sample { stack, tag, thread, ..*sample }
     }
 
-    pub fn finish(self, processes: Vec<Process>, metadata: Map<String, Value>) -> ProfileData {
+    pub fn finish(self, processes: Vec<Process>, metadata: Metadata) -> ProfileData {
         ProfileData {
             frames: self.frames.into_items(),
             stacks: self.stacks.into_items(),
@@ -180,19 +180,21 @@ impl Merger {
             }
         }
         self.spans.extend(part.spans.iter().map(|(id, s)| (id.clone(), s.clone())));
-        if let Some(Value::Object(tasks)) = part.metadata.get("tasks") {
+        if let Value::Object(tasks) = &part.metadata.tasks {
             self.tasks.extend(tasks.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
     }
 
     /// The merged profile: `metadata`, with the parts' `tasks` (per process) combined.
-    pub fn finish(self, mut metadata: Map<String, Value>) -> ProfileData {
-        if let Some(Value::Object(given)) = metadata.get("tasks") {
-            let mut tasks = self.tasks;
-            tasks.extend(given.iter().map(|(k, v)| (k.clone(), v.clone())));
-            metadata.insert("tasks".into(), Value::Object(tasks));
-        } else if !self.tasks.is_empty() {
-            metadata.insert("tasks".into(), Value::Object(self.tasks));
+    pub fn finish(self, mut metadata: Metadata) -> ProfileData {
+        let mut tasks = self.tasks;
+        match std::mem::take(&mut metadata.tasks) {
+            Value::Object(given) => {
+                tasks.extend(given);
+                metadata.tasks = Value::Object(tasks);
+            }
+            other if tasks.is_empty() => metadata.tasks = other,
+            _ => metadata.tasks = Value::Object(tasks),
         }
         let mut merged = self.out.finish(self.processes, metadata);
         merged.spans = self.spans;
@@ -238,7 +240,7 @@ impl Tables for Builder {
 
 impl ProfileData {
     /// Combines profiles of several processes; a process seen twice (same token) is kept once.
-    pub fn merge(parts: &[&ProfileData], metadata: Map<String, Value>) -> ProfileData {
+    pub fn merge(parts: &[&ProfileData], metadata: Metadata) -> ProfileData {
         let mut merger = Merger::default();
         for part in parts {
             merger.add(part);

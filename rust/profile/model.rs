@@ -215,6 +215,34 @@ mod sample_columns {
     }
 }
 
+/// The run's facts. Rust combines `tasks` in merges and adds to `missing` in wire
+/// merges; every other key is kept as Python gave it. Python checks the types of
+/// them all where a profile is loaded, so any JSON value is kept here as it came.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metadata {
+    /// By process: its tasks' count and seconds by prefix.
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub tasks: Value,
+    /// By process left out of the profile: why.
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub missing: Value,
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+impl Metadata {
+    /// These facts with `extra`'s over them.
+    pub fn extend(&mut self, extra: Metadata) {
+        if !extra.tasks.is_null() {
+            self.tasks = extra.tasks;
+        }
+        if !extra.missing.is_null() {
+            self.missing = extra.missing;
+        }
+        self.other.extend(extra.other);
+    }
+}
+
 /// A self-contained profile: what a window export produces and what merges combine.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ProfileData {
@@ -226,7 +254,7 @@ pub struct ProfileData {
     pub processes: Vec<Process>,
     #[serde(with = "sample_columns")]
     pub samples: Vec<Sample>,
-    pub metadata: Map<String, Value>,
+    pub metadata: Metadata,
     /// The spans tags name, by id, as far as known; an unknown id is its own name.
     #[serde(default)]
     pub spans: BTreeMap<String, Span>,
@@ -402,7 +430,7 @@ pub mod tests {
             });
         }
         let proc = Process { name: token.into(), pid: 1, host: "h".into(), token: token.into(), stats: Value::Null };
-        b.finish(vec![proc], Map::new())
+        b.finish(vec![proc], Metadata::default())
     }
 
     #[test]
@@ -418,7 +446,7 @@ pub mod tests {
     fn merge_remaps_and_dedups_processes() {
         let a = profile("w1", &[(1, &["main", "f"], Some("f-1"))]);
         let b = profile("w2", &[(1, &["main", "g"], None), (2, &["main", "f"], Some("f-1"))]);
-        let m = ProfileData::merge(&[&a, &b, &a], Map::new());
+        let m = ProfileData::merge(&[&a, &b, &a], Metadata::default());
         assert_eq!(m.processes.len(), 2);
         assert_eq!(m.samples.len(), 3);
         assert_eq!(m.frames.len(), 3);

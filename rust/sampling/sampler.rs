@@ -2,7 +2,7 @@
 //! (`thread.rs`), changes its options, and reads its samples, stats and stacks.
 
 use crate::error::{Error, Result};
-use crate::profile::model::{Process, ProfileData};
+use crate::profile::model::{Metadata, Process, ProfileData};
 use crate::reader::tags::ThreadTags;
 use crate::reader::Chosen;
 use crate::sampling::config::SamplerConfig;
@@ -10,7 +10,7 @@ use crate::sampling::states::CpuSeries;
 use crate::sampling::store::{Store, Window, WindowSize};
 use crate::sampling::thread::{now_ns, run, RunStats, Shared};
 use crate::sync::{Condvar, Mutex};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -178,7 +178,7 @@ impl Sampler {
     }
 
     /// The samples of `window` as a profile of this process.
-    pub fn profile(&self, window: Window, process_name: String, metadata: Map<String, Value>) -> ProfileData {
+    pub fn profile(&self, window: Window, process_name: String, metadata: Metadata) -> ProfileData {
         let mut process = Process {
             name: process_name,
             pid: std::process::id(),

@@ -4,10 +4,9 @@
 //! what the remaining samples still use.
 
 use crate::profile::build::{Aggregator, Builder, Remap};
-use crate::profile::model::{Frame, Process, ProfileData, Sample, Tag, Thread};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Tag, Thread};
 use rustc_hash::FxHashSet;
 use serde::Serialize;
-use serde_json::{Map, Value};
 use std::collections::VecDeque;
 
 pub const SAMPLE_BYTES: usize = std::mem::size_of::<Sample>();
@@ -155,7 +154,7 @@ impl Store {
     }
 
     /// The samples of `window`, with just the tables they use.
-    pub fn window(&self, window: Window, process: Process, metadata: Map<String, Value>) -> ProfileData {
+    pub fn window(&self, window: Window, process: Process, metadata: Metadata) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(&self.tables);
         let mut aggregator = Aggregator::default();
@@ -208,6 +207,7 @@ mod tests {
     use super::*;
     use crate::profile::build::Tables;
     use crate::profile::model::tests::frame;
+    use serde_json::Value;
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
@@ -272,7 +272,7 @@ mod tests {
         assert!(st.compactions > 0);
         // Tables only hold what live samples use.
         assert_eq!(s.tables.counts()[2], st.samples_held);
-        let w = s.window(all(0, u64::MAX), proc(), Map::new());
+        let w = s.window(all(0, u64::MAX), proc(), Metadata::default());
         assert_eq!(w.samples.len(), st.samples_held);
         assert!(w.tags.iter().all(|t| t.key.starts_with("task-")));
     }
@@ -283,11 +283,11 @@ mod tests {
         for t in 0..10 {
             push(&mut s, t * 100, &["main", if t < 5 { "early" } else { "late" }], None);
         }
-        let w = s.window(all(500, 900), proc(), Map::new());
+        let w = s.window(all(500, 900), proc(), Metadata::default());
         assert_eq!(w.samples.len(), 5);
         assert_eq!(w.frames.len(), 2, "only the frames the window uses");
         assert!(w.frames.iter().any(|f| f.name == "late"));
-        assert!(s.window(all(2000, 3000), proc(), Map::new()).samples.is_empty());
+        assert!(s.window(all(2000, 3000), proc(), Metadata::default()).samples.is_empty());
     }
 
     #[test]
@@ -301,7 +301,7 @@ mod tests {
         }
         push(&mut s, 10, &["main", "idle"], None);
         let aggregated = Window { start_ns: 0, stop_ns: 100, aggregate: true };
-        let w = s.window(aggregated, proc(), Map::new());
+        let w = s.window(aggregated, proc(), Metadata::default());
         assert_eq!(w.samples.len(), 3, "read and parse under prefix load, and the untagged one");
         assert_eq!((w.n_samples(), w.total_us()), (11, 10 * 10_000 + 45 + 10_000));
         assert!(w.tags.iter().all(|t| t.key == "load"), "keys merge into their prefix");
