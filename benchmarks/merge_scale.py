@@ -28,7 +28,7 @@ def _status_mib(field: str) -> float:
 
 def _merge_once(part_path: str, n: int) -> dict[str, float]:
     part = Profile.from_wire(open(part_path, "rb").read())._native
-    parts = {f"w{i}": part._as_process(f"w{i}", f"-w{i}").to_wire() for i in range(n)}
+    parts = {f"w{i}": _native._testing.as_process(part, f"w{i}", f"-w{i}").to_wire() for i in range(n)}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak, so it is the merge's alone
     before = _status_mib("VmRSS")
@@ -38,8 +38,13 @@ def _merge_once(part_path: str, n: int) -> dict[str, float]:
     peak = _status_mib("VmHWM") - before
     began = time.perf_counter()
     render_html(merged)
-    return {"merge_s": merge_s, "peak_mib": peak, "report_s": time.perf_counter() - began,
-            "wire_mib": sum(map(len, parts.values())) / 2**20, "samples": merged.n_samples}
+    return {
+        "merge_s": merge_s,
+        "peak_mib": peak,
+        "report_s": time.perf_counter() - began,
+        "wire_mib": sum(map(len, parts.values())) / 2**20,
+        "samples": merged.n_samples,
+    }
 
 
 def _available_mib() -> float:
@@ -49,7 +54,7 @@ def _available_mib() -> float:
 
 def _needs_mib(part: bytes, n: int) -> float:
     """Decoded copies merged, plus their wire bytes, with room for the tables."""
-    head = json.loads(_native.Profile.wire_head(part))
+    head = _native.Profile.wire_head(part)
     return n * (head["memory_bytes"] + len(part)) * 1.5 / 2**20
 
 
@@ -64,14 +69,37 @@ def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
             for n in WORKER_COUNTS:
                 needs, free = _needs_mib(part, n), _available_mib()
                 if needs > 0.7 * free:
-                    rows.append([kind, n, "-", "-", "-", "-", f"not run: needs ~{needs / 1024:.0f} GiB, {free / 1024:.0f} GiB free"])
+                    rows.append(
+                        [
+                            kind,
+                            n,
+                            "-",
+                            "-",
+                            "-",
+                            "-",
+                            f"not run: needs ~{needs / 1024:.0f} GiB, {free / 1024:.0f} GiB free",
+                        ]
+                    )
                     continue
                 print(f"  merge {kind} x {n}", flush=True)
-                done = subprocess.run([sys.executable, "-m", "benchmarks.merge_scale", path, str(n)],
-                                      capture_output=True, text=True, check=True)
+                done = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.merge_scale", path, str(n)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 r = json.loads(done.stdout.strip().splitlines()[-1])
-                rows.append([kind, n, f"{r['samples']:,}", f"{r['wire_mib']:.1f}", f"{r['merge_s']:.2f}",
-                             f"{r['peak_mib']:.0f}", f"report {r['report_s']:.1f} s"])
+                rows.append(
+                    [
+                        kind,
+                        n,
+                        f"{r['samples']:,}",
+                        f"{r['wire_mib']:.1f}",
+                        f"{r['merge_s']:.2f}",
+                        f"{r['peak_mib']:.0f}",
+                        f"report {r['report_s']:.1f} s",
+                    ]
+                )
     return rows
 
 

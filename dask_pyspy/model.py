@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from dask_pyspy import _native, config, metadata, options
 from dask_pyspy.diff import ProfileDiff
@@ -77,12 +78,14 @@ class Profile:
             raise ValueError(f"cannot load {os.fspath(path)!r}: the path must end in {loadable}") from None
         unloadable = {"html": "a report", "pprof": "a pprof file"}
         if kind in unloadable:
-            raise ValueError(f"cannot load {os.fspath(path)!r}: {unloadable[kind]} cannot be loaded, only {loadable} files")
+            raise ValueError(
+                f"cannot load {os.fspath(path)!r}: {unloadable[kind]} cannot be loaded, only {loadable} files"
+            )
         limit = config.max_result()
         try:
             data = read_regular(path, limit)
             native, by = _native.Profile.from_file(data, speedscope=kind != "pyspy", max_result=limit)
-            metadata.check(json.loads(native.metadata_json()), json.loads(native.processes_json()))
+            metadata.check(native.metadata(), native.processes())
         except ValueError as e:
             raise ValueError(f"cannot load {os.fspath(path)!r}: {e}") from None
         return cls(native, by=by)
@@ -90,13 +93,13 @@ class Profile:
     @property
     def metadata(self) -> dict[str, Any]:
         """The run's facts: per-process sampler stats (rate achieved, throttling, errors) and more."""
-        meta = json.loads(self._native.metadata_json())
+        meta = self._native.metadata()
         meta["processes"] = self.processes
         return meta
 
     @property
     def processes(self) -> list[dict[str, Any]]:
-        return json.loads(self._native.processes_json())
+        return self._native.processes()
 
     @property
     def n_samples(self) -> int:
@@ -109,15 +112,18 @@ class Profile:
 
     @classmethod
     def merge(
-        cls, profiles: list[Profile], by: str = "thread", spans: dict[str, dict[str, list[str]]] | None = None, **metadata: Any
+        cls,
+        profiles: list[Profile],
+        by: str = "thread",
+        spans: dict[str, dict[str, list[str]]] | None = None,
+        **metadata: Any,
     ) -> Profile:
         """One profile of several processes; a process seen twice is kept once.
 
         The `tasks` metadata of each part (per worker) is combined. `spans` names
         spans (as in `with_spans`), over what the parts knew.
         """
-        meta = json.dumps(metadata, default=str)
-        return cls(_native.Profile.merge([p._native for p in profiles], meta, json.dumps(spans or {})), by=by)
+        return cls(_native.Profile.merge([p._native for p in profiles], metadata, spans or {}), by=by)
 
     @classmethod
     def merge_wire(
@@ -137,13 +143,12 @@ class Profile:
         the samples it stands for: task keys are folded into their prefix, and sample
         times are the first of each, so timelines mean nothing in them.
         """
-        meta = json.dumps(metadata, default=str)
-        native = _native.Profile.merge_wire(list(parts.items()), meta, json.dumps(spans or {}))
+        native = _native.Profile.merge_wire(list(parts.items()), metadata, spans or {})
         return cls(native, by=by, weight=weight)
 
     def summary(self) -> dict[str, Any]:
         """Totals: per process, per task prefix (with top functions), per thread state."""
-        return json.loads(self._native.summary_json())
+        return self._native.summary()
 
     def flamegraph_svg(
         self,
@@ -169,7 +174,13 @@ class Profile:
             options.flag("tasks", tasks)
         weight = options.weight(self.weight if weight is None else weight)
         return self._native.flamegraph_svg(
-            title, by=options.by(by), weight=weight, prefix=prefix, process=process, tasks=tasks, span=options.span(span)
+            title,
+            by=options.by(by),
+            weight=weight,
+            prefix=prefix,
+            process=process,
+            tasks=tasks,
+            span=options.span(span),
         )
 
     def aggregated(self, keys: bool = False) -> Profile:
@@ -178,7 +189,7 @@ class Profile:
         `pyspy_profile(aggregate=True)` sends them). Reports, flame graphs and
         summaries read the same; sample order, so speedscope's time order, is gone.
         Unless `keys`, task keys fold into their prefix."""
-        return self._derive(self._native.folded(options.flag("keys", keys)))
+        return self._derive(self._native.aggregated(options.flag("keys", keys)))
 
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
@@ -193,11 +204,11 @@ class Profile:
         return self._derive(self._native.only_span(chosen))
 
     def with_metadata(self, **extra: Any) -> Profile:
-        return self._derive(self._native.with_metadata(json.dumps(extra, default=str)))
+        return self._derive(self._native.with_metadata(extra))
 
     def with_spans(self, spans: dict[str, dict[str, list[str]]]) -> Profile:
         """A copy that knows these spans: {id: {"names": [...], "ids": [...]}}, outermost first."""
-        return self._derive(self._native.with_spans(json.dumps(spans)))
+        return self._derive(self._native.with_spans(spans))
 
     @property
     def span_ids(self) -> list[str]:
@@ -258,7 +269,7 @@ class Profile:
         task prefixes that gained or lost most; see `ProfileDiff`."""
         if not isinstance(base, Profile):
             raise TypeError(f"base must be a Profile, got {type(base).__name__}")
-        return ProfileDiff(json.loads(self._native.diff_json(base._native)))
+        return ProfileDiff(self._native.diff(base._native))
 
     def to_html(self, title: str = "dask-pyspy report") -> str:
         """A self-contained HTML report (summary, flame graphs, task prefixes, the raw profile)."""
@@ -269,6 +280,7 @@ class Profile:
 
     def __repr__(self) -> str:
         names = ", ".join(p["name"] for p in self.processes)
-        return (f"<Profile {self.n_samples} samples, {self.sampled_seconds:.1f} thread-s, by={self.by!r}, "
-                f"weight={self.weight!r}, processes: {names}>")
-
+        return (
+            f"<Profile {self.n_samples} samples, {self.sampled_seconds:.1f} thread-s, by={self.by!r}, "
+            f"weight={self.weight!r}, processes: {names}>"
+        )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import socket
 import sysconfig
@@ -56,10 +54,6 @@ def _watch_thread_starts() -> None:
             threading._active = _ActiveThreads(threading._active)  # type: ignore[attr-defined]
 
 
-def _native_sampler(opts: SamplerOptions) -> _native.Sampler:
-    return _native.Sampler(**dataclasses.asdict(opts))
-
-
 class Sampler:
     """Samples every Python thread of this process from a background Rust thread.
 
@@ -70,7 +64,7 @@ class Sampler:
 
     def __init__(self, **options: Any) -> None:
         self.options = config.sampler_options(**options)
-        self._native = _native_sampler(self.options)
+        self._native = _native.Sampler(self.options)
         _samplers.add(self)
 
     def configure(self, **changes: Any) -> None:
@@ -85,7 +79,7 @@ class Sampler:
         running = self.is_running
         self.stop()
         try:
-            self._native.configure(**dataclasses.asdict(new))
+            self._native.configure(new)
             self.options = new
         finally:
             if running:
@@ -93,9 +87,9 @@ class Sampler:
 
     def start(self) -> None:
         """Start sampling; raises RuntimeError if this interpreter cannot be read."""
-        if os.environ.get("DASK_PYSPY_TEST_UNREADABLE"):
+        if os.environ.get("DASK_PYSPY_TESTING") == "unreadable":
             # Test switch: fail as a process whose memory py-spy cannot read would.
-            raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TEST_UNREADABLE")
+            raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TESTING=unreadable")
         if sysconfig.get_config_var("Py_GIL_DISABLED"):
             raise RuntimeError(
                 "dask-pyspy cannot sample a free-threaded (no-GIL) CPython build: "
@@ -108,7 +102,9 @@ class Sampler:
 
     def name_threads(self) -> None:
         """Name live threads in profiles; the fast reader reads no names itself."""
-        self._native.name_threads([(t.ident, t.name, t.native_id) for t in threading.enumerate() if t.ident is not None])
+        self._native.name_threads(
+            [(t.ident, t.name, t.native_id) for t in threading.enumerate() if t.ident is not None]
+        )
 
     def stop(self) -> None:
         _running.discard(self)
@@ -120,7 +116,7 @@ class Sampler:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the sampling thread and its store (rate achieved, CPU used, drops)."""
-        return json.loads(self._native.stats_json())
+        return self._native.stats()
 
     def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:
         """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`,
@@ -146,7 +142,7 @@ class Sampler:
         options.by(by)
         self._check_started()
         self.name_threads()
-        native = self._native.profile(*self._bounds(start, stop), name or f"{socket.gethostname()}:{os.getpid()}", socket.gethostname())
+        native = self._native.profile(self._bounds(start, stop), name or f"{socket.gethostname()}:{os.getpid()}")
         return Profile(native, by=by)
 
     def export(
@@ -162,13 +158,12 @@ class Sampler:
         between; `aggregate` folds it (see `Profile.merge_wire`)."""
         self._check_started()
         self.name_threads()
-        meta, named = json.dumps(metadata, default=str), json.dumps(spans)
-        return self._native.export(*self._bounds(start, stop), aggregate, name, socket.gethostname(), meta, named)
+        return self._native.export(self._bounds(start, stop), aggregate, name, metadata, spans)
 
     def window_size(self, start: float | None, stop: float | None, aggregate: bool) -> dict[str, int]:
         """What `export` would hold: samples taken, and the decoded profile's approximate bytes."""
         self._check_started()
-        samples, size = self._native.window_size(*self._bounds(start, stop), aggregate)
+        samples, size = self._native.window_size(self._bounds(start, stop), aggregate)
         return {"samples": samples, "bytes": size}
 
     def _check_started(self) -> None:
@@ -182,7 +177,7 @@ class Sampler:
     def dump(self) -> dict[str, Any]:
         """Every thread's stack now (leaf first), with its task and state."""
         self.name_threads()
-        return json.loads(self._native.dump_json())
+        return self._native.dump()
 
 
 def _after_fork_in_child() -> None:
@@ -192,7 +187,7 @@ def _after_fork_in_child() -> None:
     _running.clear()
     for sampler in list(_samplers):
         # The old native sampler, once dropped, leaks its state rather than touch it.
-        sampler._native = _native_sampler(sampler.options)
+        sampler._native = _native.Sampler(sampler.options)
     process_sampler._after_fork_in_child()
 
 

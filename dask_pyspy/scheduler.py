@@ -4,7 +4,6 @@ any sample moves), serve the dashboard pages, and send workers their options."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import random
@@ -56,7 +55,7 @@ def checked_parts(
                 raise ValueError(f"an answer of type {type(data).__name__}, not a profile")
             if len(data) > allowed:
                 raise ValueError(f"{len(data)} bytes, more than the {announced} it announced")
-            head = json.loads(_native.Profile.wire_head(data))
+            head = _native.Profile.wire_head(data)
             if head["memory_bytes"] > allowed:
                 raise ValueError(f"a profile of {head['memory_bytes']} bytes, more than the {announced} it announced")
         except ValueError as e:

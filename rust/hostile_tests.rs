@@ -2,10 +2,11 @@
 //! survives the exporters and loaders (valid JSON, exact round trip) and never
 //! becomes markup.
 
-use crate::limits::tests::LOOSE;
-use crate::model::{tests::profile, Frame, Tag};
-use crate::views::{By, Shown, Weight};
-use crate::{diff, files, flamegraph, speedscope, speedscope_read, summary};
+use crate::formats::limits::tests::LOOSE;
+use crate::formats::{diff, files, flamegraph, speedscope, speedscope_read};
+use crate::profile::model::{tests::profile, Frame, Tag};
+use crate::profile::summary;
+use crate::profile::views::{By, Shown, Weight};
 use proptest::prelude::*;
 
 fn hostile() -> impl Strategy<Value = String> {

@@ -7,14 +7,16 @@ use super::fast::FastReader;
 use super::frees::FreeLog;
 use super::layout::{Layout, CHUNK_HEADER, CHUNK_SIZE};
 use super::memory::{read_u64, Memory};
-use crate::model::Frame;
-use crate::tags::ThreadTags;
+use crate::profile::model::Frame;
+use crate::reader::tags::ThreadTags;
 use nix::libc;
 use pyo3::prelude::*;
 use std::ffi::CStr;
 
-/// Test switch: makes the self-check see a wrong line, to exercise the fallback.
-const BREAK_SELF_CHECK: &str = "DASK_PYSPY_TEST_BREAK_SELF_CHECK";
+/// Test switch (`DASK_PYSPY_TESTING=break-self-check`): makes the self-check see a
+/// wrong line, to exercise the fallback.
+const TESTING: &str = "DASK_PYSPY_TESTING";
+const BREAK_SELF_CHECK: &str = "break-self-check";
 
 extern "C" {
     // Not in the limited API, but exported by every CPython since 3.8.
@@ -45,16 +47,18 @@ pub fn open_fast(py: Python<'_>, mode: LineMode) -> Result<FastReader, String> {
     // SAFETY: the GIL is held.
     let frees = FreeLog::new(unsafe { super::frees::watch(version) });
     let mut reader = FastReader::new(layout, mem, runtime, interp, code_type, frees, mode)?;
-    self_check(py, &mut reader, mode).map_err(|e| format!("self-check failed on CPython {}.{}: {e}", v.major, v.minor))?;
+    self_check(py, &mut reader, mode)
+        .map_err(|e| format!("self-check failed on CPython {}.{}: {e}", v.major, v.minor))?;
     Ok(reader)
 }
 
 fn self_check(py: Python<'_>, reader: &mut FastReader, mode: LineMode) -> Result<(), String> {
     let mut expected = python_stack(py, mode).map_err(|e| format!("Python's own stack: {e}"))?;
-    if std::env::var_os(BREAK_SELF_CHECK).is_some() {
+    if std::env::var_os(TESTING).is_some_and(|v| v == BREAK_SELF_CHECK) {
         expected[0].line += 1000;
     }
-    let ident: u64 = py.import("threading").and_then(|t| t.call_method0("get_ident")?.extract()).map_err(|e| e.to_string())?;
+    let ident: u64 =
+        py.import("threading").and_then(|t| t.call_method0("get_ident")?.extract()).map_err(|e| e.to_string())?;
     let mut found = reader.read_where(|t| t.ident == ident, &ThreadTags::default())?;
     let this = found.pop().ok_or("this thread is not in the interpreter's thread list")?;
     if !this.state.holds_gil {
@@ -94,7 +98,11 @@ fn python_stack(py: Python<'_>, mode: LineMode) -> PyResult<Vec<Frame>> {
             LineMode::First => code.getattr("co_firstlineno")?.extract()?,
             LineMode::None => 0,
         };
-        frames.push(Frame { name: code.getattr("co_qualname")?.extract()?, file: code.getattr("co_filename")?.extract()?, line });
+        frames.push(Frame {
+            name: code.getattr("co_qualname")?.extract()?,
+            file: code.getattr("co_filename")?.extract()?,
+            line,
+        });
         frame = frame.getattr("f_back")?;
     }
     Ok(frames)

@@ -11,7 +11,7 @@ use super::frees::FreeLog;
 use super::layout::{Layout, OB_SIZE, OB_TYPE};
 use super::linetable::line_at;
 use super::memory::{u32_at, u64_at, Batch, Memory};
-use crate::model::Frame;
+use crate::profile::model::Frame;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Arc;
 
@@ -120,7 +120,13 @@ impl CodeCache {
     }
 
     /// Makes every address of `addrs` either a checked cache entry or a known non-code.
-    pub fn refresh(&mut self, addrs: &FxHashSet<u64>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+    pub fn refresh(
+        &mut self,
+        addrs: &FxHashSet<u64>,
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+    ) -> Result<(), String> {
         self.tick += 1;
         self.not_code.clear();
         self.trim();
@@ -195,7 +201,13 @@ impl CodeCache {
 
     /// Reads new code objects: headers (if missing), then strings and line tables
     /// at a guessed length, then again at their full length where the guess fell short.
-    fn fetch(&mut self, mut pending: Vec<Fetch>, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+    fn fetch(
+        &mut self,
+        mut pending: Vec<Fetch>,
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+    ) -> Result<(), String> {
         if pending.iter().any(|f| f.header.is_empty()) {
             batch.clear();
             let idx: Vec<_> = pending.iter().map(|f| batch.push(f.addr, layout.code_header_len() as usize)).collect();

@@ -9,9 +9,9 @@ use super::layout::Layout;
 use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
 use super::{StackReader, ThreadStack, Want};
-use crate::model::{Frame, Tag};
-use crate::states::GilAt;
-use crate::tags::ThreadTags;
+use crate::profile::model::{Frame, Tag};
+use crate::reader::tags::ThreadTags;
+use crate::reader::GilAt;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -23,7 +23,11 @@ const RETRIES: usize = 3;
 /// for most threads; one running many small calls changes its stack every few hundred
 /// nanoseconds, and some consecutive pair of three is likelier to agree.
 fn copies(attempt: usize) -> usize {
-    if attempt == 0 { 2 } else { 3 }
+    if attempt == 0 {
+        2
+    } else {
+        3
+    }
 }
 
 /// A thread read: its state, its frame ids (Err: lost) and its task during the read.
@@ -59,7 +63,15 @@ pub struct FastReader {
 }
 
 impl FastReader {
-    pub fn new(layout: Layout, mut mem: Memory, runtime: u64, interp: u64, code_type: u64, frees: FreeLog, mode: LineMode) -> Result<FastReader, String> {
+    pub fn new(
+        layout: Layout,
+        mut mem: Memory,
+        runtime: u64,
+        interp: u64,
+        code_type: u64,
+        frees: FreeLog,
+        mode: LineMode,
+    ) -> Result<FastReader, String> {
         let threads = Threads::new(interp, runtime, &layout, &mut mem)?;
         Ok(FastReader {
             layout,
@@ -86,7 +98,11 @@ impl FastReader {
 
     /// Reads the threads `select` picks; tags are read right before the first copy of
     /// their frames and after the last, so a tag covers every copy.
-    pub fn read_where(&mut self, select: impl Fn(&ThreadState) -> bool, tags: &ThreadTags) -> Result<Vec<ReadThread>, String> {
+    pub fn read_where(
+        &mut self,
+        select: impl Fn(&ThreadState) -> bool,
+        tags: &ThreadTags,
+    ) -> Result<Vec<ReadThread>, String> {
         let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch)?;
         for t in states.iter().filter(|t| !t.still) {
             self.last.remove(&t.addr); // it ran: what it held may be gone, read or not
@@ -107,7 +123,10 @@ impl FastReader {
         for ((state, tag), frames) in chosen.into_iter().zip(after).zip(frames) {
             if let Ok(ids) = &frames {
                 let epoch = self.codes.epoch;
-                self.last.insert(state.addr, Kept { frame_ref: state.frame_ref, chunk: state.chunk, top: state.top, ids: ids.clone(), epoch });
+                self.last.insert(
+                    state.addr,
+                    Kept { frame_ref: state.frame_ref, chunk: state.chunk, top: state.top, ids: ids.clone(), epoch },
+                );
             }
             out.push(ReadThread { state, frames, tag });
         }
@@ -134,7 +153,8 @@ impl FastReader {
                 Threads::reread(&mut reading, &self.layout, &mut self.mem, &mut self.batch)?;
             }
             // Only a first read may trust `still`: a torn thread ran.
-            let copies: Vec<usize> = reading.iter().map(|t| if attempt == 0 && t.still { 1 } else { copies(attempt) }).collect();
+            let copies: Vec<usize> =
+                reading.iter().map(|t| if attempt == 0 && t.still { 1 } else { copies(attempt) }).collect();
             let refs: Vec<&ThreadState> = reading.iter().collect();
             let stacks = read_stacks(&refs, &copies, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
             let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();

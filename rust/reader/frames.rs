@@ -97,7 +97,10 @@ impl Walker {
                 self.torn = true;
                 break;
             }
-            let in_live = self.chunk.and_then(|(start, i)| slice_at(start, chunks.get(i)?, self.next, layout.frame_size)).is_some();
+            let in_live = self
+                .chunk
+                .and_then(|(start, i)| slice_at(start, chunks.get(i)?, self.next, layout.frame_size))
+                .is_some();
             let Some(f) = self.find(chunks, self.next, layout.frame_size) else { break };
             let (code, instr) = (u64_at(f, layout.frame_code) & !7, u64_at(f, layout.frame_instr));
             let owner = u8_at(f, layout.frame_owner);
@@ -136,7 +139,8 @@ fn push_copy(batch: &mut Batch, t: &ThreadState, layout: &Layout) -> Snapshot {
     let pointer = batch.push(frame_pointer_at(t, layout), 8);
     let live = t.top.wrapping_sub(t.chunk);
     let extent = if live < MIN_CHUNK { (live + PAST_TOP).min(MIN_CHUNK) } else { live };
-    let chunk = (t.chunk != 0 && live > CHUNK_HEADER && live <= MAX_CHUNK).then(|| batch.push(t.chunk, extent as usize));
+    let chunk =
+        (t.chunk != 0 && live > CHUNK_HEADER && live <= MAX_CHUNK).then(|| batch.push(t.chunk, extent as usize));
     Snapshot { pointer, chunk }
 }
 
@@ -154,7 +158,8 @@ pub fn read_stacks(
     round: &mut Batch,
 ) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
     batch.clear();
-    let copies: Vec<Vec<Snapshot>> = threads.iter().zip(copies).map(|(t, &n)| (0..n).map(|_| push_copy(batch, t, layout)).collect()).collect();
+    let copies: Vec<Vec<Snapshot>> =
+        threads.iter().zip(copies).map(|(t, &n)| (0..n).map(|_| push_copy(batch, t, layout)).collect()).collect();
     mem.read(batch)?;
     // The copy each walk uses, and the one that must agree with it.
     let mut checked: Vec<Option<Snapshot>> = Vec::with_capacity(threads.len());
@@ -183,7 +188,8 @@ pub fn read_stacks(
             w.advance(layout, batch);
             if w.next != 0 && !w.torn {
                 let frame = round.push(w.next, layout.frame_size as usize);
-                let older = (w.older_chunk != 0).then(|| (w.older_chunk, round.push(w.older_chunk, MIN_CHUNK as usize)));
+                let older =
+                    (w.older_chunk != 0).then(|| (w.older_chunk, round.push(w.older_chunk, MIN_CHUNK as usize)));
                 wanted.push((n, frame, older));
             }
         }
@@ -223,9 +229,13 @@ fn agrees(w: &Walker, again: Snapshot, batch: &Batch, layout: &Layout) -> bool {
     let Some(innermost) = batch.get(again.pointer).map(|b| u64_at(b, 0)) else { return false };
     let Some((start, i)) = w.chunk else { return innermost == w.start };
     let (Some(a), Some(b)) = (batch.get(i), again.chunk.and_then(|j| batch.get(j))) else { return false };
-    let fields = |leaf: bool| [layout.frame_code, layout.frame_previous].into_iter().chain((!leaf).then_some(layout.frame_instr));
+    let fields = |leaf: bool| {
+        [layout.frame_code, layout.frame_previous].into_iter().chain((!leaf).then_some(layout.frame_instr))
+    };
     reaches(start, b, innermost, w.start, layout)
-        && w.live.iter().enumerate().all(|(depth, &addr)| fields(depth == 0).all(|f| u64_at(a, addr - start + f) == u64_at(b, addr - start + f)))
+        && w.live.iter().enumerate().all(|(depth, &addr)| {
+            fields(depth == 0).all(|f| u64_at(a, addr - start + f) == u64_at(b, addr - start + f))
+        })
 }
 
 /// Whether the chain from `from`, followed in one chunk copy, passes through `target`
@@ -235,7 +245,9 @@ fn reaches(start: u64, bytes: &[u8], mut from: u64, target: u64, layout: &Layout
         if from == target {
             return true;
         }
-        let Some(frame) = (from > target).then(|| slice_at(start, bytes, from, layout.frame_size)).flatten() else { return false };
+        let Some(frame) = (from > target).then(|| slice_at(start, bytes, from, layout.frame_size)).flatten() else {
+            return false;
+        };
         from = u64_at(frame, layout.frame_previous);
     }
     false
@@ -287,7 +299,9 @@ mod tests {
         for (k, &(code, instr, caller)) in frames.iter().enumerate() {
             let at = CHUNK_HEADER as usize + k * fs;
             let previous = caller.map_or(0, |c| base + CHUNK_HEADER + (c * fs) as u64);
-            for (field, value) in [(layout.frame_code, code), (layout.frame_instr, instr), (layout.frame_previous, previous)] {
+            for (field, value) in
+                [(layout.frame_code, code), (layout.frame_instr, instr), (layout.frame_previous, previous)]
+            {
                 bytes[at + field as usize..][..8].copy_from_slice(&value.to_le_bytes());
             }
         }
@@ -296,7 +310,13 @@ mod tests {
 
     /// Whether copy `b` (innermost frame in slot `b_leaf`) agrees with the walk of
     /// copy `a` from slot `a_leaf`; both copies stand for one chunk at `a`'s address.
-    fn copies_agree(layout: &Layout, a: &[(u64, u64, Option<usize>)], a_leaf: usize, b: &[(u64, u64, Option<usize>)], b_leaf: usize) -> bool {
+    fn copies_agree(
+        layout: &Layout,
+        a: &[(u64, u64, Option<usize>)],
+        a_leaf: usize,
+        b: &[(u64, u64, Option<usize>)],
+        b_leaf: usize,
+    ) -> bool {
         let mut first = vec![0u8; CHUNK_HEADER as usize + a.len().max(b.len()) * layout.frame_size as usize];
         let base = first.as_ptr() as u64;
         let filled = chunk_at(base, layout, a);
@@ -305,10 +325,28 @@ mod tests {
         let slot = |k: usize| base + CHUNK_HEADER + k as u64 * layout.frame_size;
         let (pointer_a, pointer_b) = (slot(a_leaf), slot(b_leaf));
         let mut batch = Batch::default();
-        let copy_a = Snapshot { pointer: batch.push(&pointer_a as *const u64 as u64, 8), chunk: Some(batch.push(base, first.len())) };
-        let copy_b = Snapshot { pointer: batch.push(&pointer_b as *const u64 as u64, 8), chunk: Some(batch.push(second.as_ptr() as u64, second.len())) };
+        let copy_a = Snapshot {
+            pointer: batch.push(&pointer_a as *const u64 as u64, 8),
+            chunk: Some(batch.push(base, first.len())),
+        };
+        let copy_b = Snapshot {
+            pointer: batch.push(&pointer_b as *const u64 as u64, 8),
+            chunk: Some(batch.push(second.as_ptr() as u64, second.len())),
+        };
         Memory::new().read(&mut batch).unwrap();
-        let t = ThreadState { addr: 0, ident: 1, frame_ref: 0, chunk: base, top: base, holds_gil: true, on_cpu: true, cpu_ns: 0, ran: None, native_tid: 0, still: false };
+        let t = ThreadState {
+            addr: 0,
+            ident: 1,
+            frame_ref: 0,
+            chunk: base,
+            top: base,
+            holds_gil: true,
+            on_cpu: true,
+            cpu_ns: 0,
+            ran: None,
+            native_tid: 0,
+            still: false,
+        };
         let mut w = Walker::new(&t, copy_a, &batch, layout);
         w.advance(layout, &batch);
         assert!(!w.torn && w.next == 0, "copy a walks whole");

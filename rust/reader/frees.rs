@@ -44,7 +44,8 @@ fn log_free(addr: u64) {
 unsafe extern "C" fn logged_dealloc(code: *mut c_void) {
     log_free(code as u64);
     // SAFETY: set once to PyCode_Type's own tp_dealloc before this wrapper was installed.
-    let original: unsafe extern "C" fn(*mut c_void) = unsafe { std::mem::transmute(ORIGINAL_DEALLOC.load(Ordering::Acquire)) };
+    let original: unsafe extern "C" fn(*mut c_void) =
+        unsafe { std::mem::transmute(ORIGINAL_DEALLOC.load(Ordering::Acquire)) };
     unsafe { original(code) }
 }
 

@@ -77,12 +77,22 @@ mod tests {
     #[test]
     fn walks_each_entry_kind() {
         let table = [
-            entry(13, 1), 0,              // line +0 (svarint 0): units 0
-            entry(10, 2), 4, 9,           // one-line form, line +0, cols: units 1-2
-            entry(12, 1), 0, 5,           // line +2: unit 3
-            entry(14, 1), 3, 0, 1, 2,     // long form, line -1 (svarint 3): unit 4
-            entry(15, 1),                 // no line: unit 5
-            entry(3, 2), 7,               // short form, same line: units 6-7
+            entry(13, 1),
+            0, // line +0 (svarint 0): units 0
+            entry(10, 2),
+            4,
+            9, // one-line form, line +0, cols: units 1-2
+            entry(12, 1),
+            0,
+            5, // line +2: unit 3
+            entry(14, 1),
+            3,
+            0,
+            1,
+            2,            // long form, line -1 (svarint 3): unit 4
+            entry(15, 1), // no line: unit 5
+            entry(3, 2),
+            7, // short form, same line: units 6-7
         ];
         let lines: Vec<_> = (0..8).map(|u| line_at(&table, 10, 2 * u)).collect();
         assert_eq!(lines, [Some(10), Some(10), Some(10), Some(12), Some(11), None, Some(11), Some(11)]);

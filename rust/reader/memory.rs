@@ -93,10 +93,9 @@ impl Memory {
                 None => match self.readv_from(batch, next) {
                     Ok(n) => n,
                     Err(e) => {
-                        self.proc_mem = Some(
-                            File::open("/proc/self/mem")
-                                .map_err(|f| format!("process_vm_readv failed ({e}) and /proc/self/mem cannot be opened: {f}"))?,
-                        );
+                        self.proc_mem = Some(File::open("/proc/self/mem").map_err(|f| {
+                            format!("process_vm_readv failed ({e}) and /proc/self/mem cannot be opened: {f}")
+                        })?);
                         next
                     }
                 },
@@ -112,7 +111,8 @@ impl Memory {
     pub fn read_merged(&mut self, batch: &mut Batch) -> Result<(), String> {
         let mut spans = std::mem::take(&mut self.spans);
         let members = page_spans(&batch.requests, &mut spans);
-        let outcome = if spans.len() < batch.len() { self.read_spans(batch, &mut spans, &members) } else { self.read(batch) };
+        let outcome =
+            if spans.len() < batch.len() { self.read_spans(batch, &mut spans, &members) } else { self.read(batch) };
         self.spans = spans;
         outcome
     }

@@ -13,6 +13,7 @@ mod layout;
 mod linetable;
 mod memory;
 mod pyspy;
+pub mod tags;
 mod threads;
 
 use check::open_fast;
@@ -21,11 +22,12 @@ pub use fast::FastReader;
 pub use pyspy::PySpyReader;
 pub use threads::thread_cpu_ns;
 
-use crate::model::{Frame, Tag};
-use crate::states::GilAt;
-use crate::tags::ThreadTags;
+use crate::error::Error;
+use crate::profile::model::{Frame, Tag};
 use serde_json::Value;
+use std::ops::Range;
 use std::sync::Arc;
+use tags::ThreadTags;
 
 /// Which threads a tick reads.
 #[derive(Clone, Copy, Debug)]
@@ -66,6 +68,14 @@ pub struct ThreadStack {
     pub tag: Result<Option<Arc<Tag>>, ()>,
 }
 
+/// Where the GIL is, to tell its waits from other locks'.
+pub enum GilAt {
+    /// The bytes of the GIL's state: its condition variables and mutexes.
+    Range(Range<u64>),
+    /// Unknown (py-spy's reader): a futex wait counts as the GIL's while another thread holds it.
+    HeldElsewhere(bool),
+}
+
 pub trait StackReader {
     /// "fast" or "pyspy".
     fn name(&self) -> &'static str;
@@ -84,8 +94,7 @@ pub trait StackReader {
 }
 
 /// The reader a sampler was asked for.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ReaderChoice {
     Auto,
     Fast,
@@ -93,10 +102,10 @@ pub enum ReaderChoice {
 }
 
 impl std::str::FromStr for ReaderChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
         let names = [("auto", ReaderChoice::Auto), ("fast", ReaderChoice::Fast), ("pyspy", ReaderChoice::Pyspy)];
-        crate::config::choose("reader", s, &names)
+        crate::names::choose("reader", s, &names)
     }
 }
 
@@ -108,10 +117,12 @@ pub enum Chosen {
 }
 
 /// The reader for `choice`, opened (and self-checked) with the GIL held.
-pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Result<Chosen, String> {
+pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Result<Chosen, Error> {
     match choice {
         ReaderChoice::Pyspy => Ok(Chosen::PySpy { reason: None }),
-        ReaderChoice::Fast => open_fast(py, mode).map(|r| Chosen::Fast(Box::new(r))).map_err(|e| format!("reader='fast' cannot be used: {e}")),
+        ReaderChoice::Fast => open_fast(py, mode)
+            .map(|r| Chosen::Fast(Box::new(r)))
+            .map_err(|e| Error::Broken(format!("reader='fast' cannot be used: {e}"))),
         ReaderChoice::Auto => Ok(match open_fast(py, mode) {
             Ok(r) => Chosen::Fast(Box::new(r)),
             Err(e) => Chosen::PySpy { reason: Some(e) },

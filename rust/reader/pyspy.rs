@@ -3,9 +3,9 @@
 
 use super::threads::thread_cpu_ns;
 use super::{StackReader, ThreadStack, Want};
-use crate::model::Frame;
-use crate::states::GilAt;
-use crate::tags::ThreadTags;
+use crate::profile::model::Frame;
+use crate::reader::tags::ThreadTags;
+use crate::reader::GilAt;
 use py_spy::config::{LineNo, LockingStrategy};
 use py_spy::{PythonSpy, StackTrace};
 use rustc_hash::FxHashMap;
@@ -46,7 +46,8 @@ impl PySpyReader {
             ..py_spy::Config::default()
         };
         let pid = std::process::id() as py_spy::Pid;
-        let spy = PythonSpy::retry_new(pid, &config, 3).map_err(|e| format!("py-spy cannot read this Python process: {e:#}"))?;
+        let spy = PythonSpy::retry_new(pid, &config, 3)
+            .map_err(|e| format!("py-spy cannot read this Python process: {e:#}"))?;
         Ok(PySpyReader {
             spy,
             os_tids: HashMap::new(),

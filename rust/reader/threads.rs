@@ -70,7 +70,15 @@ impl Threads {
                 (gil + locked, gil + holder)
             }
         };
-        Ok(Threads { interp, gil_locked, gil_holder, list: Vec::new(), clocks: FxHashMap::default(), cpu_ns: 0, walks: 0 })
+        Ok(Threads {
+            interp,
+            gil_locked,
+            gil_holder,
+            list: Vec::new(),
+            clocks: FxHashMap::default(),
+            cpu_ns: 0,
+            walks: 0,
+        })
     }
 
     /// The bytes of the GIL's state, which starts one word before its holder.
@@ -102,7 +110,8 @@ impl Threads {
         };
         let now = Instant::now();
         let list = self.list.clone();
-        let threads: Vec<ThreadState> = list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        let threads: Vec<ThreadState> =
+            list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
         self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
         self.forget_dead_clocks();
         Ok(threads)
@@ -164,7 +173,12 @@ impl Threads {
     }
 
     /// Reads the thread states of `threads` again, for their current stack pointers.
-    pub fn reread(threads: &mut [ThreadState], layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<(), String> {
+    pub fn reread(
+        threads: &mut [ThreadState],
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+    ) -> Result<(), String> {
         batch.clear();
         for t in threads.iter() {
             batch.push(t.addr, layout.tstate_len() as usize);

@@ -33,7 +33,11 @@ def test_sampler_panic_on_a_worker_is_contained(fresh):
     cluster, client = fresh
     client.gather(client.map(alpha, range(50)))
     victim = list(client.scheduler_info()["workers"])[0]
-    client.run(lambda: dask_pyspy.sampler.process_sampler.sampler._native._inject_panic(), workers=[victim])
+
+    def inject_panic() -> None:
+        dask_pyspy._native._testing.inject_panic(dask_pyspy.sampler.process_sampler.sampler._native)
+
+    client.run(inject_panic, workers=[victim])
 
     def panicked() -> bool:
         return client.run(lambda: dask_pyspy.sampler.process_sampler.sampler.stats()["panic"], workers=[victim])[victim]
@@ -85,8 +89,10 @@ def test_two_clients_and_nested_blocks_get_their_own_windows(client):
         results[name] = rec
 
     try:
-        threads = [threading.Thread(target=record, args=(client, "left", alpha)),
-                   threading.Thread(target=record, args=(other, "right", beta))]
+        threads = [
+            threading.Thread(target=record, args=(client, "left", alpha)),
+            threading.Thread(target=record, args=(other, "right", beta)),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -168,8 +174,12 @@ def test_blocked_handlers_are_honoured():
 
 def test_tls_cluster():
     sec = Security.temporary()
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, security=sec, dashboard_address=":0") as cluster, \
-            Client(cluster, security=sec) as client:
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=True, security=sec, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster, security=sec) as client,
+    ):
         assert client.scheduler.address.startswith("tls://")
         client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3))
         start = time.time()
@@ -179,12 +189,19 @@ def test_tls_cluster():
 
 
 def test_unreadable_worker_reports_its_error_and_the_cluster_runs():
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      env={"DASK_PYSPY_TEST_UNREADABLE": "1"}) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            env={"DASK_PYSPY_TESTING": "unreadable"},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(dask_pyspy.PySpyPlugin())
         (worker,) = client.scheduler_info()["workers"]
         assert client.submit(alpha, 3, key="still-runs").result() == 3
         prof = client.pyspy_profile(last=10)
         assert "py-spy cannot read this Python process" in prof.metadata["missing"][worker]
         assert [p["name"] for p in prof.processes] == [f"scheduler {client.scheduler.address}"]
-

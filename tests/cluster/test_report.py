@@ -80,7 +80,9 @@ def svg_depth(svg: str) -> int:
 def test_task_views_lead_with_task_code(client, chromium, tmp_path):
     start = time.time()
     # pure=False: keys of their own, never results an earlier test left in memory.
-    futures = client.map(alpha, range(200), [0.01] * 200, pure=False) + client.map(beta, range(200), [0.01] * 200, pure=False)
+    futures = client.map(alpha, range(200), [0.01] * 200, pure=False) + client.map(
+        beta, range(200), [0.01] * 200, pure=False
+    )
     futures += [client.submit(recurse, 300, 0.3, key=f"recurse-{i}") for i in range(4)]
     futures += [client.submit(gamma, i, 0.1, key=f"extra{i}-x") for i in range(9)]
     client.gather(futures)
@@ -148,8 +150,10 @@ def process_row(chromium, html: str, tmp_path) -> dict[str, str]:
 def test_throttling_is_explained_and_lost_samples_are_a_rate(chromium, tmp_path):
     # Throttled, and long enough for the achieved rate to show it (a first tick or two
     # can come at the asked rate).
-    html = sampled_report(Sampler(rate=2000, cpu_budget=0.001),
-                          until=lambda st: st["throttled_ticks"] and st["achieved_rate"] < 0.9 * st["requested_rate"])
+    html = sampled_report(
+        Sampler(rate=2000, cpu_budget=0.001),
+        until=lambda st: st["throttled_ticks"] and st["achieved_rate"] < 0.9 * st["requested_rate"],
+    )
     row = process_row(chromium, html, tmp_path)
     assert "held to the CPU budget (0.1% of a core)" in row["why lower"] and "cpu_budget" in row["why lower"]
     assert re.fullmatch(r"\d+\.\d%", row["samples lost"]), row
@@ -161,14 +165,17 @@ def test_time_outside_tasks_has_its_split_and_top_functions():
     html = sampled_report(Sampler(rate=200, cpu_budget=0.5), until=lambda st: st["ticks"])  # busy threads, no tasks
     row = re.search(r"<tr><td>\(no task\)</td>(.*?)</tr>", html).group(1)
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
-    cpu, shares, top = cells[2], cells[3:3 + len(STATES)], cells[-1]
+    cpu, shares, top = cells[2], cells[3 : 3 + len(STATES)], cells[-1]
     assert float(cpu) >= 0 and sum(float(c.rstrip("%")) for c in shares) == pytest.approx(100, abs=2), cells
     assert "busy" in top or "spin" in top, top
-    assert "Time outside tasks (100% of samples: event loops, communication, deserialising and importing, the scheduler)" in html
+    assert (
+        "Time outside tasks (100% of samples: event loops, communication, deserialising and importing, the scheduler)"
+        in html
+    )
 
 
 def test_a_reader_fallback_is_an_error(chromium, tmp_path, monkeypatch):
-    monkeypatch.setenv("DASK_PYSPY_TEST_BREAK_SELF_CHECK", "1")
+    monkeypatch.setenv("DASK_PYSPY_TESTING", "break-self-check")
     html = sampled_report(Sampler(reader="auto"), until=lambda st: st["ticks"])
     row = process_row(chromium, html, tmp_path)
     assert row["reader"] == "pyspy" and row["errors"].startswith("fast reader not used:"), row
@@ -190,7 +197,10 @@ def test_empty_window(client, chromium, tmp_path):
 
 
 # speedscope's own app, the npm release that ci/test.sh unpacks.
-SPEEDSCOPE_APP = Path(os.environ.get("DASK_PYSPY_SPEEDSCOPE") or Path(__file__).resolve().parents[2] / ".cache/speedscope/package/dist/release")
+SPEEDSCOPE_APP = Path(
+    os.environ.get("DASK_PYSPY_SPEEDSCOPE")
+    or Path(__file__).resolve().parents[2] / ".cache/speedscope/package/dist/release"
+)
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -201,7 +211,9 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture
 def speedscope_site(tmp_path):
     """speedscope's app served over HTTP with room for profiles; yields (directory, base URL)."""
-    assert (SPEEDSCOPE_APP / "index.html").exists(), f"speedscope's app is missing from {SPEEDSCOPE_APP}: run ci/test.sh"
+    assert (SPEEDSCOPE_APP / "index.html").exists(), (
+        f"speedscope's app is missing from {SPEEDSCOPE_APP}: run ci/test.sh"
+    )
     site = shutil.copytree(SPEEDSCOPE_APP, tmp_path / "site")
     handler = functools.partial(QuietHandler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -221,7 +233,9 @@ def test_speedscope_app_opens_on_the_profile_with_most_task_time(client, speedsc
     site, url = speedscope_site
     driver = webgl_chromium
     start = time.time()
-    client.gather(client.map(alpha, range(200), [0.01] * 200, pure=False) + client.map(beta, range(50), [0.01] * 50, pure=False))
+    client.gather(
+        client.map(alpha, range(200), [0.01] * 200, pure=False) + client.map(beta, range(50), [0.01] * 50, pure=False)
+    )
     for by, merged in (("prefix", "(all threads, task code only)"), ("task", "whole cluster by task")):
         prof = client.pyspy_profile(start=start, by=by)
         doc = prof.speedscope()
@@ -231,7 +245,7 @@ def test_speedscope_app_opens_on_the_profile_with_most_task_time(client, speedsc
         prof.save(site / f"{by}.json")
         driver.get(f"{url}/index.html?{by}#profileURL=/{by}.json")  # a new page, not a new hash
         title = f"{profiles[active]['name']} ({active + 1}/{len(profiles)})"
-        WebDriverWait(driver, 60).until(lambda d: title in d.find_element("tag name", "body").text)
+        WebDriverWait(driver, 60).until(lambda d, title=title: title in d.find_element("tag name", "body").text)
         assert "went wrong" not in driver.find_element("tag name", "body").text
         screenshot(driver, f"speedscope-by-{by}")
     assert console_errors(driver) == []
@@ -241,9 +255,7 @@ def test_download_button_gives_the_speedscope_profile(client, chromium, tmp_path
     prof = client.pyspy_profile(last=30)
     path = prof.save(tmp_path / "r.html")
     chromium.get(path.as_uri())
-    size = chromium.execute_script(
-        "return atob(document.getElementById('speedscope-data').textContent.trim()).length;"
-    )
+    size = chromium.execute_script("return atob(document.getElementById('speedscope-data').textContent.trim()).length;")
     assert size == len(prof.to_bytes(compress=True))
     chromium.find_element("id", "download").click()
     assert console_errors(chromium) == []

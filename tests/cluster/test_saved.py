@@ -13,10 +13,11 @@ import pytest
 from distributed import span
 
 from dask_pyspy import Profile
-from tests.conftest import self_seconds
+from dask_pyspy._native import _testing
 from tests.cluster.browser import console_errors, screenshot, start_chromium
 from tests.cluster.test_cli import run
 from tests.cluster.workload import spin_then_grind
+from tests.conftest import self_seconds
 
 TASKS = 80
 SPIN = 0.01
@@ -54,11 +55,14 @@ def test_cluster_profile_loads_back_exactly_in_another_process(runs, tmp_path):
     assert [s["path"] for s in prof.summary()["spans"]] == [["etl"]]
     path = prof.save(tmp_path / "cluster.pyspy.gz")
     back = Profile.load(path)
-    assert back._native.digest() == prof._native.digest()
+    assert _testing.digest(back._native) == _testing.digest(prof._native)
     assert (back.by, back.metadata, back.summary()) == (prof.by, prof.metadata, prof.summary())
-    code = "import sys; from dask_pyspy import Profile; print(Profile.load(sys.argv[1])._native.digest())"
+    code = (
+        "import sys; from dask_pyspy import Profile, _native; "
+        "print(_native._testing.digest(Profile.load(sys.argv[1])._native))"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == prof._native.digest(), done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == _testing.digest(prof._native), done.stderr
     assert "Task time across the cluster" in back.to_html()
 
 

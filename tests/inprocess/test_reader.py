@@ -163,7 +163,7 @@ def test_auto_reader_is_the_fast_one_where_it_works():
 def test_fast_reader_where_it_cannot_work_raises(monkeypatch):
     if FAST_WORKS:
         # Test switch: the self-check sees a wrong line, as with a layout it misreads.
-        monkeypatch.setenv("DASK_PYSPY_TEST_BREAK_SELF_CHECK", "1")
+        monkeypatch.setenv("DASK_PYSPY_TESTING", "break-self-check")
     s = Sampler(reader="fast")
     with pytest.raises(RuntimeError, match=rf"reader='fast' cannot be used: .*CPython 3\.{sys.version_info.minor}"):
         s.start()
@@ -252,17 +252,27 @@ def test_waiting_threads_are_idle_and_numpy_is_on_cpu_without_the_gil():
     lock.acquire()
     r, w = os.pipe()
     select_thread = threading.Thread(target=select_waiter, args=(r,))
-    waiting = [threading.Thread(target=sleeper, args=(release,)), threading.Thread(target=lock_waiter, args=(lock,)), select_thread]
+    waiting = [
+        threading.Thread(target=sleeper, args=(release,)),
+        threading.Thread(target=lock_waiter, args=(lock,)),
+        select_thread,
+    ]
     blas = threading.Thread(target=numpy_without_gil, args=(release,))
     s = Sampler(rate=100, cpu_budget=1.0)
     for t in [*waiting, blas]:
         t.start()
     for t in waiting:
-        wait_for(lambda: python_stacks({t.ident}).get(t.ident, [("",)])[0][0].endswith("waiter")
-                 or python_stacks({t.ident})[t.ident][0][0] == "Condition.wait", what=f"{t.name} to wait")
+        wait_for(
+            lambda t=t: (
+                python_stacks({t.ident}).get(t.ident, [("",)])[0][0].endswith("waiter")
+                or python_stacks({t.ident})[t.ident][0][0] == "Condition.wait"
+            ),
+            what=f"{t.name} to wait",
+        )
     s.start()
     seen_blas = []
     try:
+
         def blas_running_without_gil() -> bool:
             threads = {t["ident"]: t for t in s.dump()["threads"]}
             assert not any(threads[t.ident]["active"] for t in waiting if t.ident in threads), threads
@@ -344,10 +354,10 @@ def test_churning_threads_are_read_whole_or_not_at_all():
         if " churn-" in profile["name"]:
             for sample in profile["samples"]:
                 names = frame_names(doc, sample)
-                below = names[names.index("churn") + 1:]
+                below = names[names.index("churn") + 1 :]
                 assert set(below) <= own, names
                 kept += 1
-                mixed += not any(below == chain[:len(below)] for chain in chains)
+                mixed += not any(below == chain[: len(below)] for chain in chains)
     reads = s.stats()["reader_stats"]
     assert kept > 500
     assert mixed <= 0.005 * kept, (mixed, kept)

@@ -55,8 +55,7 @@ class Threads:
     def __init__(self, *targets):
         self.stop = threading.Event()
         self.threads = [
-            threading.Thread(target=t, args=args + (self.stop,), name=name, daemon=True)
-            for name, t, args in targets
+            threading.Thread(target=t, args=args + (self.stop,), name=name, daemon=True) for name, t, args in targets
         ]
 
     def __enter__(self):
@@ -267,12 +266,14 @@ def test_aggregated_profiles_and_reports_keep_the_totals(sampler, monkeypatch):
     p = sampler.profile()
     folded = p.aggregated(keys=True)
     assert folded.n_samples == p.n_samples and folded.sampled_seconds == p.sampled_seconds
+
     def top(prof, key):
         return {f["name"]: f[key] for f in prof.summary()["top"]}
 
     assert top(folded, "seconds") == pytest.approx(top(p, "seconds"))
     # Folding sums each sample's CPU capped at its weight, as the raw view shows it.
     assert top(folded, "cpu") == pytest.approx(top(p, "cpu"))
+
     # Never more samples; as many when a busy machine left each thread one unbroken run.
     def sample_count(prof):
         return sum(len(q["samples"]) for q in prof.speedscope()["profiles"])
@@ -317,7 +318,7 @@ def test_memory_cap_and_dropped_samples_reported():
 
 def test_panic_in_the_sampling_thread_is_contained(sampler):
     sampler.start()
-    sampler._native._inject_panic()
+    _native._testing.inject_panic(sampler._native)
     deadline = time.time() + 5
     while sampler.is_running and time.time() < deadline:
         time.sleep(0.05)
@@ -331,7 +332,7 @@ def test_panic_in_the_sampling_thread_is_contained(sampler):
 def test_a_panic_in_a_call_is_a_runtime_error():
     """Not pyo3's PanicException, a BaseException that `except Exception` lets through."""
     with pytest.raises(RuntimeError, match="injected by the test switch"):
-        _native._panic_in_call()
+        _native._testing.panic_in_call()
 
 
 @pytest.mark.parametrize(
@@ -399,7 +400,7 @@ def test_configure_keeps_the_samples_taken(sampler):
         with pytest.raises(TypeError, match=r"unknown sampler options \['rates'\]; allowed: rate, idle"):
             sampler.configure(rates=50)
     with pytest.raises(RuntimeError, match=r"call stop\(\) before configure\(\)"):
-        sampler._native.configure(**sampler.options.to_dict())
+        sampler._native.configure(sampler.options)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="py-spy in-process sampling is Linux only")

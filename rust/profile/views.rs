@@ -3,8 +3,9 @@
 //! folded so one deep recursion cannot set a flame graph's height. The samples
 //! themselves are never changed.
 
-use crate::config::choose;
-use crate::model::{ProfileData, Sample};
+use crate::error::Error;
+use crate::names::choose;
+use crate::profile::model::{ProfileData, Sample};
 use std::collections::HashMap;
 use std::str::FromStr;
 
@@ -18,11 +19,12 @@ pub enum By {
     Span,
 }
 
-const BY_NAMES: [(&str, By); 4] = [("thread", By::Thread), ("task", By::Task), ("prefix", By::Prefix), ("span", By::Span)];
+const BY_NAMES: [(&str, By); 4] =
+    [("thread", By::Thread), ("task", By::Task), ("prefix", By::Prefix), ("span", By::Span)];
 
 impl FromStr for By {
-    type Err = String;
-    fn from_str(s: &str) -> Result<By, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<By, Error> {
         choose("by", s, &BY_NAMES)
     }
 }
@@ -43,8 +45,8 @@ pub enum Weight {
 }
 
 impl FromStr for Weight {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Weight, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Weight, Error> {
         choose("weight", s, &[("wall", Weight::Wall), ("cpu", Weight::Cpu)])
     }
 }
@@ -172,7 +174,7 @@ impl<'a> View<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
+    use crate::profile::model::tests::profile;
 
     fn names(data: &ProfileData, frames: &[u32]) -> Vec<String> {
         frames.iter().map(|&f| data.frames[f as usize].name.clone()).collect()
@@ -180,22 +182,35 @@ mod tests {
 
     #[test]
     fn by_parses_and_rejects() {
-        assert_eq!("prefix".parse::<By>(), Ok(By::Prefix));
-        assert!("stack".parse::<By>().unwrap_err().contains("'thread', 'task', 'prefix', 'span'"));
-        assert!("gpu".parse::<Weight>().unwrap_err().contains("'wall', 'cpu'"));
+        assert_eq!("prefix".parse::<By>().unwrap(), By::Prefix);
+        assert!("stack".parse::<By>().unwrap_err().to_string().contains("'thread', 'task', 'prefix', 'span'"));
+        assert!("gpu".parse::<Weight>().unwrap_err().to_string().contains("'wall', 'cpu'"));
     }
 
     #[test]
     fn task_stacks_start_at_the_tasks_own_code() {
-        let mut data = profile("w", &[(1, &["boot", "pool", "run_task", "user", "helper"], Some("user-1")), (1, &["boot", "pool"], Some("user-1"))]);
-        for (i, file) in ["/py/threading.py", "/site/distributed/threadpoolexecutor.py", "/site/dask/_task_spec.py"].iter().enumerate() {
+        let mut data = profile(
+            "w",
+            &[
+                (1, &["boot", "pool", "run_task", "user", "helper"], Some("user-1")),
+                (1, &["boot", "pool"], Some("user-1")),
+            ],
+        );
+        for (i, file) in ["/py/threading.py", "/site/distributed/threadpoolexecutor.py", "/site/dask/_task_spec.py"]
+            .iter()
+            .enumerate()
+        {
             data.frames[i].file = file.to_string();
         }
         let view = View::new(&data);
         let stack = data.samples[0].stack;
         assert_eq!(names(&data, view.frames(stack, true)), ["user", "helper"]);
         assert_eq!(view.frames(stack, false).len(), 5, "raw stacks stay available");
-        assert_eq!(names(&data, view.frames(data.samples[1].stack, true)), ["pool"], "inside the machinery: its leaf stays");
+        assert_eq!(
+            names(&data, view.frames(data.samples[1].stack, true)),
+            ["pool"],
+            "inside the machinery: its leaf stays"
+        );
         assert_eq!(view.roots(data.samples[0].tag, By::Prefix), ["user"]);
         assert!(view.roots(data.samples[0].tag, By::Thread).is_empty());
         assert_eq!(view.roots(data.samples[0].tag, By::Span), [NO_SPAN, "user"]);
@@ -204,10 +219,15 @@ mod tests {
 
     #[test]
     fn recursion_folds_but_repeated_wrappers_do_not() {
-        let deep: Vec<&str> = ["main"].into_iter().chain(std::iter::repeat(["visit", "walk"]).take(80).flatten()).chain(["leaf"]).collect();
+        let deep: Vec<&str> =
+            ["main"].into_iter().chain(std::iter::repeat_n(["visit", "walk"], 80).flatten()).chain(["leaf"]).collect();
         let data = profile(
             "w",
-            &[(1, &deep, None), (1, &["main", "f", "f", "f", "g"], None), (1, &["main", "wrapper", "a", "wrapper", "b"], None)],
+            &[
+                (1, &deep, None),
+                (1, &["main", "f", "f", "f", "g"], None),
+                (1, &["main", "wrapper", "a", "wrapper", "b"], None),
+            ],
         );
         let view = View::new(&data);
         let fold = |i: usize| names(&data, &view.folded(view.frames(data.samples[i].stack, false)));

@@ -4,7 +4,7 @@
 //! parsed, and speedscope weights cannot expand into more samples than fit (see
 //! `speedscope_read.rs`). A load then takes at most about twice `max-result`.
 
-use crate::compress;
+use crate::formats::compress;
 use serde_json::value::RawValue;
 use std::collections::HashMap;
 
@@ -61,7 +61,11 @@ impl Limits {
     }
 
     fn too_much_json(&self) -> String {
-        format!("more than {} MiB of JSON (half of config pyspy.max-result, {} MiB)", self.json >> 20, self.memory >> 20)
+        format!(
+            "more than {} MiB of JSON (half of config pyspy.max-result, {} MiB)",
+            self.json >> 20,
+            self.memory >> 20
+        )
     }
 
     /// An error unless parsing `json`, whose part `columns` holds columns of numbers,
@@ -126,7 +130,10 @@ pub mod tests {
         // 80 KB of one-key objects: ~10 MB once parsed into `Value`s and Python dicts.
         let objects = format!("{{\"x\": [{}]}}", vec![r#"{"a":0}"#; 10_000].join(","));
         let e = Limits { json: 1 << 20, memory: 1 << 22 }.check_parse(&objects, None).unwrap_err();
-        assert!(e.starts_with("parsing its JSON could take 12 MiB, more than twice config pyspy.max-result (4 MiB)"), "{e}");
+        assert!(
+            e.starts_with("parsing its JSON could take 12 MiB, more than twice config pyspy.max-result (4 MiB)"),
+            "{e}"
+        );
         let columns = format!("[{}]", vec!["0"; 100_000].join(","));
         let doc = format!("{{\"samples\": {columns}}}");
         let limits = Limits { json: 1 << 20, memory: 1 << 20 };

@@ -4,7 +4,7 @@
 //! Every change bumps the thread's version so the sampler can tell that a task
 //! started or ended while it was reading that thread's stack.
 
-use crate::model::Tag;
+use crate::profile::model::Tag;
 use crate::sync::Mutex;
 use rustc_hash::FxHashSet;
 use std::collections::HashMap;

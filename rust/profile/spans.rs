@@ -3,7 +3,7 @@
 //! spans nested in it; a path (outermost first) keeps the spans whose path starts
 //! with it. Samples outside any span (or any task) are never kept.
 
-use crate::model::{ProfileData, Tag};
+use crate::profile::model::{ProfileData, Tag};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SpanFilter {
@@ -33,8 +33,8 @@ impl SpanFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
 
     fn names(p: &ProfileData) -> Vec<String> {
         p.samples.iter().map(|s| p.frames[*p.stacks[s.stack as usize].last().unwrap() as usize].name.clone()).collect()
@@ -42,8 +42,14 @@ mod tests {
 
     #[test]
     fn names_ids_and_paths_keep_nested_spans() {
-        let mut data = profile("w", &[(1, &["f"], Some("f-1")), (1, &["g"], Some("g-1")), (1, &["h"], Some("h-1")), (1, &["i"], None)]);
-        let span = |names: &[&str], ids: &[&str]| Span { names: names.iter().map(|n| n.to_string()).collect(), ids: ids.iter().map(|n| n.to_string()).collect() };
+        let mut data = profile(
+            "w",
+            &[(1, &["f"], Some("f-1")), (1, &["g"], Some("g-1")), (1, &["h"], Some("h-1")), (1, &["i"], None)],
+        );
+        let span = |names: &[&str], ids: &[&str]| Span {
+            names: names.iter().map(|n| n.to_string()).collect(),
+            ids: ids.iter().map(|n| n.to_string()).collect(),
+        };
         data.spans.insert("a".into(), span(&["load"], &["a"]));
         data.spans.insert("b".into(), span(&["load", "parse"], &["a", "b"]));
         data.tags[0].span = Some("a".into());

@@ -5,10 +5,11 @@
 //! keep their meaning in every version, so a reader can say what a file is before
 //! it parses the rest.
 
-use crate::compress;
-use crate::limits::{raw_field, Limits};
-use crate::model::ProfileData;
-use crate::views::By;
+use crate::error::Error;
+use crate::formats::compress;
+use crate::formats::limits::{raw_field, Limits};
+use crate::profile::model::ProfileData;
+use crate::profile::views::By;
 use flate2::Compression;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -42,7 +43,11 @@ pub fn write(data: &ProfileData, by: By) -> Vec<u8> {
 
 /// The profile and the grouping it was saved with; the version is checked before
 /// the profile is parsed, since another version may lay it out differently.
-pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
+pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), Error> {
+    parse(bytes, limits).map_err(Error::BadInput)
+}
+
+fn parse(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
     let json = limits.gunzip(bytes)?;
     let not_ours = |e: &dyn std::fmt::Display| format!("not a dask-pyspy profile file ({e})");
     let json = std::str::from_utf8(&json).map_err(|e| not_ours(&e))?;
@@ -62,7 +67,7 @@ pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
         }
         None => return Err(format!("no valid file format version: {}", file.version.unwrap_or(Value::Null))),
     }
-    let by: By = file.by.ok_or("no \"by\" grouping")?.parse()?;
+    let by: By = file.by.ok_or("no \"by\" grouping")?.parse().map_err(|e: Error| e.to_string())?;
     let profile = file.profile.ok_or("no \"profile\"")?;
     let data: ProfileData = serde_json::from_str(profile.get()).map_err(|e| format!("a damaged profile ({e})"))?;
     data.validate().map_err(|e| format!("a damaged profile ({e})"))?;
@@ -72,21 +77,24 @@ pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use crate::limits::tests::LOOSE;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::formats::limits::tests::LOOSE;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
     use proptest::prelude::*;
     use serde_json::json;
 
     fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
-        super::read(bytes, LOOSE)
+        super::parse(bytes, LOOSE)
     }
 
     /// Two processes, tags with and without spans, large times and idents, float stats.
     pub fn rich() -> ProfileData {
         let a = profile("w1", &[(1, &["main", "f"], Some("f-1")), (u64::MAX, &["main", "g"], None)]);
         let b = profile("w2", &[(7, &["main", "f"], Some("f-2"))]);
-        let mut data = ProfileData::merge(&[&a, &b], json!({"window": [1.5, 2.25], "tasks": {"w1": {"f": {"count": 3}}}}).as_object().unwrap().clone());
+        let mut data = ProfileData::merge(
+            &[&a, &b],
+            serde_json::from_value(json!({"window": [1.5, 2.25], "tasks": {"w1": {"f": {"count": 3}}}})).unwrap(),
+        );
         data.tags[0].span = Some("s1".into());
         data.spans.insert("s1".into(), Span { names: vec!["load".into()], ids: vec!["s1".into()] });
         data.samples[0].time_ns = 1_700_000_000_123_456_789;
@@ -112,7 +120,10 @@ pub mod tests {
     #[test]
     fn another_version_names_both() {
         let err = read(&with_version(json!(2))).unwrap_err();
-        assert!(err.contains("version 2 (written by a newer dask-pyspy)") && err.contains("reads version 1 only"), "{err}");
+        assert!(
+            err.contains("version 2 (written by a newer dask-pyspy)") && err.contains("reads version 1 only"),
+            "{err}"
+        );
         assert!(read(&with_version(json!(0))).unwrap_err().contains("an older"));
         assert!(read(&with_version(json!("1"))).unwrap_err().contains("no valid file format version: \"1\""));
     }
@@ -122,23 +133,38 @@ pub mod tests {
         let file = write(&rich(), By::Prefix);
         assert_eq!(read(b"random bytes").unwrap_err(), "not gzip-compressed");
         assert!(read(&file[..file.len() / 2]).unwrap_err().starts_with("a truncated or corrupt gzip file"));
-        assert!(read(&file[..file.len() - 3]).unwrap_err().starts_with("a truncated or corrupt gzip file"), "a cut trailer");
-        let foreign = |v: Value| read(&compress::gzip(&serde_json::to_vec(&v).unwrap(), Compression::fast())).unwrap_err();
+        assert!(
+            read(&file[..file.len() - 3]).unwrap_err().starts_with("a truncated or corrupt gzip file"),
+            "a cut trailer"
+        );
+        let foreign =
+            |v: Value| read(&compress::gzip(&serde_json::to_vec(&v).unwrap(), Compression::fast())).unwrap_err();
         assert!(foreign(json!({"a": 1})).contains("no \"format\""));
         assert!(foreign(json!([1, 2])).starts_with("not a dask-pyspy profile file"));
-        assert!(foreign(json!({"format": FORMAT, "version": 1, "by": "task", "profile": {"frames": []}})).starts_with("a damaged profile"));
+        assert!(foreign(json!({"format": FORMAT, "version": 1, "by": "task", "profile": {"frames": []}}))
+            .starts_with("a damaged profile"));
         let mut dangling = rich();
         dangling.samples[0].stack = 99;
-        assert!(read(&write(&dangling, By::Thread)).unwrap_err().contains("a sample names a thread, stack or tag that does not exist"));
+        assert!(read(&write(&dangling, By::Thread))
+            .unwrap_err()
+            .contains("a sample names a thread, stack or tag that does not exist"));
     }
 
     #[test]
     fn a_file_is_read_within_its_limits() {
         let bomb = compress::gzip(&vec![b' '; 1 << 20], Compression::best());
-        assert!(super::read(&bomb, Limits { json: 1 << 19, memory: 1 << 30 }).unwrap_err().starts_with("it decompresses to more than"));
+        assert!(super::parse(&bomb, Limits { json: 1 << 19, memory: 1 << 30 })
+            .unwrap_err()
+            .starts_with("it decompresses to more than"));
         let objects = vec![r#"{"a":0}"#; 10_000].join(",");
-        let doc = format!(r#"{{"format": "{FORMAT}", "version": 1, "by": "thread", "profile": {{"metadata": {{"x": [{objects}]}}}}}}"#);
-        let e = super::read(&compress::gzip(doc.as_bytes(), Compression::fast()), Limits { json: 1 << 20, memory: 1 << 22 }).unwrap_err();
+        let doc = format!(
+            r#"{{"format": "{FORMAT}", "version": 1, "by": "thread", "profile": {{"metadata": {{"x": [{objects}]}}}}}}"#
+        );
+        let e = super::parse(
+            &compress::gzip(doc.as_bytes(), Compression::fast()),
+            Limits { json: 1 << 20, memory: 1 << 22 },
+        )
+        .unwrap_err();
         assert!(e.starts_with("parsing its JSON could take"), "{e}");
         // Sample columns count as what they take, not as `Value`s would.
         let stacks: Vec<(u64, &[&str], Option<&str>)> = vec![(1, &["main", "f"], None); 100_000];
@@ -146,7 +172,7 @@ pub mod tests {
         let limits = Limits { json: 1 << 30, memory: 6 << 20 };
         let json = String::from_utf8(limits.gunzip(&file).unwrap()).unwrap();
         assert!(limits.check_parse(&json, None).is_err(), "as values the columns would not fit");
-        assert_eq!(super::read(&file, limits).unwrap().0.samples.len(), 100_000);
+        assert_eq!(super::parse(&file, limits).unwrap().0.samples.len(), 100_000);
     }
 
     proptest! {

@@ -3,11 +3,10 @@
 //! Stacks and frames are interned: a sample is a handful of integers, so a window
 //! of millions of samples stays small and exporters never re-hash strings.
 
+use crate::profile::intern::{Footprint, Interner};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::Hash;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Frame {
@@ -79,11 +78,16 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 6] = [State::CpuGil, State::Cpu, State::CpuWait, State::GilWait, State::Native, State::Blocked];
+    pub const ALL: [State; 6] =
+        [State::CpuGil, State::Cpu, State::CpuWait, State::GilWait, State::Native, State::Blocked];
 
     pub fn of(flags: u8) -> State {
         if flags & FLAG_ACTIVE != 0 {
-            if flags & FLAG_GIL != 0 { State::CpuGil } else { State::Cpu }
+            if flags & FLAG_GIL != 0 {
+                State::CpuGil
+            } else {
+                State::Cpu
+            }
         } else if flags & FLAG_CPU_WAIT != 0 {
             State::CpuWait
         } else if flags & FLAG_GIL_WAIT != 0 {
@@ -132,7 +136,7 @@ pub struct Sample {
     pub weight_us: u32,
     /// CPU time the thread used since the previous tick (0 where not measured).
     pub cpu_us: u32,
-    /// Samples this one stands for: 1, or more in an aggregated profile (see `Folder`).
+    /// Samples this one stands for: 1, or more in an aggregated profile (see `Aggregator`).
     pub count: u32,
     pub flags: u8,
 }
@@ -175,7 +179,11 @@ mod sample_columns {
             tag: samples.iter().map(|x| x.tag.map_or(-1, i64::from)).collect(),
             weight_us: samples.iter().map(|x| x.weight_us).collect(),
             cpu_us: samples.iter().map(|x| x.cpu_us).collect(),
-            count: if samples.iter().all(|x| x.count == 1) { Vec::new() } else { samples.iter().map(|x| x.count).collect() },
+            count: if samples.iter().all(|x| x.count == 1) {
+                Vec::new()
+            } else {
+                samples.iter().map(|x| x.count).collect()
+            },
             flags: samples.iter().map(|x| x.flags).collect(),
         };
         columns.serialize(s)
@@ -207,6 +215,34 @@ mod sample_columns {
     }
 }
 
+/// The run's facts. Rust combines `tasks` in merges and adds to `missing` in wire
+/// merges; every other key is kept as Python gave it. Python checks the types of
+/// them all where a profile is loaded, so any JSON value is kept here as it came.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metadata {
+    /// By process: its tasks' count and seconds by prefix.
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub tasks: Value,
+    /// By process left out of the profile: why.
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub missing: Value,
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+impl Metadata {
+    /// These facts with `extra`'s over them.
+    pub fn extend(&mut self, extra: Metadata) {
+        if !extra.tasks.is_null() {
+            self.tasks = extra.tasks;
+        }
+        if !extra.missing.is_null() {
+            self.missing = extra.missing;
+        }
+        self.other.extend(extra.other);
+    }
+}
+
 /// A self-contained profile: what a window export produces and what merges combine.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ProfileData {
@@ -218,40 +254,15 @@ pub struct ProfileData {
     pub processes: Vec<Process>,
     #[serde(with = "sample_columns")]
     pub samples: Vec<Sample>,
-    pub metadata: Map<String, Value>,
+    pub metadata: Metadata,
     /// The spans tags name, by id, as far as known; an unknown id is its own name.
     #[serde(default)]
     pub spans: BTreeMap<String, Span>,
 }
 
-/// A table that stores each distinct item once and hands out dense ids.
-#[derive(Debug)]
-pub struct Interner<T> {
-    items: Vec<T>,
-    index: FxHashMap<T, u32>,
-    bytes: usize,
-}
-
-impl<T> Default for Interner<T> {
-    fn default() -> Self {
-        Interner { items: Vec::new(), index: FxHashMap::default(), bytes: 0 }
-    }
-}
-
-/// Approximate heap bytes an item costs, for the store's memory cap.
-pub trait Footprint {
-    fn heap_bytes(&self) -> usize;
-}
-
 impl Footprint for Frame {
     fn heap_bytes(&self) -> usize {
         self.name.len() + self.file.len()
-    }
-}
-
-impl Footprint for Vec<u32> {
-    fn heap_bytes(&self) -> usize {
-        self.len() * 4
     }
 }
 
@@ -267,311 +278,7 @@ impl Footprint for Thread {
     }
 }
 
-/// Hash-map bookkeeping per entry (hash, control byte, id), on top of the two copies.
-const ENTRY_OVERHEAD: usize = 16;
-
-impl<T: Clone + Eq + Hash + Footprint> Interner<T> {
-    pub fn intern(&mut self, item: T) -> u32 {
-        if let Some(&id) = self.index.get(&item) {
-            return id;
-        }
-        let id = self.items.len() as u32;
-        self.bytes += 2 * (item.heap_bytes() + std::mem::size_of::<T>()) + ENTRY_OVERHEAD;
-        self.index.insert(item.clone(), id);
-        self.items.push(item);
-        id
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    pub fn find(&self, item: &T) -> Option<u32> {
-        self.index.get(item).copied()
-    }
-
-    pub fn get(&self, id: u32) -> &T {
-        &self.items[id as usize]
-    }
-
-    pub fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    pub fn into_items(self) -> Vec<T> {
-        self.items
-    }
-}
-
-impl Interner<Vec<u32>> {
-    /// Interns a stack without allocating when it is already known.
-    pub fn intern_slice(&mut self, stack: &[u32]) -> u32 {
-        match self.index.get(stack) {
-            Some(&id) => id,
-            None => self.intern(stack.to_vec()),
-        }
-    }
-}
-
-/// Copies samples from one set of tables into another, re-interning only what they use.
-///
-/// Used for window exports (live store -> profile), compaction and merges.
-#[derive(Debug, Default)]
-pub struct Builder {
-    pub frames: Interner<Frame>,
-    pub stacks: Interner<Vec<u32>>,
-    pub tags: Interner<Tag>,
-    pub threads: Interner<Thread>,
-    pub samples: Vec<Sample>,
-}
-
-/// Where `Builder::fold_sample` keeps each folded sample. Unless `keys`, task keys
-/// fold into their prefix, so an aggregated profile grows with distinct stacks, not
-/// with tasks. A folded sample keeps the time of its first.
-#[derive(Default)]
-pub struct Folder {
-    pub keys: bool,
-    index: FxHashMap<(u32, u32, Option<u32>, u8), usize>,
-}
-
-impl Folder {
-    fn tag(tag: &Tag, keys: bool) -> Tag {
-        match keys {
-            true => tag.clone(),
-            false => Tag { key: tag.prefix.clone(), ..tag.clone() },
-        }
-    }
-}
-
-/// Maps ids of one source's tables to the builder's, filled lazily.
-pub struct Remap {
-    frames: Vec<Option<u32>>,
-    stacks: Vec<Option<u32>>,
-    tags: Vec<Option<u32>>,
-    threads: Vec<Option<u32>>,
-}
-
-/// Read access to a source's tables, so the live store and a ProfileData share one copier.
-pub trait Tables {
-    fn frame(&self, id: u32) -> &Frame;
-    fn stack(&self, id: u32) -> &[u32];
-    fn tag(&self, id: u32) -> &Tag;
-    fn thread(&self, id: u32) -> &Thread;
-    fn counts(&self) -> [usize; 4];
-}
-
-impl Remap {
-    pub fn for_source(src: &impl Tables) -> Remap {
-        let [f, s, t, th] = src.counts();
-        Remap { frames: vec![None; f], stacks: vec![None; s], tags: vec![None; t], threads: vec![None; th] }
-    }
-}
-
-fn remapped(slot: &mut Option<u32>, make: impl FnOnce() -> u32) -> u32 {
-    *slot.get_or_insert_with(make)
-}
-
-impl Builder {
-    /// Adds `sample` from `src`; `process` overrides the thread's process index when merging.
-    pub fn copy_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, process: Option<u32>) {
-        let copied = self.remap(src, map, sample, process, |tag| tag.clone());
-        self.samples.push(copied);
-    }
-
-    /// Adds `sample` from `src` into the sample of `folder` with the same thread,
-    /// stack, task prefix, span and state.
-    pub fn fold_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, folder: &mut Folder) {
-        let keys = folder.keys;
-        let mut s = self.remap(src, map, sample, None, |t| Folder::tag(t, keys));
-        // Capped per sample, as views cap it (`Weight::Cpu`): the fold then sums what the
-        // raw samples show, where capping the sum would let one sample's excess fill
-        // another's gap.
-        s.cpu_us = s.cpu_us.min(s.weight_us);
-        let slot = folder.index.entry((s.thread, s.stack, s.tag, s.flags)).or_insert(usize::MAX);
-        let into = self.samples.get_mut(*slot).filter(|into| into.weight_us.checked_add(s.weight_us).is_some() && into.count < u32::MAX);
-        match into {
-            Some(into) => {
-                into.weight_us += s.weight_us;
-                into.cpu_us = into.cpu_us.saturating_add(s.cpu_us);
-                into.count += s.count;
-            }
-            None => {
-                // New, or full: a long window's time goes on in a fresh sample.
-                *slot = self.samples.len();
-                self.samples.push(s);
-            }
-        }
-    }
-
-    /// `sample` with its ids in this builder's tables, interning what it uses; `tag`
-    /// makes the tag to intern from the source's.
-    fn remap(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, process: Option<u32>, tag: impl Fn(&Tag) -> Tag) -> Sample {
-        let stack = remapped(&mut map.stacks[sample.stack as usize], || {
-            let frames = src
-                .stack(sample.stack)
-                .iter()
-                .map(|&f| remapped(&mut map.frames[f as usize], || self.frames.intern(src.frame(f).clone())))
-                .collect();
-            self.stacks.intern(frames)
-        });
-        let tag = sample.tag.map(|t| remapped(&mut map.tags[t as usize], || self.tags.intern(tag(src.tag(t)))));
-        let thread = remapped(&mut map.threads[sample.thread as usize], || {
-            let mut th = src.thread(sample.thread).clone();
-            th.process = process.unwrap_or(th.process);
-            self.threads.intern(th)
-        });
-        Sample { stack, tag, thread, ..*sample }
-    }
-
-    pub fn finish(self, processes: Vec<Process>, metadata: Map<String, Value>) -> ProfileData {
-        ProfileData {
-            frames: self.frames.into_items(),
-            stacks: self.stacks.into_items(),
-            tags: self.tags.into_items(),
-            threads: self.threads.into_items(),
-            processes,
-            samples: self.samples,
-            metadata,
-            spans: BTreeMap::new(),
-        }
-    }
-}
-
-/// Merges profiles one at a time, so each can be dropped once added. Samples keep
-/// each part's order (time order within a process); parts are not interleaved.
-#[derive(Default)]
-pub struct Merger {
-    out: Builder,
-    processes: Vec<Process>,
-    spans: BTreeMap<String, Span>,
-    tasks: Map<String, Value>,
-}
-
-impl Merger {
-    /// Room for `samples` more samples, so the merged column is not copied as it grows.
-    pub fn reserve(&mut self, samples: usize) {
-        self.out.samples.reserve(samples);
-    }
-
-    pub fn add(&mut self, part: &ProfileData) {
-        let mut map = Remap::for_source(part);
-        let mut offsets = Vec::with_capacity(part.processes.len());
-        for p in &part.processes {
-            let known = self.processes.iter().any(|q| q.token == p.token);
-            offsets.push((!known).then_some(self.processes.len() as u32));
-            if !known {
-                self.processes.push(p.clone());
-            }
-        }
-        for s in &part.samples {
-            if let Some(offset) = offsets[part.threads[s.thread as usize].process as usize] {
-                self.out.copy_sample(part, &mut map, s, Some(offset));
-            }
-        }
-        self.spans.extend(part.spans.iter().map(|(id, s)| (id.clone(), s.clone())));
-        if let Some(Value::Object(tasks)) = part.metadata.get("tasks") {
-            self.tasks.extend(tasks.iter().map(|(k, v)| (k.clone(), v.clone())));
-        }
-    }
-
-    /// The merged profile: `metadata`, with the parts' `tasks` (per process) combined.
-    pub fn finish(self, mut metadata: Map<String, Value>) -> ProfileData {
-        if let Some(Value::Object(given)) = metadata.get("tasks") {
-            let mut tasks = self.tasks;
-            tasks.extend(given.iter().map(|(k, v)| (k.clone(), v.clone())));
-            metadata.insert("tasks".into(), Value::Object(tasks));
-        } else if !self.tasks.is_empty() {
-            metadata.insert("tasks".into(), Value::Object(self.tasks));
-        }
-        let mut merged = self.out.finish(self.processes, metadata);
-        merged.spans = self.spans;
-        merged
-    }
-}
-
-impl Tables for ProfileData {
-    fn frame(&self, id: u32) -> &Frame {
-        &self.frames[id as usize]
-    }
-    fn stack(&self, id: u32) -> &[u32] {
-        &self.stacks[id as usize]
-    }
-    fn tag(&self, id: u32) -> &Tag {
-        &self.tags[id as usize]
-    }
-    fn thread(&self, id: u32) -> &Thread {
-        &self.threads[id as usize]
-    }
-    fn counts(&self) -> [usize; 4] {
-        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
-    }
-}
-
-impl Tables for Builder {
-    fn frame(&self, id: u32) -> &Frame {
-        self.frames.get(id)
-    }
-    fn stack(&self, id: u32) -> &[u32] {
-        self.stacks.get(id)
-    }
-    fn tag(&self, id: u32) -> &Tag {
-        self.tags.get(id)
-    }
-    fn thread(&self, id: u32) -> &Thread {
-        self.threads.get(id)
-    }
-    fn counts(&self) -> [usize; 4] {
-        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
-    }
-}
-
 impl ProfileData {
-    /// Combines profiles of several processes; a process seen twice (same token) is kept once.
-    pub fn merge(parts: &[&ProfileData], metadata: Map<String, Value>) -> ProfileData {
-        let mut merger = Merger::default();
-        for part in parts {
-            merger.add(part);
-        }
-        merger.finish(metadata)
-    }
-
-    /// The samples of one process only.
-    pub fn only_process(&self, process: u32) -> ProfileData {
-        let mut out = Builder::default();
-        let mut map = Remap::for_source(self);
-        for s in self.samples.iter().filter(|s| self.threads[s.thread as usize].process == process) {
-            out.copy_sample(self, &mut map, s, Some(0));
-        }
-        let mut one = out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone());
-        one.spans = self.spans.clone();
-        one
-    }
-
-    /// The same totals in fewer samples, not in time order (see `Folder`).
-    pub fn folded(&self, keys: bool) -> ProfileData {
-        let mut out = Builder::default();
-        let mut map = Remap::for_source(self);
-        let mut folder = Folder { keys, ..Folder::default() };
-        for s in &self.samples {
-            out.fold_sample(self, &mut map, s, &mut folder);
-        }
-        let mut folded = out.finish(self.processes.clone(), self.metadata.clone());
-        folded.spans = self.spans.clone();
-        folded
-    }
-
-    /// The samples `keep` keeps, with every process and span.
-    pub fn filtered(&self, keep: impl Fn(&Sample) -> bool) -> ProfileData {
-        let mut out = Builder::default();
-        let mut map = Remap::for_source(self);
-        for s in self.samples.iter().filter(|s| keep(s)) {
-            out.copy_sample(self, &mut map, s, None);
-        }
-        let mut kept = out.finish(self.processes.clone(), self.metadata.clone());
-        kept.spans = self.spans.clone();
-        kept
-    }
-
     /// The span path of `tag`, outermost first: names where known, else the id alone.
     pub fn span_names<'a>(&'a self, tag: &'a Tag) -> Vec<&'a str> {
         match (&tag.span, tag.span.as_ref().and_then(|id| self.spans.get(id))) {
@@ -598,7 +305,11 @@ impl ProfileData {
             .threads
             .iter()
             .map(|t| {
-                let name = t.name.clone().or_else(|| given(t.ident)).or_else(|| names.get(&(t.process, t.ident)).cloned().flatten());
+                let name = t
+                    .name
+                    .clone()
+                    .or_else(|| given(t.ident))
+                    .or_else(|| names.get(&(t.process, t.ident)).cloned().flatten());
                 ids.intern(Thread { name, ..t.clone() })
             })
             .collect();
@@ -650,6 +361,33 @@ impl ProfileData {
         self.total_us() as f64 / 1e6
     }
 
+    /// A hash of every table and sample, equal only for equal profiles (in any
+    /// process running this build).
+    pub fn digest(&self) -> String {
+        let mut hasher = std::hash::DefaultHasher::new();
+        std::hash::Hasher::write(&mut hasher, &serde_json::to_vec(self).expect("profiles serialise"));
+        format!("{:016x}", std::hash::Hasher::finish(&hasher))
+    }
+
+    /// A copy as another process named `name`, its task keys suffixed with
+    /// `key_suffix`: benchmarks build many workers' parts from one real part.
+    pub fn as_process(&self, name: &str, key_suffix: &str) -> ProfileData {
+        let mut data = self.clone();
+        for p in &mut data.processes {
+            (p.name, p.token) = (name.to_owned(), format!("{}-{name}", p.token));
+        }
+        data.tags.iter_mut().for_each(|t| t.key.push_str(key_suffix));
+        data
+    }
+
+    /// Ids of the spans the samples' tags name, sorted.
+    pub fn span_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.tags.iter().filter_map(|t| t.span.clone()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     pub fn thread_label(&self, id: u32) -> String {
         let th = &self.threads[id as usize];
         let process = self.processes.get(th.process as usize).map(|p| p.name.as_str()).unwrap_or("?");
@@ -665,6 +403,7 @@ impl ProfileData {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+    use crate::profile::build::Builder;
 
     pub fn frame(name: &str) -> Frame {
         Frame { name: name.into(), file: format!("{name}.py"), line: 1 }
@@ -676,12 +415,22 @@ pub mod tests {
         for (i, (ident, names, tag)) in samples.iter().enumerate() {
             let stack = names.iter().map(|n| b.frames.intern(frame(n))).collect();
             let stack = b.stacks.intern(stack);
-            let tag = tag.map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into(), span: None }));
+            let tag = tag
+                .map(|k| b.tags.intern(Tag { key: k.into(), prefix: k.split('-').next().unwrap().into(), span: None }));
             let thread = b.threads.intern(Thread { process: 0, ident: *ident, name: Some(format!("T{ident}")) });
-            b.samples.push(Sample { time_ns: 1_000 + i as u64, thread, stack, tag, weight_us: 10_000, cpu_us: 0, count: 1, flags: FLAG_ACTIVE });
+            b.samples.push(Sample {
+                time_ns: 1_000 + i as u64,
+                thread,
+                stack,
+                tag,
+                weight_us: 10_000,
+                cpu_us: 0,
+                count: 1,
+                flags: FLAG_ACTIVE,
+            });
         }
         let proc = Process { name: token.into(), pid: 1, host: "h".into(), token: token.into(), stats: Value::Null };
-        b.finish(vec![proc], Map::new())
+        b.finish(vec![proc], Metadata::default())
     }
 
     #[test]
@@ -697,7 +446,7 @@ pub mod tests {
     fn merge_remaps_and_dedups_processes() {
         let a = profile("w1", &[(1, &["main", "f"], Some("f-1"))]);
         let b = profile("w2", &[(1, &["main", "g"], None), (2, &["main", "f"], Some("f-1"))]);
-        let m = ProfileData::merge(&[&a, &b, &a], Map::new());
+        let m = ProfileData::merge(&[&a, &b, &a], Metadata::default());
         assert_eq!(m.processes.len(), 2);
         assert_eq!(m.samples.len(), 3);
         assert_eq!(m.frames.len(), 3);
@@ -725,17 +474,18 @@ pub mod tests {
     }
 
     #[test]
-    fn folding_caps_cpu_per_sample() {
+    fn aggregating_caps_cpu_per_sample() {
         let mut p = profile("w", &[(1, &["f"], None), (1, &["f"], None)]);
         p.samples[0].cpu_us = 25_000; // a late tick's CPU, over its 10 ms share
         p.samples[1].cpu_us = 2_000;
-        let folded = p.folded(false);
-        assert_eq!(folded.samples.len(), 1);
-        assert_eq!(folded.samples[0].cpu_us, 12_000, "10 ms capped + 2 ms, not min(27, 20) ms");
+        let aggregated = p.aggregated(false);
+        assert_eq!(aggregated.samples.len(), 1);
+        assert_eq!(aggregated.samples[0].cpu_us, 12_000, "10 ms capped + 2 ms, not min(27, 20) ms");
     }
 
+    /// The JSON form `.pyspy.gz` files hold (the wire form is tested in `wire.rs`).
     #[test]
-    fn wire_round_trip() {
+    fn json_form_round_trip() {
         let a = profile("w1", &[(1, &["main", "f"], Some("f-1"))]);
         let json = serde_json::to_string(&a).unwrap();
         assert!(json.contains(r#""time_delta_ns":[1000]"#), "{json}");

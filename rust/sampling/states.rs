@@ -12,14 +12,13 @@
 //!
 //! Also the CPU time of threads Python does not know (BLAS, arrow).
 
-use crate::model::State;
-use crate::reader::{thread_cpu_ns, ThreadStack};
+use crate::profile::model::State;
+use crate::reader::{thread_cpu_ns, GilAt, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::time::Instant;
 
@@ -71,19 +70,12 @@ impl Files {
             return (wait, false);
         }
         let mut buf = [0u8; 160];
-        let line = self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
+        let line =
+            self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
         let wait = line.map_or(Wait::Running, |l| classify(&l, gil));
         self.wait = Some((cpu_ns, wait));
         (wait, true)
     }
-}
-
-/// Where the GIL is, to tell its waits from other locks'.
-pub enum GilAt {
-    /// The bytes of the GIL's state: its condition variables and mutexes.
-    Range(Range<u64>),
-    /// Unknown (py-spy's reader): a futex wait counts as the GIL's while another thread holds it.
-    HeldElsewhere(bool),
 }
 
 fn classify(line: &str, gil: &GilAt) -> Wait {
@@ -172,7 +164,9 @@ impl States {
             // Off a CPU for the rest of the interval and runnable now: in the run queue,
             // where its clock stands still. Back on a CPU now: the rest was its last wait,
             // or the run queue for one never seen blocked.
-            Wait::Running if thread_cpu_ns(tid).is_some_and(|after| after > before) && files.blocked_in != Wait::Running => {
+            Wait::Running
+                if thread_cpu_ns(tid).is_some_and(|after| after > before) && files.blocked_in != Wait::Running =>
+            {
                 blocked(files.blocked_in, native)
             }
             Wait::Running => State::CpuWait,
@@ -206,7 +200,12 @@ fn guess(t: &ThreadStack) -> State {
     }
 }
 
-fn files_of<'a>(files: &'a mut FxHashMap<u64, Files>, stats: &mut StateStats, tid: u64, now: Instant) -> Option<&'a mut Files> {
+fn files_of<'a>(
+    files: &'a mut FxHashMap<u64, Files>,
+    stats: &mut StateStats,
+    tid: u64,
+    now: Instant,
+) -> Option<&'a mut Files> {
     if !files.contains_key(&tid) {
         if files.len() >= MAX_OPEN {
             stats.unopened += 1;

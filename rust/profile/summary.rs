@@ -2,8 +2,8 @@
 //! top functions), and the functions with the most self time. Every row splits its
 //! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
-use crate::model::{ProfileData, Sample, State};
-use crate::views::Weight;
+use crate::profile::model::{ProfileData, Sample, State};
+use crate::profile::views::Weight;
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -158,7 +158,12 @@ impl Tally {
         }
         let mut top: Vec<FunctionTime> = by_function
             .into_iter()
-            .map(|((name, file), (seconds, split))| FunctionTime { name: name.into(), file: file.into(), seconds, split })
+            .map(|((name, file), (seconds, split))| FunctionTime {
+                name: name.into(),
+                file: file.into(),
+                seconds,
+                split,
+            })
             .collect();
         top.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| (&a.name, &a.file).cmp(&(&b.name, &b.file))));
         top.truncate(TOP_FUNCTIONS);
@@ -173,8 +178,13 @@ fn sampled_threads(data: &ProfileData) -> Vec<(usize, usize)> {
         let u = &mut used[s.thread as usize];
         *u = (true, u.1 || s.tag.is_some());
     }
-    let mut idents: Vec<(u32, u64, bool)> =
-        data.threads.iter().zip(used).filter(|(_, used)| used.0).map(|(t, used)| (t.process, t.ident, used.1)).collect();
+    let mut idents: Vec<(u32, u64, bool)> = data
+        .threads
+        .iter()
+        .zip(used)
+        .filter(|(_, used)| used.0)
+        .map(|(t, used)| (t.process, t.ident, used.1))
+        .collect();
     idents.sort_unstable();
     let mut out = vec![(0, 0); data.processes.len()];
     for (i, &(process, ident, in_task)) in idents.iter().enumerate() {
@@ -253,14 +263,19 @@ pub fn summarize(data: &ProfileData) -> Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::{Span, FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::{Span, FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
 
     #[test]
     fn totals_by_prefix_state_and_function() {
         let data = profile(
             "w",
-            &[(1, &["main", "f"], Some("f-1")), (1, &["main", "f"], Some("f-2")), (2, &["main", "g"], Some("g-1")), (2, &["main"], None)],
+            &[
+                (1, &["main", "f"], Some("f-1")),
+                (1, &["main", "f"], Some("f-2")),
+                (2, &["main", "g"], Some("g-1")),
+                (2, &["main"], None),
+            ],
         );
         let s = summarize(&data);
         assert_eq!(s.all.samples, 4);
@@ -279,7 +294,12 @@ mod tests {
     fn wall_splits_by_state_beside_cpu() {
         let mut data = profile(
             "w",
-            &[(1, &["read"], Some("io-1")), (2, &["dot"], Some("np-1")), (3, &["loop"], Some("py-1")), (4, &["loop"], Some("py-2"))],
+            &[
+                (1, &["read"], Some("io-1")),
+                (2, &["dot"], Some("np-1")),
+                (3, &["loop"], Some("py-1")),
+                (4, &["loop"], Some("py-2")),
+            ],
         );
         data.samples[0].flags = 0; // blocked on I/O
         data.samples[1].cpu_us = 9_000; // a kernel without the GIL
@@ -289,7 +309,10 @@ mod tests {
         let s = summarize(&data);
         let row = |p: &str| s.prefixes.iter().find(|r| r.prefix == p).unwrap().group.split;
         assert!(row("io").blocked == 0.01 && row("io").cpu == 0.0);
-        assert!(row("py").cpu_wait == 0.01 && row("py").gil == 0.01, "waiting for a CPU, not running, though it holds the GIL");
+        assert!(
+            row("py").cpu_wait == 0.01 && row("py").gil == 0.01,
+            "waiting for a CPU, not running, though it holds the GIL"
+        );
         assert!((s.processes[0].split.cpu_wait - 0.01).abs() < 1e-9);
         assert!(row("np").no_gil == 0.01 && (row("np").cpu - 0.009).abs() < 1e-9);
         assert!(row("py").cpu == 0.01);
@@ -318,7 +341,8 @@ mod tests {
     #[test]
     fn spans_count_their_nested_spans() {
         let mut data = profile("w", &[(1, &["f"], Some("f-1")), (1, &["g"], Some("g-1")), (1, &["h"], Some("h-1"))]);
-        data.spans.insert("b".into(), Span { names: vec!["load".into(), "parse".into()], ids: vec!["a".into(), "b".into()] });
+        data.spans
+            .insert("b".into(), Span { names: vec!["load".into(), "parse".into()], ids: vec!["a".into(), "b".into()] });
         data.spans.insert("a".into(), Span { names: vec!["load".into()], ids: vec!["a".into()] });
         data.tags[0].span = Some("a".into());
         data.tags[1].span = Some("b".into());

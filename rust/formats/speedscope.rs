@@ -4,10 +4,9 @@
 //! stacks cut to the task's own code. Then one profile per thread with its raw stacks,
 //! which is what `speedscope_read.rs` loads back.
 
-use crate::model::{Process, ProfileData, Sample, Thread};
-use crate::views::{By, Shown, View, Weight};
+use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
+use crate::profile::views::{By, Shown, View, Weight};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap};
 
 #[derive(Serialize)]
@@ -29,7 +28,7 @@ struct File<'a> {
 /// which threads, and what the synthetic root frames stand for.
 #[derive(Serialize, Deserialize)]
 pub struct Extension {
-    pub metadata: Map<String, Value>,
+    pub metadata: Metadata,
     pub processes: Vec<Process>,
     /// The grouping: the root frames of thread profiles are task keys or prefixes.
     /// This and `threads` are missing from files of earlier versions.
@@ -96,7 +95,7 @@ impl Roots {
         let mut ids: HashMap<(&str, &str), u32> = HashMap::new();
         let mut ids_of = |names: Vec<&'a str>| -> Vec<u32> {
             let spans = if by == By::Span { names.len().saturating_sub(1) } else { 0 };
-            let files = std::iter::repeat(SPAN_FILE).take(spans).chain(std::iter::repeat(TASK_FILE));
+            let files = std::iter::repeat_n(SPAN_FILE, spans).chain(std::iter::repeat(TASK_FILE));
             names
                 .into_iter()
                 .zip(files)
@@ -189,10 +188,18 @@ fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<P
             let mut per_prefix: HashMap<&str, Sampled> = HashMap::new();
             for s in time_order(data) {
                 if let Some(t) = s.tag {
-                    per_prefix.entry(&data.tags[t as usize].prefix).or_default().add(s, weight, &[], view.frames(s.stack, true));
+                    per_prefix.entry(&data.tags[t as usize].prefix).or_default().add(
+                        s,
+                        weight,
+                        &[],
+                        view.frames(s.stack, true),
+                    );
                 }
             }
-            per_prefix.into_iter().map(|(prefix, p)| p.finish(format!("{prefix} (all threads, task code only)"))).collect()
+            per_prefix
+                .into_iter()
+                .map(|(prefix, p)| p.finish(format!("{prefix} (all threads, task code only)")))
+                .collect()
         }
     };
     out.sort_by(|a, b| b.end_value.total_cmp(&a.end_value).then_with(|| a.name.cmp(&b.name)));
@@ -271,9 +278,9 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::Span;
-    use serde_json::json;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
+    use serde_json::{json, Value};
 
     fn wall(by: By) -> Shown {
         Shown { by, weight: Weight::Wall }
@@ -301,7 +308,13 @@ mod tests {
             .as_array()
             .unwrap()
             .iter()
-            .map(|s| s.as_array().unwrap().iter().map(|f| frames[f.as_u64().unwrap() as usize]["name"].as_str().unwrap().to_string()).collect())
+            .map(|s| {
+                s.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|f| frames[f.as_u64().unwrap() as usize]["name"].as_str().unwrap().to_string())
+                    .collect()
+            })
             .collect()
     }
 
@@ -338,7 +351,12 @@ mod tests {
     fn merged_profiles_show_task_code_and_open_first() {
         let mut data = profile(
             "w",
-            &[(1, &["pool", "f"], Some("f-1")), (2, &["pool", "g"], Some("g-2")), (1, &["pool", "g"], Some("g-3")), (3, &["pool", "h"], None)],
+            &[
+                (1, &["pool", "f"], Some("f-1")),
+                (2, &["pool", "g"], Some("g-2")),
+                (1, &["pool", "g"], Some("g-3")),
+                (3, &["pool", "h"], None),
+            ],
         );
         data.frames[0].file = "/usr/lib/python3/threading.py".into();
         let d: Value = serde_json::from_slice(&write(&data, wall(By::Prefix), "t")).unwrap();
@@ -348,13 +366,19 @@ mod tests {
         assert_eq!(names(&d, 2), [["f", "pool", "f"], ["g", "pool", "g"]], "threads keep raw stacks");
         assert_eq!(d["activeProfileIndex"], 0);
         let d: Value = serde_json::from_slice(&write(&data, wall(By::Task), "t")).unwrap();
-        assert_eq!(names(&d, 0), [vec!["f-1", "f"], vec!["g-2", "g"], vec!["g-3", "g"], vec!["(no task)", "pool", "h"]]);
+        assert_eq!(
+            names(&d, 0),
+            [vec!["f-1", "f"], vec!["g-2", "g"], vec!["g-3", "g"], vec!["(no task)", "pool", "h"]]
+        );
         assert_eq!(d["activeProfileIndex"], 0);
     }
 
     #[test]
     fn span_view_roots_at_the_span_path_and_cpu_weights() {
-        let mut data = profile("w", &[(1, &["pool", "f"], Some("f-1")), (2, &["pool", "g"], Some("g-2")), (3, &["pool", "h"], None)]);
+        let mut data = profile(
+            "w",
+            &[(1, &["pool", "f"], Some("f-1")), (2, &["pool", "g"], Some("g-2")), (3, &["pool", "h"], None)],
+        );
         data.tags[0].span = Some("id-parse".into());
         data.tags[1].span = Some("gone".into());
         let span = Span { names: vec!["load".into(), "parse".into()], ids: vec!["id-load".into(), "id-parse".into()] };

@@ -1,7 +1,8 @@
 //! Flame graph SVG (inferno) over any subset of a profile's samples, as `views` shows them.
 
-use crate::model::{Frame, ProfileData, Sample};
-use crate::views::{By, Shown, View};
+use crate::profile::model::{Frame, ProfileData, Sample};
+use crate::profile::spans::SpanFilter;
+use crate::profile::views::{By, Shown, View};
 use inferno::flamegraph::{self, Options};
 use std::collections::HashMap;
 
@@ -20,7 +21,11 @@ fn clean(text: &str) -> String {
 /// `name (file.py:12)`, or `name (file.py)` without `lines`.
 fn label(f: &Frame, lines: bool) -> String {
     let file = f.file.rsplit('/').next().unwrap_or(&f.file);
-    clean(&if lines && f.line > 0 { format!("{} ({}:{})", f.name, file, f.line) } else { format!("{} ({})", f.name, file) })
+    clean(&if lines && f.line > 0 {
+        format!("{} ({}:{})", f.name, file, f.line)
+    } else {
+        format!("{} ({})", f.name, file)
+    })
 }
 
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
@@ -41,7 +46,8 @@ pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, 
     for ((tag, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
         let frames = view.folded(view.frames(stack, cut));
         let roots: Vec<String> = view.roots(tag, by).into_iter().map(clean).collect();
-        let names: Vec<&str> = roots.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
+        let names: Vec<&str> =
+            roots.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
         *lines.entry(names.join(";")).or_default() += w;
     }
     let mut lines: Vec<String> = lines.into_iter().map(|(stack, w)| format!("{stack} {w}")).collect();
@@ -54,6 +60,29 @@ pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, 
 const EMBED_SHIM: &str = "<script type=\"text/ecmascript\"><![CDATA[history.replaceState = function () {};]]></script>";
 
 const MIN_WIDTH_PERCENT: f64 = 0.1;
+
+/// Which samples a flame graph shows; None keeps any. `tasks`: True keeps task
+/// samples only, False the rest.
+#[derive(Default)]
+pub struct Only {
+    pub prefix: Option<String>,
+    pub process: Option<u32>,
+    pub tasks: Option<bool>,
+    pub span: Option<SpanFilter>,
+}
+
+/// The flame graph of the samples `only` keeps.
+pub fn svg_of(data: &ProfileData, title: &str, shown: Shown, only: &Only) -> Option<String> {
+    let in_span: Vec<bool> = data.tags.iter().map(|t| only.span.as_ref().is_none_or(|f| f.keeps(data, t))).collect();
+    let keep = |s: &Sample| {
+        let tag = s.tag.map(|t| &data.tags[t as usize]);
+        let prefix_ok = only.prefix.as_ref().is_none_or(|p| tag.is_some_and(|t| t.prefix == *p));
+        let process_ok = only.process.is_none_or(|p| data.threads[s.thread as usize].process == p);
+        let span_ok = only.span.is_none() || s.tag.is_some_and(|t| in_span[t as usize]);
+        prefix_ok && process_ok && span_ok && only.tasks.is_none_or(|t| t == s.tag.is_some())
+    };
+    svg(data, title, shown, &keep)
+}
 
 /// An interactive SVG (click to zoom, search); None when no sample matches.
 pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
@@ -84,14 +113,15 @@ pub fn render<'a>(lines: impl IntoIterator<Item = &'a str>, title: &str, negate:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::views::Weight;
+    use crate::profile::model::tests::profile;
+    use crate::profile::views::Weight;
 
     const WALL: Shown = Shown { by: By::Thread, weight: Weight::Wall };
 
     #[test]
     fn folds_and_renders() {
-        let mut data = profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
+        let mut data =
+            profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
         data.frames[0].name = "<script>alert(1)</script>".into();
         let lines = folded(&data, WALL, &|_| true, true);
         assert_eq!(lines.len(), 2);

@@ -4,8 +4,10 @@
 //!
 //! Layout: `MAGIC`, the head's length (u32, little-endian), the head, the body.
 
-use crate::compress;
-use crate::model::{Frame, Merger, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::error::Error;
+use crate::formats::compress;
+use crate::profile::build::Merger;
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Span, Tag, Thread};
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -22,7 +24,7 @@ const MAGIC: &[u8; 8] = b"DPSPY\0w2";
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Head {
     pub processes: Vec<Process>,
-    pub metadata: Map<String, Value>,
+    pub metadata: Metadata,
     /// Names of spans, as far as the sender knew them.
     pub spans: BTreeMap<String, Span>,
     /// Every span id the tags name, named or not.
@@ -185,14 +187,32 @@ fn parse_head(head: &[u8]) -> Result<Head, String> {
     serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))
 }
 
-pub fn read_head(bytes: &[u8]) -> Result<Head, String> {
-    parse_head(split(bytes)?.0)
+pub fn read_head(bytes: &[u8]) -> Result<Head, Error> {
+    split(bytes).and_then(|(head, _)| parse_head(head)).map_err(Error::NotAProfile)
+}
+
+/// One profile of the named parts, with `metadata` and `spans`. A part that does not
+/// decode is left out and named, with why, under the metadata's `missing`.
+pub fn merge(parts: &[(String, &[u8])], mut metadata: Metadata, spans: BTreeMap<String, Span>) -> ProfileData {
+    let mut merger = Merger::default();
+    let mut missing = match std::mem::take(&mut metadata.missing) {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    };
+    for (name, e) in merge_parts(parts, &mut merger) {
+        missing.insert(name, Value::String(format!("an unreadable profile: {e}")));
+    }
+    metadata.missing = Value::Object(missing);
+    let mut merged = merger.finish(metadata);
+    merged.spans.extend(spans);
+    merged
 }
 
 /// Named parts merged as they are decoded, the decoding spread over a few threads
 /// and kept in the parts' order; a part that does not decode is returned with why.
-pub fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(String, String)> {
-    let rows: u64 = parts.iter().filter_map(|(_, b)| read_head(b).ok()).map(|h| h.entries).sum();
+fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(String, String)> {
+    let rows: u64 =
+        parts.iter().filter_map(|(_, b)| split(b).and_then(|(head, _)| parse_head(head)).ok()).map(|h| h.entries).sum();
     merger.reserve(rows as usize);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().clamp(2, 5) - 1);
     let next = AtomicUsize::new(0);
@@ -204,7 +224,7 @@ pub fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(Strin
             let (send, next) = (send.clone(), &next);
             scope.spawn(move || loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= parts.len() || send.send((i, decode(parts[i].1))).is_err() {
+                if i >= parts.len() || send.send((i, unpack(parts[i].1))).is_err() {
                     break;
                 }
             });
@@ -226,7 +246,11 @@ pub fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(Strin
     failed
 }
 
-pub fn decode(bytes: &[u8]) -> Result<ProfileData, String> {
+pub fn decode(bytes: &[u8]) -> Result<ProfileData, Error> {
+    unpack(bytes).map_err(Error::NotAProfile)
+}
+
+fn unpack(bytes: &[u8]) -> Result<ProfileData, String> {
     let (head, body) = split(bytes)?;
     let head = parse_head(head)?;
     decode_body(body, head).map_err(|e| format!("a damaged body ({e})"))
@@ -278,7 +302,11 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
     }
     let mut threads = Vec::with_capacity(b.thread_ident.len());
     for i in 0..b.thread_ident.len() {
-        threads.push(Thread { process: b.thread_process[i], ident: b.thread_ident[i], name: optional(b.thread_name[i])? });
+        threads.push(Thread {
+            process: b.thread_process[i],
+            ident: b.thread_ident[i],
+            name: optional(b.thread_name[i])?,
+        });
     }
     let mut time = 0i64;
     let samples = (0..n)
@@ -303,8 +331,8 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::files::tests::rich;
-    use crate::model::Builder;
+    use crate::formats::files::tests::rich;
+    use crate::profile::build::Builder;
     use proptest::prelude::*;
 
     #[test]
@@ -329,10 +357,10 @@ mod tests {
     #[test]
     fn foreign_and_cut_bytes_are_refused() {
         let bytes = encode(&rich());
-        assert!(decode(b"{\"frames\": []}").unwrap_err().contains("no wire header"));
-        assert!(decode(&bytes[..10]).unwrap_err().contains("cut short"));
-        assert!(decode(&bytes[..bytes.len() - 5]).unwrap_err().contains("damaged body"));
-        let empty = Builder::default().finish(Vec::new(), Map::new());
+        assert!(unpack(b"{\"frames\": []}").unwrap_err().contains("no wire header"));
+        assert!(unpack(&bytes[..10]).unwrap_err().contains("cut short"));
+        assert!(unpack(&bytes[..bytes.len() - 5]).unwrap_err().contains("damaged body"));
+        let empty = Builder::default().finish(Vec::new(), Metadata::default());
         assert_eq!(decode(&encode(&empty)).unwrap(), empty);
     }
 
@@ -347,7 +375,7 @@ mod tests {
         bytes.extend_from_slice(&(head.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&head);
         bytes.extend_from_slice(&compress::gzip(&body, Compression::fast()));
-        assert!(decode(&bytes).unwrap_err().contains("more than the 3 bytes"));
+        assert!(unpack(&bytes).unwrap_err().contains("more than the 3 bytes"));
     }
 
     proptest! {

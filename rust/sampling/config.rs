@@ -1,21 +1,14 @@
-//! Sampler options, checked once.
+//! Sampler options, read by attribute from Python's options object and checked once.
 
+use crate::error::{Error, Result};
 use crate::reader::{LineMode, ReaderChoice};
+use pyo3::prelude::*;
 use serde::Serialize;
-
-/// The value named `s` in `names`, or an error naming the option `what` and every
-/// allowed name, as `options.py` words it.
-pub fn choose<T: Copy>(what: &str, s: &str, names: &[(&str, T)]) -> Result<T, String> {
-    names.iter().find(|(name, _)| *name == s).map(|&(_, value)| value).ok_or_else(|| {
-        let allowed: Vec<String> = names.iter().map(|(name, _)| format!("'{name}'")).collect();
-        format!("{what} must be one of {}, got {s:?}", allowed.join(", "))
-    })
-}
 
 pub const MAX_RATE: f64 = 10_000.0;
 pub const MIN_MEMORY: usize = 1 << 20;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, FromPyObject)]
 pub struct SamplerConfig {
     /// Samples per second requested.
     pub rate: f64,
@@ -31,8 +24,10 @@ pub struct SamplerConfig {
     pub lines: bool,
     /// Aggregate by the first line of each function, like `py-spy record --function`.
     pub function: bool,
-    /// Which stack reader to use; `auto` prefers the fast one where its self-check passes.
-    pub reader: ReaderChoice,
+    /// Which stack reader to use (see `ReaderChoice`); `auto` prefers the fast one
+    /// where its self-check passes. A name, so a wrong one is a ValueError of
+    /// `validate`, not a TypeError of reading the options.
+    pub reader: String,
 }
 
 impl Default for SamplerConfig {
@@ -45,29 +40,37 @@ impl Default for SamplerConfig {
             max_memory: 64 << 20,
             lines: true,
             function: false,
-            reader: ReaderChoice::Auto,
+            reader: "auto".into(),
         }
     }
 }
 
 impl SamplerConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
+        self.reader.parse::<ReaderChoice>()?;
         if !(self.rate > 0.0 && self.rate <= MAX_RATE) {
-            return Err(format!("rate must be in (0, {MAX_RATE}] samples per second, got {}", self.rate));
+            return Err(Error::BadInput(format!(
+                "rate must be in (0, {MAX_RATE}] samples per second, got {}",
+                self.rate
+            )));
         }
         if !(self.cpu_budget > 0.0 && self.cpu_budget <= 1.0) {
-            return Err(format!(
+            return Err(Error::BadInput(format!(
                 "cpu_budget must be a fraction of one core in (0, 1], got {}",
                 self.cpu_budget
-            ));
+            )));
         }
         if self.max_memory < MIN_MEMORY {
-            return Err(format!(
+            return Err(Error::BadInput(format!(
                 "max_memory must be at least {MIN_MEMORY} bytes (1 MiB), got {}",
                 self.max_memory
-            ));
+            )));
         }
         Ok(())
+    }
+
+    pub fn reader_choice(&self) -> ReaderChoice {
+        self.reader.parse().expect("validated")
     }
 
     pub fn interval_secs(&self) -> f64 {
@@ -96,10 +99,11 @@ mod tests {
             SamplerConfig { cpu_budget: 0.0, ..Default::default() },
             SamplerConfig { cpu_budget: 1.5, ..Default::default() },
             SamplerConfig { max_memory: 1000, ..Default::default() },
+            SamplerConfig { reader: "nope".into(), ..Default::default() },
         ];
-        let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory"];
+        let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory", "reader"];
         for (cfg, name) in bad.iter().zip(names) {
-            assert!(cfg.validate().unwrap_err().starts_with(name));
+            assert!(cfg.validate().unwrap_err().to_string().starts_with(name));
         }
         assert!(SamplerConfig::default().validate().is_ok());
     }
@@ -109,6 +113,11 @@ mod tests {
         assert_eq!(SamplerConfig::default().line_mode(), LineMode::Current);
         assert_eq!(SamplerConfig { lines: false, ..Default::default() }.line_mode(), LineMode::None);
         assert_eq!(SamplerConfig { function: true, ..Default::default() }.line_mode(), LineMode::First);
-        assert!("nope".parse::<ReaderChoice>().unwrap_err().starts_with("reader must be one of 'auto', 'fast', 'pyspy'"));
+        let config = SamplerConfig { reader: "nope".into(), ..Default::default() };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("reader must be one of 'auto', 'fast', 'pyspy'"));
     }
 }

@@ -9,15 +9,17 @@
 //! (a path is its own id). Consecutive equal samples come back as one. Files of
 //! other tools are refused: they hold no processes or tags.
 
-use crate::limits::{self, Limits};
-use crate::model::{Builder, Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
-use crate::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
-use crate::views::NO_SPAN;
-use std::borrow::Cow;
-use std::collections::BTreeMap;
-use crate::views::By;
+use crate::error::Error;
+use crate::formats::limits::{self, Limits};
+use crate::formats::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
+use crate::profile::build::Builder;
+use crate::profile::model::{Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
+use crate::profile::views::By;
+use crate::profile::views::NO_SPAN;
 use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 #[derive(Deserialize)]
 struct Doc {
@@ -164,13 +166,22 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn frame(&mut self, index: u32) -> Result<u32, String> {
-        let f = self.doc.shared.frames.get(index as usize).ok_or_else(|| format!("a sample names frame {index}, which does not exist"))?;
+        let f = self
+            .doc
+            .shared
+            .frames
+            .get(index as usize)
+            .ok_or_else(|| format!("a sample names frame {index}, which does not exist"))?;
         if matches!(f.file.as_deref(), Some(TASK_FILE | SPAN_FILE)) {
             return Err(format!("the task frame {:?} below the root of a stack", f.name));
         }
         let out = &mut self.out;
         Ok(*self.frames[index as usize].get_or_insert_with(|| {
-            out.frames.intern(Frame { name: f.name.clone(), file: f.file.clone().unwrap_or_default(), line: f.line.unwrap_or(0) })
+            out.frames.intern(Frame {
+                name: f.name.clone(),
+                file: f.file.clone().unwrap_or_default(),
+                line: f.line.unwrap_or(0),
+            })
         }))
     }
 
@@ -182,7 +193,11 @@ impl Reader<'_> {
     fn split_root<'s>(&mut self, stack: &'s [u32]) -> Result<(Option<u32>, &'s [u32]), String> {
         let path: Vec<String> = stack.iter().map_while(|&i| self.root_named(i, SPAN_FILE)).map(String::from).collect();
         let Some(key) = stack.get(path.len()).and_then(|&i| self.root_named(i, TASK_FILE)).map(String::from) else {
-            return if path.is_empty() { Ok((None, stack)) } else { Err("span frames without a task frame below them".into()) };
+            return if path.is_empty() {
+                Ok((None, stack))
+            } else {
+                Err("span frames without a task frame below them".into())
+            };
         };
         let prefix = match self.by {
             By::Thread => return Err(format!("a task frame {key:?} in a file grouped by thread")),
@@ -205,7 +220,8 @@ impl Reader<'_> {
     }
 
     fn thread(&mut self, tp: &ThreadProfile) -> Result<(), String> {
-        let p = self.doc.profiles.get(tp.profile).ok_or_else(|| format!("thread profile {} does not exist", tp.profile))?;
+        let p =
+            self.doc.profiles.get(tp.profile).ok_or_else(|| format!("thread profile {} does not exist", tp.profile))?;
         if std::mem::replace(&mut self.taken[tp.profile], true) {
             return Err(format!("profile {} is named by more than one thread", tp.profile));
         }
@@ -219,7 +235,16 @@ impl Reader<'_> {
             let frames = rest.iter().map(|&i| self.frame(i)).collect::<Result<Vec<u32>, String>>()?;
             let stack = self.out.stacks.intern(frames);
             for weight_us in weights_us(micros(seconds)?) {
-                self.out.samples.push(Sample { time_ns: 0, thread, stack, tag, weight_us, cpu_us: 0, count: 1, flags: FLAG_ACTIVE });
+                self.out.samples.push(Sample {
+                    time_ns: 0,
+                    thread,
+                    stack,
+                    tag,
+                    weight_us,
+                    cpu_us: 0,
+                    count: 1,
+                    flags: FLAG_ACTIVE,
+                });
             }
         }
         Ok(())
@@ -244,7 +269,11 @@ impl Reader<'_> {
 }
 
 /// The profile and its grouping, from a speedscope document (gzip-compressed or not).
-pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
+pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), Error> {
+    parse(bytes, limits).map_err(Error::BadInput)
+}
+
+fn parse(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
     let json = match limits::is_gzip(bytes) {
         true => Cow::Owned(limits.gunzip(bytes)?),
         false => limits.check_json(bytes.len()).map(|()| Cow::Borrowed(bytes))?,
@@ -267,7 +296,16 @@ pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
     };
     let frames = vec![None; doc.shared.frames.len()];
     let taken = vec![false; doc.profiles.len()];
-    let mut reader = Reader { by: by.parse()?, doc: &doc, extension, limits, out: Builder::default(), frames, taken, spans: BTreeMap::new() };
+    let mut reader = Reader {
+        by: by.parse().map_err(|e: Error| e.to_string())?,
+        doc: &doc,
+        extension,
+        limits,
+        out: Builder::default(),
+        frames,
+        taken,
+        spans: BTreeMap::new(),
+    };
     for tp in threads {
         reader.thread(tp)?;
     }
@@ -281,16 +319,16 @@ pub fn read(bytes: &[u8], limits: Limits) -> Result<(ProfileData, By), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::files::tests::rich;
-    use crate::limits::tests::LOOSE;
-    use crate::model::tests::profile;
-    use crate::speedscope;
-    use crate::views::{Shown, Weight};
+    use crate::formats::files::tests::rich;
+    use crate::formats::limits::tests::LOOSE;
+    use crate::formats::speedscope;
+    use crate::profile::model::tests::profile;
+    use crate::profile::views::{Shown, Weight};
     use serde_json::{json, Value};
     use std::collections::BTreeMap;
 
     fn read(bytes: &[u8]) -> Result<(ProfileData, By), String> {
-        super::read(bytes, LOOSE)
+        super::parse(bytes, LOOSE)
     }
 
     fn wall(by: By) -> Shown {
@@ -328,7 +366,8 @@ mod tests {
             assert_eq!(held(&back, |t| Some((t.key.clone(), t.prefix.clone()))), expect, "{by:?}");
             // By span the file holds span paths: each comes back as its own id.
             let paths: Vec<Vec<&str>> = back.tags.iter().map(|t| back.span_names(t)).collect();
-            let expect: Vec<Vec<&str>> = if by == By::Span { vec![vec!["load"], vec![]] } else { vec![vec![]; back.tags.len()] };
+            let expect: Vec<Vec<&str>> =
+                if by == By::Span { vec![vec!["load"], vec![]] } else { vec![vec![]; back.tags.len()] };
             assert_eq!(paths, expect, "{by:?}");
         }
     }
@@ -391,20 +430,27 @@ mod tests {
             t
         };
         d["x-dask-pyspy"]["threads"] = (0..threads).map(named).collect();
-        d["profiles"] = json!([{"type": "sampled", "unit": "seconds", "samples": vec![[0]; n], "weights": vec![seconds; n]}]);
+        d["profiles"] =
+            json!([{"type": "sampled", "unit": "seconds", "samples": vec![[0]; n], "weights": vec![seconds; n]}]);
         serde_json::to_vec(&d).unwrap()
     }
 
     #[test]
     fn weights_never_expand_past_the_memory_limit() {
         let limits = Limits { json: 1 << 30, memory: 1 << 20 };
-        let (back, _) = super::read(&weighted(1000, 1.0, 1), limits).unwrap();
+        let (back, _) = super::parse(&weighted(1000, 1.0, 1), limits).unwrap();
         assert_eq!(back.samples.len(), 1000);
         // 4e6 s is 932 samples of the most a sample holds: 932,000 samples, 37 MB.
-        let e = super::read(&weighted(1000, 4e6, 1), limits).unwrap_err();
-        assert!(e.starts_with("its sample weights expand into 932000 samples") && e.contains("pyspy.max-result (1 MiB)"), "{e}");
-        assert_eq!(super::read(&weighted(10, 1.0, 2), limits).unwrap_err(), "profile 0 is named by more than one thread");
-        let e = super::read(&weighted(1000, 1.0, 1), Limits { json: 1 << 10, memory: 1 << 20 }).unwrap_err();
+        let e = super::parse(&weighted(1000, 4e6, 1), limits).unwrap_err();
+        assert!(
+            e.starts_with("its sample weights expand into 932000 samples") && e.contains("pyspy.max-result (1 MiB)"),
+            "{e}"
+        );
+        assert_eq!(
+            super::parse(&weighted(10, 1.0, 2), limits).unwrap_err(),
+            "profile 0 is named by more than one thread"
+        );
+        let e = super::parse(&weighted(1000, 1.0, 1), Limits { json: 1 << 10, memory: 1 << 20 }).unwrap_err();
         assert!(e.starts_with("more than 0 MiB of JSON"), "{e}");
     }
 }

@@ -3,10 +3,10 @@
 //! the tables themselves grow (thread churn, many task keys), compacting them to
 //! what the remaining samples still use.
 
-use crate::model::{Builder, Folder, Frame, Process, ProfileData, Remap, Sample, Tag, Thread};
+use crate::profile::build::{Aggregator, Builder, Remap};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Tag, Thread};
 use rustc_hash::FxHashSet;
 use serde::Serialize;
-use serde_json::{Map, Value};
 use std::collections::VecDeque;
 
 pub const SAMPLE_BYTES: usize = std::mem::size_of::<Sample>();
@@ -22,13 +22,13 @@ pub struct StoreStats {
     pub oldest_ns: Option<u64>,
 }
 
-/// Which samples an export takes: those captured in `[start_ns, stop_ns]`, folded
-/// into an aggregated profile with `fold` (see `Folder`).
+/// Which samples an export takes: those captured in `[start_ns, stop_ns]`, aggregated
+/// into one profile with `aggregate` (see `Aggregator`).
 #[derive(Clone, Copy, Debug)]
 pub struct Window {
     pub start_ns: u64,
     pub stop_ns: u64,
-    pub fold: bool,
+    pub aggregate: bool,
 }
 
 /// What a window export would hold.
@@ -68,7 +68,15 @@ impl Store {
 
     /// Records one thread's stack (frames root first).
     #[cfg(test)]
-    pub fn record(&mut self, time_ns: u64, ident: u64, frames: impl Iterator<Item = Frame>, tag: Option<&Tag>, weight_us: u32, flags: u8) {
+    pub fn record(
+        &mut self,
+        time_ns: u64,
+        ident: u64,
+        frames: impl Iterator<Item = Frame>,
+        tag: Option<&Tag>,
+        weight_us: u32,
+        flags: u8,
+    ) {
         let ids: Vec<u32> = frames.map(|f| self.frame_id(f)).collect();
         self.record_ids(Recorded { time_ns, ident, name: None, frames: &ids, tag, weight_us, cpu_us: 0, flags });
     }
@@ -146,13 +154,13 @@ impl Store {
     }
 
     /// The samples of `window`, with just the tables they use.
-    pub fn window(&self, window: Window, process: Process, metadata: Map<String, Value>) -> ProfileData {
+    pub fn window(&self, window: Window, process: Process, metadata: Metadata) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(&self.tables);
-        let mut folder = Folder::default();
+        let mut aggregator = Aggregator::default();
         for s in self.range(window) {
-            if window.fold {
-                out.fold_sample(&self.tables, &mut map, s, &mut folder);
+            if window.aggregate {
+                out.aggregate_sample(&self.tables, &mut map, s, &mut aggregator);
             } else {
                 out.copy_sample(&self.tables, &mut map, s, None);
             }
@@ -165,7 +173,7 @@ impl Store {
     pub fn window_size(&self, window: Window) -> WindowSize {
         let samples = self.range(window);
         let taken = samples.len() as u64;
-        let kept = if window.fold {
+        let kept = if window.aggregate {
             let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
             samples.map(|s| (s.thread, s.stack, prefix(s.tag), s.flags)).collect::<FxHashSet<_>>().len()
         } else {
@@ -197,15 +205,16 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::frame;
-    use crate::model::Tables;
+    use crate::profile::build::Tables;
+    use crate::profile::model::tests::frame;
+    use serde_json::Value;
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
     }
 
     fn all(start_ns: u64, stop_ns: u64) -> Window {
-        Window { start_ns, stop_ns, fold: false }
+        Window { start_ns, stop_ns, aggregate: false }
     }
 
     fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {
@@ -263,7 +272,7 @@ mod tests {
         assert!(st.compactions > 0);
         // Tables only hold what live samples use.
         assert_eq!(s.tables.counts()[2], st.samples_held);
-        let w = s.window(all(0, u64::MAX), proc(), Map::new());
+        let w = s.window(all(0, u64::MAX), proc(), Metadata::default());
         assert_eq!(w.samples.len(), st.samples_held);
         assert!(w.tags.iter().all(|t| t.key.starts_with("task-")));
     }
@@ -274,15 +283,15 @@ mod tests {
         for t in 0..10 {
             push(&mut s, t * 100, &["main", if t < 5 { "early" } else { "late" }], None);
         }
-        let w = s.window(all(500, 900), proc(), Map::new());
+        let w = s.window(all(500, 900), proc(), Metadata::default());
         assert_eq!(w.samples.len(), 5);
         assert_eq!(w.frames.len(), 2, "only the frames the window uses");
         assert!(w.frames.iter().any(|f| f.name == "late"));
-        assert!(s.window(all(2000, 3000), proc(), Map::new()).samples.is_empty());
+        assert!(s.window(all(2000, 3000), proc(), Metadata::default()).samples.is_empty());
     }
 
     #[test]
-    fn folded_window_sums_per_stack_and_prefix() {
+    fn aggregated_window_sums_per_stack_and_prefix() {
         let mut s = Store::new(1 << 20);
         for t in 0..10 {
             let key = format!("load-{}", t % 5);
@@ -291,12 +300,12 @@ mod tests {
             s.record(t, 1, ["main", leaf].iter().map(|n| frame(n)), Some(&tag), 10_000 + t as u32, 1);
         }
         push(&mut s, 10, &["main", "idle"], None);
-        let folded = Window { start_ns: 0, stop_ns: 100, fold: true };
-        let w = s.window(folded, proc(), Map::new());
+        let aggregated = Window { start_ns: 0, stop_ns: 100, aggregate: true };
+        let w = s.window(aggregated, proc(), Metadata::default());
         assert_eq!(w.samples.len(), 3, "read and parse under prefix load, and the untagged one");
         assert_eq!((w.n_samples(), w.total_us()), (11, 10 * 10_000 + 45 + 10_000));
-        assert!(w.tags.iter().all(|t| t.key == "load"), "keys fold into their prefix");
-        assert_eq!(s.window_size(folded).samples, 11);
-        assert!(s.window_size(folded).bytes < s.window_size(all(0, 100)).bytes);
+        assert!(w.tags.iter().all(|t| t.key == "load"), "keys merge into their prefix");
+        assert_eq!(s.window_size(aggregated).samples, 11);
+        assert!(s.window_size(aggregated).bytes < s.window_size(all(0, 100)).bytes);
     }
 }

@@ -4,9 +4,9 @@
 //! nanoseconds; labelled with the task key, prefix and span, the process and thread.
 //! One Location per frame (its line), one Function per (name, file).
 
-use crate::compress;
-use crate::model::{ProfileData, State, Tag};
-use crate::views::Weight;
+use crate::formats::compress;
+use crate::profile::model::{ProfileData, State, Tag};
+use crate::profile::views::Weight;
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -141,7 +141,8 @@ impl Strings {
 
 /// Every location's one mapping: it says the frames are symbolized already, so readers
 /// do not look for a binary to symbolize them with ("Main binary filename not available").
-const MAPPING: proto::Mapping = proto::Mapping { id: 1, has_functions: true, has_filenames: true, has_line_numbers: true };
+const MAPPING: proto::Mapping =
+    proto::Mapping { id: 1, has_functions: true, has_filenames: true, has_line_numbers: true };
 
 /// Functions and locations: location id = frame index + 1 (ids must be nonzero).
 fn functions_and_locations(data: &ProfileData, strings: &mut Strings) -> (Vec<proto::Function>, Vec<proto::Location>) {
@@ -154,7 +155,12 @@ fn functions_and_locations(data: &ProfileData, strings: &mut Strings) -> (Vec<pr
         .map(|(i, f)| {
             let function_id = *by_name.entry((&f.name, &f.file)).or_insert_with(|| {
                 let name = strings.id(&f.name);
-                functions.push(proto::Function { id: functions.len() as u64 + 1, name, system_name: name, filename: strings.id(&f.file) });
+                functions.push(proto::Function {
+                    id: functions.len() as u64 + 1,
+                    name,
+                    system_name: name,
+                    filename: strings.id(&f.file),
+                });
                 functions.len() as u64
             });
             let line = vec![proto::Line { function_id, line: f.line.max(0).into() }];
@@ -204,7 +210,8 @@ pub fn build(data: &ProfileData) -> proto::Profile {
         .into_iter()
         .map(|key @ (stack, tag, thread, state)| {
             let values = &totals[&key][..sample_type.len()];
-            let mut label: Vec<_> = tag.map_or(&[][..], |t| &tags[t as usize]).iter().chain(&threads[thread as usize]).cloned().collect();
+            let mut label: Vec<_> =
+                tag.map_or(&[][..], |t| &tags[t as usize]).iter().chain(&threads[thread as usize]).cloned().collect();
             label.push(strings.label("thread_state", state.name()));
             let location_id = data.stacks[stack as usize].iter().rev().map(|&f| f as u64 + 1).collect();
             proto::Sample { location_id, value: values.to_vec(), label }
@@ -235,8 +242,8 @@ pub fn write(data: &ProfileData) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
-    use crate::model::Span;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
 
     fn decode(data: &ProfileData) -> proto::Profile {
         proto::Profile::decode(&compress::gunzip_at_most(&write(data), usize::MAX).unwrap().unwrap()[..]).unwrap()
@@ -285,10 +292,21 @@ mod tests {
         assert!(p.sample.iter().all(|s| stack(&p, s) == ["f", "main"]), "leaf first");
         assert_eq!(
             labels(&p, &p.sample[1]),
-            [("task_key", "f-1"), ("task_prefix", "f"), ("process", "w1"), ("thread", "w1 T1 (0x1)"), ("thread_state", "cpu")].map(|(k, v)| (k.into(), v.into()))
+            [
+                ("task_key", "f-1"),
+                ("task_prefix", "f"),
+                ("process", "w1"),
+                ("thread", "w1 T1 (0x1)"),
+                ("thread_state", "cpu")
+            ]
+            .map(|(k, v)| (k.into(), v.into()))
         );
         let untagged = labels(&p, &p.sample[0]);
-        assert_eq!(untagged.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["process", "thread", "thread_state"], "untagged samples have no task labels");
+        assert_eq!(
+            untagged.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+            ["process", "thread", "thread_state"],
+            "untagged samples have no task labels"
+        );
         let f = &p.function[0];
         assert_eq!((text(&p, f.name), text(&p, f.system_name), text(&p, f.filename)), ("main", "main", "main.py"));
         assert_eq!(p.location.len(), 2);
@@ -302,7 +320,10 @@ mod tests {
         data.samples[0].cpu_us = 7_000;
         data.tags[0].span = Some("s2".into());
         data.tags[1].span = Some("unknown".into());
-        data.spans.insert("s2".into(), Span { names: vec!["load".into(), "parse".into()], ids: vec!["s1".into(), "s2".into()] });
+        data.spans.insert(
+            "s2".into(),
+            Span { names: vec!["load".into(), "parse".into()], ids: vec!["s1".into(), "s2".into()] },
+        );
         let p = decode(&data);
         assert_eq!(p.sample_type.iter().map(|t| text(&p, t.r#type)).collect::<Vec<_>>(), ["samples", "wall", "cpu"]);
         assert_eq!(p.sample[0].value, [1, 10_000_000, 7_000_000]);

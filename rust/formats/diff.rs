@@ -13,9 +13,9 @@
 //! of the row's share of all sampled time, in percentage points: the scaled view
 //! the graph's colours show.
 
-use crate::flamegraph::{folded, render};
-use crate::model::ProfileData;
-use crate::views::{By, Shown, Weight, NO_TASK};
+use crate::formats::flamegraph::{folded, render};
+use crate::profile::model::ProfileData;
+use crate::profile::views::{By, Shown, Weight, NO_TASK};
 use inferno::differential;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -141,14 +141,20 @@ pub fn diff(base: &ProfileData, new: &ProfileData) -> Diff {
         functions,
         prefixes,
         svg: graph(base, new, by, "New profile, coloured by change from the base (red grew, blue shrank)", false),
-        base_svg: graph(new, base, by, "Base profile, coloured by change to the new one (blue shrank or vanished, red grew)", true),
+        base_svg: graph(
+            new,
+            base,
+            by,
+            "Base profile, coloured by change to the new one (blue shrank or vanished, red grew)",
+            true,
+        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::profile;
+    use crate::profile::model::tests::profile;
 
     fn run(slow: usize) -> ProfileData {
         let mut samples: Vec<(u64, &[&str], Option<&str>)> = vec![(1, &["main", "steady"][..], Some("a-1")); 10];
@@ -185,7 +191,10 @@ mod tests {
         // inferno's differential tooltips: "name (N μs, share%; +change%)".
         assert!(svg.contains("slow (slow.py) (300,000 μs, 73.17%; +25.55%)"), "{svg}");
         assert!(svg.contains("steady (steady.py) (100,000 μs, 24.39%; -23.23%)"));
-        assert!(d.base_svg.unwrap().contains("slow (slow.py) (100,000 μs, 47.62%; +25.55%)"), "negated: red still means grew");
+        assert!(
+            d.base_svg.unwrap().contains("slow (slow.py) (100,000 μs, 47.62%; +25.55%)"),
+            "negated: red still means grew"
+        );
         assert!(diff(&run(10), &profile("w", &[])).svg.is_none(), "nothing to draw as wide as an empty profile");
     }
 }

@@ -1,0 +1,287 @@
+//! Building profiles from others: copying the samples a window, a filter or a merge
+//! keeps, re-interning only the frames, stacks, tags and threads they use, and
+//! aggregating samples that differ only in time.
+
+use crate::profile::intern::Interner;
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Span, Tag, Thread};
+use rustc_hash::FxHashMap;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// Copies samples from one set of tables into another, re-interning only what they use.
+///
+/// Used for window exports (live store -> profile), compaction and merges.
+#[derive(Debug, Default)]
+pub struct Builder {
+    pub frames: Interner<Frame>,
+    pub stacks: Interner<Vec<u32>>,
+    pub tags: Interner<Tag>,
+    pub threads: Interner<Thread>,
+    pub samples: Vec<Sample>,
+}
+
+/// Where `Builder::aggregate_sample` keeps each aggregated sample. Unless `keys`, task keys
+/// merge into their prefix, so an aggregated profile grows with distinct stacks, not
+/// with tasks. An aggregated sample keeps the time of its first.
+#[derive(Default)]
+pub struct Aggregator {
+    pub keys: bool,
+    index: FxHashMap<(u32, u32, Option<u32>, u8), usize>,
+}
+
+impl Aggregator {
+    fn tag(tag: &Tag, keys: bool) -> Tag {
+        match keys {
+            true => tag.clone(),
+            false => Tag { key: tag.prefix.clone(), ..tag.clone() },
+        }
+    }
+}
+
+/// Maps ids of one source's tables to the builder's, filled lazily.
+pub struct Remap {
+    frames: Vec<Option<u32>>,
+    stacks: Vec<Option<u32>>,
+    tags: Vec<Option<u32>>,
+    threads: Vec<Option<u32>>,
+}
+
+/// Read access to a source's tables, so the live store and a ProfileData share one copier.
+pub trait Tables {
+    fn frame(&self, id: u32) -> &Frame;
+    fn stack(&self, id: u32) -> &[u32];
+    fn tag(&self, id: u32) -> &Tag;
+    fn thread(&self, id: u32) -> &Thread;
+    fn counts(&self) -> [usize; 4];
+}
+
+impl Remap {
+    pub fn for_source(src: &impl Tables) -> Remap {
+        let [f, s, t, th] = src.counts();
+        Remap { frames: vec![None; f], stacks: vec![None; s], tags: vec![None; t], threads: vec![None; th] }
+    }
+}
+
+fn remapped(slot: &mut Option<u32>, make: impl FnOnce() -> u32) -> u32 {
+    *slot.get_or_insert_with(make)
+}
+
+impl Builder {
+    /// Adds `sample` from `src`; `process` overrides the thread's process index when merging.
+    pub fn copy_sample(&mut self, src: &impl Tables, map: &mut Remap, sample: &Sample, process: Option<u32>) {
+        let copied = self.remap(src, map, sample, process, |tag| tag.clone());
+        self.samples.push(copied);
+    }
+
+    /// Adds `sample` from `src` into the sample of `aggregator` with the same thread,
+    /// stack, task prefix, span and state.
+    pub fn aggregate_sample(
+        &mut self,
+        src: &impl Tables,
+        map: &mut Remap,
+        sample: &Sample,
+        aggregator: &mut Aggregator,
+    ) {
+        let keys = aggregator.keys;
+        let mut s = self.remap(src, map, sample, None, |t| Aggregator::tag(t, keys));
+        // Capped per sample, as views cap it (`Weight::Cpu`): the aggregate then sums what the
+        // raw samples show, where capping the sum would let one sample's excess fill
+        // another's gap.
+        s.cpu_us = s.cpu_us.min(s.weight_us);
+        let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.flags)).or_insert(usize::MAX);
+        let into = self
+            .samples
+            .get_mut(*slot)
+            .filter(|into| into.weight_us.checked_add(s.weight_us).is_some() && into.count < u32::MAX);
+        match into {
+            Some(into) => {
+                into.weight_us += s.weight_us;
+                into.cpu_us = into.cpu_us.saturating_add(s.cpu_us);
+                into.count += s.count;
+            }
+            None => {
+                // New, or full: a long window's time goes on in a fresh sample.
+                *slot = self.samples.len();
+                self.samples.push(s);
+            }
+        }
+    }
+
+    /// `sample` with its ids in this builder's tables, interning what it uses; `tag`
+    /// makes the tag to intern from the source's.
+    fn remap(
+        &mut self,
+        src: &impl Tables,
+        map: &mut Remap,
+        sample: &Sample,
+        process: Option<u32>,
+        tag: impl Fn(&Tag) -> Tag,
+    ) -> Sample {
+        let stack = remapped(&mut map.stacks[sample.stack as usize], || {
+            let frames = src
+                .stack(sample.stack)
+                .iter()
+                .map(|&f| remapped(&mut map.frames[f as usize], || self.frames.intern(src.frame(f).clone())))
+                .collect();
+            self.stacks.intern(frames)
+        });
+        let tag = sample.tag.map(|t| remapped(&mut map.tags[t as usize], || self.tags.intern(tag(src.tag(t)))));
+        let thread = remapped(&mut map.threads[sample.thread as usize], || {
+            let mut th = src.thread(sample.thread).clone();
+            th.process = process.unwrap_or(th.process);
+            self.threads.intern(th)
+        });
+        Sample { stack, tag, thread, ..*sample }
+    }
+
+    pub fn finish(self, processes: Vec<Process>, metadata: Metadata) -> ProfileData {
+        ProfileData {
+            frames: self.frames.into_items(),
+            stacks: self.stacks.into_items(),
+            tags: self.tags.into_items(),
+            threads: self.threads.into_items(),
+            processes,
+            samples: self.samples,
+            metadata,
+            spans: BTreeMap::new(),
+        }
+    }
+}
+
+/// Merges profiles one at a time, so each can be dropped once added. Samples keep
+/// each part's order (time order within a process); parts are not interleaved.
+#[derive(Default)]
+pub struct Merger {
+    out: Builder,
+    processes: Vec<Process>,
+    spans: BTreeMap<String, Span>,
+    tasks: Map<String, Value>,
+}
+
+impl Merger {
+    /// Room for `samples` more samples, so the merged column is not copied as it grows.
+    pub fn reserve(&mut self, samples: usize) {
+        self.out.samples.reserve(samples);
+    }
+
+    pub fn add(&mut self, part: &ProfileData) {
+        let mut map = Remap::for_source(part);
+        let mut offsets = Vec::with_capacity(part.processes.len());
+        for p in &part.processes {
+            let known = self.processes.iter().any(|q| q.token == p.token);
+            offsets.push((!known).then_some(self.processes.len() as u32));
+            if !known {
+                self.processes.push(p.clone());
+            }
+        }
+        for s in &part.samples {
+            if let Some(offset) = offsets[part.threads[s.thread as usize].process as usize] {
+                self.out.copy_sample(part, &mut map, s, Some(offset));
+            }
+        }
+        self.spans.extend(part.spans.iter().map(|(id, s)| (id.clone(), s.clone())));
+        if let Value::Object(tasks) = &part.metadata.tasks {
+            self.tasks.extend(tasks.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+    }
+
+    /// The merged profile: `metadata`, with the parts' `tasks` (per process) combined.
+    pub fn finish(self, mut metadata: Metadata) -> ProfileData {
+        let mut tasks = self.tasks;
+        match std::mem::take(&mut metadata.tasks) {
+            Value::Object(given) => {
+                tasks.extend(given);
+                metadata.tasks = Value::Object(tasks);
+            }
+            other if tasks.is_empty() => metadata.tasks = other,
+            _ => metadata.tasks = Value::Object(tasks),
+        }
+        let mut merged = self.out.finish(self.processes, metadata);
+        merged.spans = self.spans;
+        merged
+    }
+}
+
+impl Tables for ProfileData {
+    fn frame(&self, id: u32) -> &Frame {
+        &self.frames[id as usize]
+    }
+    fn stack(&self, id: u32) -> &[u32] {
+        &self.stacks[id as usize]
+    }
+    fn tag(&self, id: u32) -> &Tag {
+        &self.tags[id as usize]
+    }
+    fn thread(&self, id: u32) -> &Thread {
+        &self.threads[id as usize]
+    }
+    fn counts(&self) -> [usize; 4] {
+        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
+    }
+}
+
+impl Tables for Builder {
+    fn frame(&self, id: u32) -> &Frame {
+        self.frames.get(id)
+    }
+    fn stack(&self, id: u32) -> &[u32] {
+        self.stacks.get(id)
+    }
+    fn tag(&self, id: u32) -> &Tag {
+        self.tags.get(id)
+    }
+    fn thread(&self, id: u32) -> &Thread {
+        self.threads.get(id)
+    }
+    fn counts(&self) -> [usize; 4] {
+        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
+    }
+}
+
+impl ProfileData {
+    /// Combines profiles of several processes; a process seen twice (same token) is kept once.
+    pub fn merge(parts: &[&ProfileData], metadata: Metadata) -> ProfileData {
+        let mut merger = Merger::default();
+        for part in parts {
+            merger.add(part);
+        }
+        merger.finish(metadata)
+    }
+
+    /// The samples of one process only.
+    pub fn only_process(&self, process: u32) -> ProfileData {
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(self);
+        for s in self.samples.iter().filter(|s| self.threads[s.thread as usize].process == process) {
+            out.copy_sample(self, &mut map, s, Some(0));
+        }
+        let mut one = out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone());
+        one.spans = self.spans.clone();
+        one
+    }
+
+    /// The same totals in fewer samples, not in time order (see `Aggregator`).
+    pub fn aggregated(&self, keys: bool) -> ProfileData {
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(self);
+        let mut aggregator = Aggregator { keys, ..Aggregator::default() };
+        for s in &self.samples {
+            out.aggregate_sample(self, &mut map, s, &mut aggregator);
+        }
+        let mut aggregated = out.finish(self.processes.clone(), self.metadata.clone());
+        aggregated.spans = self.spans.clone();
+        aggregated
+    }
+
+    /// The samples `keep` keeps, with every process and span.
+    pub fn filtered(&self, keep: impl Fn(&Sample) -> bool) -> ProfileData {
+        let mut out = Builder::default();
+        let mut map = Remap::for_source(self);
+        for s in self.samples.iter().filter(|s| keep(s)) {
+            out.copy_sample(self, &mut map, s, None);
+        }
+        let mut kept = out.finish(self.processes.clone(), self.metadata.clone());
+        kept.spans = self.spans.clone();
+        kept
+    }
+}

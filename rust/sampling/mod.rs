@@ -1,0 +1,8 @@
+//! Sampling: the thread that reads stacks on a clock, the thread states it draws,
+//! and the store that keeps the samples until a window is exported.
+
+pub mod config;
+pub mod sampler;
+pub mod states;
+pub mod store;
+pub mod thread;

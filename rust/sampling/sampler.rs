@@ -1,0 +1,247 @@
+//! The sampler a Python `Sampler` holds: starts and stops the sampling thread
+//! (`thread.rs`), changes its options, and reads its samples, stats and stacks.
+
+use crate::error::{Error, Result};
+use crate::profile::model::{Metadata, Process, ProfileData};
+use crate::reader::tags::ThreadTags;
+use crate::reader::Chosen;
+use crate::sampling::config::SamplerConfig;
+use crate::sampling::states::CpuSeries;
+use crate::sampling::store::{Store, Window, WindowSize};
+use crate::sampling::thread::{now_ns, run, RunStats, Shared};
+use crate::sync::{Condvar, Mutex};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub const ALREADY_RUNNING: &str = "the sampler is already running: call stop() before start()";
+pub const CONFIGURE_RUNNING: &str = "the sampler is running: call stop() before configure()";
+const FORKED: &str = "this sampler was copied into a forked child, where its thread does not exist: make a new one";
+/// How long a live dump waits for the sampling thread to read every thread.
+const DUMP_WAIT: Duration = Duration::from_secs(2);
+
+pub struct Sampler {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    token: String,
+    /// The process that made it: in a child forked from that one its sampling thread
+    /// is gone and its locks may stay held forever (see `forked`).
+    pid: u32,
+}
+
+/// As Python's `socket.gethostname()` gives it.
+pub fn hostname() -> String {
+    nix::unistd::gethostname().map_or_else(|_| String::new(), |h| h.to_string_lossy().into_owned())
+}
+
+fn new_token() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    format!("{}-{}-{}", std::process::id(), now_ns(), COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+impl Sampler {
+    pub fn new(config: SamplerConfig) -> Result<Sampler> {
+        config.validate()?;
+        let store = Store::new(config.max_memory);
+        let shared = Shared {
+            config: Mutex::new(config),
+            tags: ThreadTags::default(),
+            store: Mutex::new(store),
+            cpu: Mutex::new(CpuSeries::default()),
+            stats: Mutex::new(RunStats::default()),
+            last: Mutex::new(None),
+            dumped: Condvar::new(),
+            want_all: AtomicBool::new(false),
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+            inject_panic: AtomicBool::new(false),
+        };
+        Ok(Sampler { shared: Arc::new(shared), thread: Mutex::new(None), token: new_token(), pid: std::process::id() })
+    }
+
+    /// True in a child forked from the process that made this sampler: a copy that must
+    /// not be used, since a lock the vanished sampling thread held is never released.
+    fn forked(&self) -> bool {
+        self.pid != std::process::id()
+    }
+
+    pub fn tags(&self) -> &ThreadTags {
+        &self.shared.tags
+    }
+
+    pub fn config(&self) -> SamplerConfig {
+        self.shared.config.lock().clone()
+    }
+
+    /// New options for a stopped sampler. The samples taken so far stay, evicted down
+    /// to the new `max_memory`, so changing options never loses history.
+    pub fn configure(&self, config: SamplerConfig) -> Result<()> {
+        config.validate()?;
+        if self.forked() {
+            return Err(Error::Broken(FORKED.into()));
+        }
+        let _no_start = self.thread.lock();
+        if self.is_running() {
+            return Err(Error::Broken(CONFIGURE_RUNNING.into()));
+        }
+        self.shared.store.lock().set_max_bytes(config.max_memory);
+        *self.shared.config.lock() = config;
+        Ok(())
+    }
+
+    /// Starts the sampling thread with `reader`; returns once it reads (or failed to).
+    pub fn start(&self, reader: Chosen) -> Result<()> {
+        if self.forked() {
+            return Err(Error::Broken(FORKED.into()));
+        }
+        let mut handle = self.thread.lock();
+        if self.is_running() {
+            return Err(Error::Broken(ALREADY_RUNNING.into()));
+        }
+        if let Some(old) = handle.take() {
+            let _ = old.join();
+        }
+        *self.shared.stop.lock() = false;
+        *self.shared.stats.lock() = RunStats { started_ns: Some(now_ns()), ..RunStats::default() };
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let shared = self.shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("dask-pyspy-sampler".into())
+            .spawn(move || run(shared, reader, ready_tx))
+            .map_err(|e| Error::Broken(format!("could not start the sampling thread: {e}")))?;
+        let ready = ready_rx.recv();
+        *handle = Some(thread);
+        match ready {
+            Ok(result) => result.map_err(Error::Broken),
+            Err(_) => Err(Error::Broken(
+                self.shared.stats.lock().panic.clone().unwrap_or_else(|| "the sampling thread died".into()),
+            )),
+        }
+    }
+
+    pub fn stop(&self) {
+        if self.forked() {
+            return;
+        }
+        *self.shared.stop.lock() = true;
+        self.shared.wake.notify_all();
+        if let Some(thread) = self.thread.lock().take() {
+            let _ = thread.join();
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        !self.forked() && self.shared.stats.lock().running
+    }
+
+    pub fn has_started(&self) -> bool {
+        self.shared.stats.lock().started_ns.is_some()
+    }
+
+    /// Test switch: the next tick panics, to prove a panic is contained and reported.
+    pub fn inject_panic(&self) {
+        self.shared.inject_panic.store(true, Ordering::SeqCst);
+    }
+
+    pub fn stats(&self) -> Value {
+        let run = self.shared.stats.lock().clone();
+        let store = self.shared.store.lock().stats();
+        let config = self.config();
+        let wall = run.wall_ns as f64 / 1e9;
+        let per_sec = |n: u64| if wall > 0.0 { n as f64 / wall } else { 0.0 };
+        json!({
+            "token": self.token,
+            "pid": std::process::id(),
+            "running": run.running,
+            "started": run.started_ns.map(|t| t as f64 / 1e9),
+            "duration_s": wall,
+            "ticks": run.ticks,
+            "failed_ticks": run.failed_ticks,
+            "throttled_ticks": run.throttled_ticks,
+            "boundary_samples": run.boundary_samples,
+            "requested_rate": config.rate,
+            "achieved_rate": per_sec(run.ticks),
+            "interval_s": run.interval_s,
+            "cpu_s": run.cpu_ns as f64 / 1e9,
+            "cpu_fraction": per_sec(run.cpu_ns) / 1e9,
+            "last_error": run.last_error,
+            "panic": run.panic,
+            "reader": run.reader,
+            "reader_stats": run.reader_stats,
+            "states": run.states,
+            "cores": std::thread::available_parallelism().map_or(0, usize::from),
+            "store": store,
+            "config": config,
+        })
+    }
+
+    /// The samples of `window` as a profile of this process.
+    pub fn profile(&self, window: Window, process_name: String, metadata: Metadata) -> ProfileData {
+        let mut process = Process {
+            name: process_name,
+            pid: std::process::id(),
+            host: hostname(),
+            token: self.token.clone(),
+            stats: self.stats(),
+        };
+        let cpu = self.shared.cpu.lock().totals(window.start_ns, window.stop_ns);
+        process.stats["window_cpu"] = json!(cpu);
+        let mut data = self.shared.store.lock().window(window, process, metadata);
+        data.resolve_thread_names(|ident| self.shared.tags.name(ident));
+        data
+    }
+
+    pub fn window_size(&self, window: Window) -> WindowSize {
+        self.shared.store.lock().window_size(window)
+    }
+
+    /// Every thread's stack (leaf first), with its task and state: asks the sampling
+    /// thread for a tick that reads them all, and waits for it a little.
+    pub fn dump(&self) -> Value {
+        let asked = now_ns();
+        let mut last = self.shared.last.lock();
+        if self.is_running() {
+            self.shared.want_all.store(true, Ordering::SeqCst);
+            self.shared.wake.notify_all();
+            let deadline = Instant::now() + DUMP_WAIT;
+            while last.as_ref().is_none_or(|l| l.time_ns < asked) && self.is_running() {
+                if self.shared.dumped.wait_until(&mut last, deadline).timed_out() {
+                    break;
+                }
+            }
+        }
+        let Some(last) = last.as_ref() else { return json!({"time": null, "reader": null, "threads": []}) };
+        let threads: Vec<Value> = last
+            .threads
+            .iter()
+            .map(|t| {
+                let s = &t.stack;
+                json!({
+                    "ident": s.ident,
+                    "name": self.shared.tags.name(s.ident).or_else(|| s.name.clone()),
+                    "active": s.active,
+                    "owns_gil": s.holds_gil,
+                    "state": t.state.name(),
+                    "task": s.tag.as_ref().ok().and_then(|t| t.as_ref()).map(|t| &t.key),
+                    "frames": t.frames.iter().map(|f| json!({"name": f.name, "file": f.file, "line": f.line})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({"time": last.time_ns as f64 / 1e9, "reader": self.shared.stats.lock().reader, "threads": threads})
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        if self.forked() {
+            // Nothing to stop, join or free: the thread does not exist here, and the
+            // state it shared may be mid-change. Leak both rather than touch them.
+            std::mem::forget(self.thread.get_mut().take());
+            std::mem::forget(self.shared.clone());
+            return;
+        }
+        self.stop();
+    }
+}
