@@ -77,18 +77,8 @@ pub const NO_SPAN: &str = "(no span)";
 /// Code that runs tasks rather than being them: thread pools, event loops, and
 /// dask's and distributed's executors (matched as parts of a file's path).
 const MACHINERY: &[&str] = &[
-    "/threading.py",
-    "/concurrent/futures/",
-    "/multiprocessing/",
-    "/asyncio/",
-    "/tornado/",
-    "/distributed/",
-    "/dask/_task_spec.py",
-    "/dask/core.py",
-    "/dask/local.py",
-    "/dask/threaded.py",
-    "/dask/utils.py",
-    "/dask_pyspy/",
+    "/threading.py", "/concurrent/futures/", "/multiprocessing/", "/asyncio/", "/tornado/", "/distributed/",
+    "/dask/_task_spec.py", "/dask/core.py", "/dask/local.py", "/dask/threaded.py", "/dask/utils.py", "/dask_pyspy/",
 ];
 
 /// The longest call cycle folded: recursion through up to this many functions.

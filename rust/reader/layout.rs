@@ -108,11 +108,7 @@ impl Layout {
             CurrentFrame::ViaCFrame { cframe, .. } => cframe,
         };
         [
-            self.tstate_next,
-            cf,
-            self.tstate_thread_id,
-            self.tstate_native_thread_id,
-            self.tstate_datastack_chunk,
+            self.tstate_next, cf, self.tstate_thread_id, self.tstate_native_thread_id, self.tstate_datastack_chunk,
             self.tstate_datastack_top,
         ]
         .into_iter()
@@ -199,85 +195,31 @@ fn py312() -> Layout {
 type Sections = &'static [(&'static str, &'static [&'static str])];
 
 const INTERP_313: &[&str] = &[
-    "size",
-    "id",
-    "next",
-    "threads_head",
-    "gc",
-    "imports_modules",
-    "sysdict",
-    "builtins",
-    "ceval_gil",
-    "gil_runtime_state",
-    "gil_runtime_state_enabled",
-    "gil_runtime_state_locked",
-    "gil_runtime_state_holder",
+    "size", "id", "next", "threads_head", "gc", "imports_modules", "sysdict", "builtins", "ceval_gil",
+    "gil_runtime_state", "gil_runtime_state_enabled", "gil_runtime_state_locked", "gil_runtime_state_holder",
 ];
 const INTERP_314: &[&str] = &[
-    "size",
-    "id",
-    "next",
-    "threads_head",
-    "threads_main",
-    "gc",
-    "imports_modules",
-    "sysdict",
-    "builtins",
-    "ceval_gil",
-    "gil_runtime_state",
-    "gil_runtime_state_enabled",
-    "gil_runtime_state_locked",
-    "gil_runtime_state_holder",
-    "code_object_generation",
-    "tlbc_generation",
+    "size", "id", "next", "threads_head", "threads_main", "gc", "imports_modules", "sysdict", "builtins", "ceval_gil",
+    "gil_runtime_state", "gil_runtime_state_enabled", "gil_runtime_state_locked", "gil_runtime_state_holder",
+    "code_object_generation", "tlbc_generation",
 ];
 const THREAD_313: &[&str] =
     &["size", "prev", "next", "interp", "current_frame", "thread_id", "native_thread_id", "datastack_chunk", "status"];
 const THREAD_315: &[&str] = &[
-    "size",
-    "prev",
-    "next",
-    "interp",
-    "current_frame",
-    "base_frame",
-    "last_profiled_frame",
-    "last_profiled_frame_seq",
-    "thread_id",
-    "native_thread_id",
-    "datastack_chunk",
-    "status",
-    "holds_gil",
-    "gil_requested",
-    "current_exception",
+    "size", "prev", "next", "interp", "current_frame", "base_frame", "last_profiled_frame", "last_profiled_frame_seq",
+    "thread_id", "native_thread_id", "datastack_chunk", "status", "holds_gil", "gil_requested", "current_exception",
     "exc_state",
 ];
 const FRAME_313: &[&str] = &["size", "previous", "executable", "instr_ptr", "localsplus", "owner"];
 const FRAME_314: &[&str] =
     &["size", "previous", "executable", "instr_ptr", "localsplus", "owner", "stackpointer", "tlbc_index"];
 const CODE_313: &[&str] = &[
-    "size",
-    "filename",
-    "name",
-    "qualname",
-    "linetable",
-    "firstlineno",
-    "argcount",
-    "localsplusnames",
-    "localspluskinds",
-    "co_code_adaptive",
+    "size", "filename", "name", "qualname", "linetable", "firstlineno", "argcount", "localsplusnames",
+    "localspluskinds", "co_code_adaptive",
 ];
 const CODE_314: &[&str] = &[
-    "size",
-    "filename",
-    "name",
-    "qualname",
-    "linetable",
-    "firstlineno",
-    "argcount",
-    "localsplusnames",
-    "localspluskinds",
-    "co_code_adaptive",
-    "co_tlbc",
+    "size", "filename", "name", "qualname", "linetable", "firstlineno", "argcount", "localsplusnames",
+    "localspluskinds", "co_code_adaptive", "co_tlbc",
 ];
 const RUNTIME: &[&str] = &["size", "finalizing", "interpreters_head"];
 const PYOBJECT: &[&str] = &["size", "ob_type"];

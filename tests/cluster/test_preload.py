@@ -37,45 +37,16 @@ def preloaded(tmp_path: Path, scheduler_preload: bool) -> Iterator[Preloaded]:
     env = dict(os.environ, DASK_PYSPY__RATE="150", DASK_PYSPY__CPU_BUDGET="0.3")
     if scheduler_preload:
         env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"] = '["dask_pyspy"]'
-    procs = [
-        subprocess.Popen(
-            [
-                DASK,
-                "scheduler",
-                "--scheduler-file",
-                str(scheduler_file),
-                "--port",
-                "0",
-                "--dashboard-address",
-                ":0",
-                "--no-show",
-            ],
-            env=env,
-            cwd=tmp_path,
-            stderr=logs.scheduler_log.open("w"),
-        ),
-    ]
+
+    def dask(command: str, *args: str, log: Path) -> subprocess.Popen:
+        scheduler = ("--scheduler-file", str(scheduler_file))
+        return subprocess.Popen([DASK, command, *scheduler, *args], env=env, cwd=tmp_path, stderr=log.open("w"))
+
+    procs = [dask("scheduler", "--port", "0", "--dashboard-address", ":0", "--no-show", log=logs.scheduler_log)]
     deadline = time.time() + 60
     while not scheduler_file.exists() and time.time() < deadline:
         time.sleep(0.2)
-    procs.append(
-        subprocess.Popen(
-            [
-                DASK,
-                "worker",
-                "--scheduler-file",
-                str(scheduler_file),
-                "--preload",
-                "dask_pyspy",
-                "--nthreads",
-                "2",
-                "--no-dashboard",
-            ],
-            env=env,
-            cwd=tmp_path,
-            stderr=logs.worker_log.open("w"),
-        )
-    )
+    procs.append(dask("worker", "--preload", "dask_pyspy", "--nthreads", "2", "--no-dashboard", log=logs.worker_log))
     try:
         with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
             client.wait_for_workers(1, timeout=60)

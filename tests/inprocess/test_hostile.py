@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dask_pyspy import Sampler
 from dask_pyspy.report import render_html
+from tests.inprocess.test_sampler import wait_for
 
 
 def spin(stop: threading.Event) -> None:
@@ -48,17 +49,20 @@ def test_names_survive_speedscope_and_html(sampler, name, key):
     start = time.time()
     thread.start()
     sampler.set_thread_tag(thread.ident, key, key)
-    time.sleep(0.15)
+    lossy_key = key.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    # py-spy skips (does not fail on) frames whose name or file is 4096 characters or more.
+    wanted = {lossy_key} if len(name) >= 4096 else {lossy_key, name}
+
+    def frame_names():
+        doc = json.loads(sampler.profile(start=start, by="task").to_bytes(compress=False))  # valid JSON, any names
+        return {f["name"] for f in doc["shared"]["frames"]}
+
+    # Until the thread was sampled in `spin` under its tag: a loaded machine may take long.
+    wait_for(lambda: wanted <= frame_names())
     stop.set()
     thread.join()
     sampler.clear_thread_tag(thread.ident)
     prof = sampler.profile(start=start, by="task")
-    doc = json.loads(prof.to_bytes(compress=False))  # valid JSON whatever the names
-    frame_names = {f["name"] for f in doc["shared"]["frames"]}
-    # py-spy skips (does not fail on) frames whose name or file is 4096 characters or more.
-    assert len(name) >= 4096 or name in frame_names, "py-spy reads the function name exactly"
-    lossy_key = key.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    assert lossy_key in frame_names, "the task key comes back exactly (lone surrogates replaced)"
     html = render_html(prof)
     for text in (name, key):
         if "<" in text:
