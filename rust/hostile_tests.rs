@@ -28,7 +28,8 @@ proptest! {
         data.tags[0] = Tag { key: key.clone(), prefix: key.clone(), span: Some(key.clone()) };
         data.threads[0].name = Some(thread.clone());
         for by in [By::Thread, By::Task, By::Prefix, By::Span] {
-            let doc: serde_json::Value = serde_json::from_slice(&speedscope::write(&data, Shown { by, weight: Weight::Wall }, "t")).unwrap();
+            let written = speedscope::write(&data, Shown { by, weight: Weight::Wall }, "t");
+            let doc: serde_json::Value = serde_json::from_slice(&written).unwrap();
             let frames = doc["shared"]["frames"].as_array().unwrap();
             prop_assert!(frames.iter().any(|f| f["name"] == name.as_str() && f["file"] == file.as_str()));
             if by == By::Task {

@@ -391,8 +391,9 @@ mod tests {
 
     #[test]
     fn foreign_earlier_and_damaged_files_say_so() {
+        let profile = json!({"type": "sampled", "unit": "none", "samples": [[0]], "weights": [1]});
         let pyspy = json!({"$schema": "https://www.speedscope.app/file-format-schema.json", "exporter": "py-spy@0.3.14",
-                           "shared": {"frames": [{"name": "f"}]}, "profiles": [{"type": "sampled", "unit": "none", "samples": [[0]], "weights": [1]}]});
+                           "shared": {"frames": [{"name": "f"}]}, "profiles": [profile]});
         assert!(err(&pyspy).starts_with("a speedscope file not written by dask-pyspy (py-spy@0.3.14)"));
         assert!(err(&json!([1])).starts_with("not a speedscope file"));
         assert_eq!(err(&json!({"a": 1})), "not a speedscope file (no \"profiles\")");

@@ -2,7 +2,7 @@
 //! (`thread.rs`), changes its options, and reads its samples, stats and stacks.
 
 use crate::error::{Error, Result};
-use crate::profile::model::{Metadata, Process, ProfileData};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData};
 use crate::reader::tags::ThreadTags;
 use crate::reader::Chosen;
 use crate::sampling::config::SamplerConfig;
@@ -225,12 +225,17 @@ impl Sampler {
                     "owns_gil": s.holds_gil,
                     "state": t.state.name(),
                     "task": s.tag.as_ref().ok().and_then(|t| t.as_ref()).map(|t| &t.key),
-                    "frames": t.frames.iter().map(|f| json!({"name": f.name, "file": f.file, "line": f.line})).collect::<Vec<_>>(),
+                    "frames": t.frames.iter().map(frame_json).collect::<Vec<_>>(),
                 })
             })
             .collect();
         json!({"time": last.time_ns as f64 / 1e9, "reader": self.shared.stats.lock().reader, "threads": threads})
     }
+}
+
+/// One frame of a live dump.
+fn frame_json(f: &Frame) -> Value {
+    json!({"name": f.name, "file": f.file, "line": f.line})
 }
 
 impl Drop for Sampler {
