@@ -112,7 +112,7 @@ def get_profile(
     aggregate: each process sends counts per (thread, stack, task prefix, span)
     instead of every sample, so the size grows with distinct stacks, not time: for
     big clusters and long windows. Reports and flame graphs are the same; task keys
-    fold into their prefix and there is no timeline (speedscope's time order).
+    give way to their prefix and there is no timeline (speedscope's time order).
     A request whose profile would exceed config `pyspy.max-result` is refused
     before anything is sent. Workers that fail, time out or send an unusable
     profile are named in `profile.metadata["missing"]`.

@@ -140,7 +140,7 @@ class Profile:
 
         Parts a worker aggregated (`pyspy_profile(aggregate=True)`) hold one sample per
         thread, stack, task prefix, span and thread state, with the time and count of
-        the samples it stands for: task keys are folded into their prefix, and sample
+        the samples it stands for: task keys give way to their prefix, and sample
         times are the first of each, so timelines mean nothing in them.
         """
         native = _native.Profile.merge_wire(list(parts.items()), metadata, spans or {})
@@ -188,7 +188,7 @@ class Profile:
         thread state, with the time and count of the samples it stands for (as
         `pyspy_profile(aggregate=True)` sends them). Reports, flame graphs and
         summaries read the same; sample order, so speedscope's time order, is gone.
-        Unless `keys`, task keys fold into their prefix."""
+        Unless `keys`, task keys give way to their prefix."""
         return self._derive(self._native.aggregated(options.flag("keys", keys)))
 
     def only_process(self, index: int) -> Profile:

@@ -243,11 +243,11 @@ def _process_graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]
     return {"process_graphs": graphs, "more_processes": max(len(busiest) - MAX_PROCESS_GRAPHS, 0)}
 
 
-FOLD_ABOVE = 200_000  # samples; a report of more reads a folded copy: same totals, minutes less
+AGGREGATE_ABOVE = 200_000  # samples; a report of more reads an aggregated copy: same totals, minutes less
 
 
 def _for_views(profile: Profile) -> Profile:
-    return profile.aggregated(keys=True) if profile.n_samples > FOLD_ABOVE else profile
+    return profile.aggregated(keys=True) if profile.n_samples > AGGREGATE_ABOVE else profile
 
 
 def _report(profile: Profile, title: str) -> dict[str, Any]:
@@ -257,9 +257,9 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
     return {
         "title": title,
         "summary": summary,
-        # The speedscope file to download (none for an empty profile), and whether its samples are folded.
+        # The speedscope file to download (none for an empty profile), and whether its samples are aggregated.
         "speedscope": base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else "",
-        "folded": profile is not raw or bool(raw.metadata.get("aggregate")),
+        "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
         "overview": _overview(profile, summary),
         "processes": list(_processes(profile, summary)),
         "split_header": SPLIT_HEADER,

@@ -155,7 +155,7 @@ class Sampler:
         spans: dict[str, dict[str, list[str]]],
     ) -> bytes:
         """The window in the wire format (see `Profile.to_wire`) without a `Profile` in
-        between; `aggregate` folds it (see `Profile.merge_wire`)."""
+        between; `aggregate` aggregates it (see `Profile.merge_wire`)."""
         self._check_started()
         self.name_threads()
         return self._native.export(self._bounds(start, stop), aggregate, name, metadata, spans)

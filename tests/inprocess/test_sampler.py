@@ -264,24 +264,24 @@ def test_aggregated_profiles_and_reports_keep_the_totals(sampler, monkeypatch):
     with Threads(("alpha", busy_alpha, ()), ("beta", busy_beta, ())):
         time.sleep(0.5)
     p = sampler.profile()
-    folded = p.aggregated(keys=True)
-    assert folded.n_samples == p.n_samples and folded.sampled_seconds == p.sampled_seconds
+    aggregated = p.aggregated(keys=True)
+    assert aggregated.n_samples == p.n_samples and aggregated.sampled_seconds == p.sampled_seconds
 
     def top(prof, key):
         return {f["name"]: f[key] for f in prof.summary()["top"]}
 
-    assert top(folded, "seconds") == pytest.approx(top(p, "seconds"))
+    assert top(aggregated, "seconds") == pytest.approx(top(p, "seconds"))
     # Folding sums each sample's CPU capped at its weight, as the raw view shows it.
-    assert top(folded, "cpu") == pytest.approx(top(p, "cpu"))
+    assert top(aggregated, "cpu") == pytest.approx(top(p, "cpu"))
 
     # Never more samples; as many when a busy machine left each thread one unbroken run.
     def sample_count(prof):
         return sum(len(q["samples"]) for q in prof.speedscope()["profiles"])
 
-    assert sample_count(folded) <= sample_count(p)
-    assert "folded by stack" not in report.render_html(p)
-    monkeypatch.setattr(report, "FOLD_ABOVE", 0)
-    assert "folded by stack" in report.render_html(p)
+    assert sample_count(aggregated) <= sample_count(p)
+    assert "aggregated by stack" not in report.render_html(p)
+    monkeypatch.setattr(report, "AGGREGATE_ABOVE", 0)
+    assert "aggregated by stack" in report.render_html(p)
 
 
 def test_export_and_merge_of_wire_parts(sampler):
@@ -290,10 +290,10 @@ def test_export_and_merge_of_wire_parts(sampler):
         time.sleep(0.5)
     stop = time.time()
     part = sampler.export(None, stop, False, "me", {"tasks": {"me": {"alpha": {"count": 1}}}}, {})
-    folded = sampler.export(None, stop, True, "me", {}, {})
-    assert len(folded) < len(part)
+    aggregated = sampler.export(None, stop, True, "me", {}, {})
+    assert len(aggregated) < len(part)
     size = sampler.window_size(None, stop, False)
-    assert size["samples"] == Profile.from_wire(part).n_samples == Profile.from_wire(folded).n_samples > 0
+    assert size["samples"] == Profile.from_wire(part).n_samples == Profile.from_wire(aggregated).n_samples > 0
     assert sampler.window_size(None, stop, True)["bytes"] < size["bytes"]
     merged = Profile.merge_wire({"me": part, "broken": part[:-40], "junk": b"junk"}, by="task", missing={"w": "gone"})
     missing = merged.metadata["missing"]
