@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 BY_CHOICES = ("thread", "task", "prefix", "span")
@@ -66,10 +67,6 @@ def span(value: Any) -> str | list[str] | None:
     )
 
 
-def reader(value: Any) -> str:
-    return choice("reader", value, READER_CHOICES)
-
-
 def workers(value: Any) -> int | list[str] | None:
     """None (all), a positive count (a random sample), or worker addresses/names."""
     if value is None:
@@ -109,6 +106,11 @@ def window(start: Any, stop: Any) -> tuple[float | None, float | None]:
     return start, stop
 
 
+def _checked_by(check: Callable[[str, Any], Any]) -> Any:
+    """A required option field whose value `check(name, value)` checks and converts."""
+    return dataclasses.field(metadata={"check": check})
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerOptions:
     """How a process samples: the options of `Sampler`, `PySpyPlugin` and `PySpyProfiler`.
@@ -131,28 +133,18 @@ class SamplerOptions:
         says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
     """
 
-    rate: float
-    idle: bool
-    gil_only: bool
-    cpu_budget: float
-    max_memory: int
-    lines: bool
-    function: bool
-    reader: str
+    rate: float = _checked_by(number)
+    idle: bool = _checked_by(flag)
+    gil_only: bool = _checked_by(flag)
+    cpu_budget: float = _checked_by(number)
+    max_memory: int = _checked_by(integer)
+    lines: bool = _checked_by(flag)
+    function: bool = _checked_by(flag)
+    reader: str = _checked_by(functools.partial(choice, choices=READER_CHOICES))
 
     def __post_init__(self) -> None:
-        checked = dict(
-            rate=number("rate", self.rate),
-            idle=flag("idle", self.idle),
-            gil_only=flag("gil_only", self.gil_only),
-            cpu_budget=number("cpu_budget", self.cpu_budget),
-            max_memory=integer("max_memory", self.max_memory),
-            lines=flag("lines", self.lines),
-            function=flag("function", self.function),
-            reader=reader(self.reader),
-        )
-        for name, value in checked.items():  # numbers as the native sampler takes them
-            object.__setattr__(self, name, value)
+        for field in dataclasses.fields(self):  # in field order; numbers as the native sampler takes them
+            object.__setattr__(self, field.name, field.metadata["check"](field.name, getattr(self, field.name)))
 
     @staticmethod
     def names() -> tuple[str, ...]:
