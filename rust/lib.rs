@@ -10,6 +10,7 @@ mod names;
 mod profile;
 mod reader;
 mod sampling;
+mod steps;
 mod sync;
 mod testing;
 mod values;
@@ -142,6 +143,21 @@ impl PySampler {
         self.inner.tags().clear_tag(ident)
     }
 
+    /// Puts the calling thread in `activity`; returns what `leave_activity` goes back to.
+    fn enter_activity(&self, activity: &Bound<'_, steps::PyActivity>) -> Option<steps::PyActivity> {
+        steps::enter(self.inner.tags(), activity.get())
+    }
+
+    #[pyo3(signature = (previous))]
+    fn leave_activity(&self, previous: Option<&Bound<'_, steps::PyActivity>>) {
+        steps::leave(self.inner.tags(), previous.map(|p| p.get()))
+    }
+
+    /// `coro` run in `activity` (an Activity, or a callable giving each step's).
+    fn steps(&self, coro: Py<PyAny>, activity: Py<PyAny>) -> steps::Steps {
+        steps::Steps::new(self.inner.tags().clone(), coro, activity)
+    }
+
     #[pyo3(signature = (ident, name, native_id=None))]
     fn set_thread_name(&self, ident: u64, name: &Bound<'_, PyString>, native_id: Option<u64>) {
         self.inner.tags().set_name(ident, name.to_string_lossy().into_owned(), native_id)
@@ -217,6 +233,7 @@ fn only_arg(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Only> {
             "process" => only.process = value.extract()?,
             "tasks" => only.tasks = value.extract()?,
             "span" => only.span = value.extract::<Option<SpanArg>>()?.map(SpanFilter::from),
+            "activity" => only.activity = value.extract()?,
             other => {
                 return Err(PyTypeError::new_err(format!(
                     "flamegraph_svg() got an unexpected keyword argument '{other}'"
@@ -431,6 +448,8 @@ impl PyProfile {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
     m.add_class::<PyProfile>()?;
+    m.add_class::<steps::PyActivity>()?;
+    m.add_class::<steps::Steps>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_submodule(&testing::module(m.py())?)?;
     Ok(())

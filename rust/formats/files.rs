@@ -96,6 +96,8 @@ pub mod tests {
             serde_json::from_value(json!({"window": [1.5, 2.25], "tasks": {"w1": {"f": {"count": 3}}}})).unwrap(),
         );
         data.tags[0].span = Some("s1".into());
+        data.activities = vec!["scheduler: task-finished".into()];
+        data.samples[1].activity = Some(0);
         data.spans.insert("s1".into(), Span { names: vec!["load".into()], ids: vec!["s1".into()] });
         data.samples[0].time_ns = 1_700_000_000_123_456_789;
         data.samples[1].cpu_us = 4321;
@@ -147,7 +149,7 @@ pub mod tests {
         dangling.samples[0].stack = 99;
         assert!(read(&write(&dangling, By::Thread))
             .unwrap_err()
-            .contains("a sample names a thread, stack or tag that does not exist"));
+            .contains("a sample names a thread, stack, tag or activity that does not exist"));
     }
 
     #[test]

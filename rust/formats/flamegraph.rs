@@ -34,18 +34,18 @@ fn label(f: &Frame, lines: bool) -> String {
 pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, lines: bool) -> Vec<String> {
     let view = View::new(data);
     let by = shown.by;
-    // Keyed by tag only where the roots depend on it.
-    let mut weights: HashMap<(Option<u32>, u32, bool), u64> = HashMap::new();
+    // Keyed by tag and activity only where the roots depend on them.
+    let mut weights: HashMap<(Option<u32>, Option<u32>, u32, bool), u64> = HashMap::new();
     for s in data.samples.iter().filter(|s| keep(s)) {
         let cut = by != By::Thread && s.tag.is_some();
-        let tag = if by == By::Thread { None } else { s.tag };
-        *weights.entry((tag, s.stack, cut)).or_default() += shown.weight.of(s) as u64;
+        let (tag, activity) = if by == By::Thread { (None, None) } else { (s.tag, s.activity) };
+        *weights.entry((tag, activity, s.stack, cut)).or_default() += shown.weight.of(s) as u64;
     }
     let labels: Vec<String> = data.frames.iter().map(|f| label(f, lines)).collect();
     let mut lines: HashMap<String, u64> = HashMap::new();
-    for ((tag, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
+    for ((tag, activity, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
         let frames = view.folded(view.frames(stack, cut));
-        let roots: Vec<String> = view.roots(tag, by).into_iter().map(clean).collect();
+        let roots: Vec<String> = view.roots(tag, activity, by).into_iter().map(clean).collect();
         let names: Vec<&str> =
             roots.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
         *lines.entry(names.join(";")).or_default() += w;
@@ -62,24 +62,29 @@ const EMBED_SHIM: &str = "<script type=\"text/ecmascript\"><![CDATA[history.repl
 const MIN_WIDTH_PERCENT: f64 = 0.1;
 
 /// Which samples a flame graph shows; None keeps any. `tasks`: True keeps task
-/// samples only, False the rest.
+/// samples only, False the rest. `activity`: samples outside tasks in that activity.
 #[derive(Default)]
 pub struct Only {
     pub prefix: Option<String>,
     pub process: Option<u32>,
     pub tasks: Option<bool>,
     pub span: Option<SpanFilter>,
+    pub activity: Option<String>,
 }
 
 /// The flame graph of the samples `only` keeps.
 pub fn svg_of(data: &ProfileData, title: &str, shown: Shown, only: &Only) -> Option<String> {
     let in_span: Vec<bool> = data.tags.iter().map(|t| only.span.as_ref().is_none_or(|f| f.keeps(data, t))).collect();
+    let in_activity: Vec<bool> =
+        data.activities.iter().map(|a| only.activity.as_ref().is_none_or(|want| want == a)).collect();
     let keep = |s: &Sample| {
+        let activity_ok =
+            only.activity.is_none() || (s.tag.is_none() && s.activity.is_some_and(|a| in_activity[a as usize]));
         let tag = s.tag.map(|t| &data.tags[t as usize]);
         let prefix_ok = only.prefix.as_ref().is_none_or(|p| tag.is_some_and(|t| t.prefix == *p));
         let process_ok = only.process.is_none_or(|p| data.threads[s.thread as usize].process == p);
         let span_ok = only.span.is_none() || s.tag.is_some_and(|t| in_span[t as usize]);
-        prefix_ok && process_ok && span_ok && only.tasks.is_none_or(|t| t == s.tag.is_some())
+        activity_ok && prefix_ok && process_ok && span_ok && only.tasks.is_none_or(|t| t == s.tag.is_some())
     };
     svg(data, title, shown, &keep)
 }

@@ -195,9 +195,12 @@ pub fn build(data: &ProfileData) -> proto::Profile {
     let period_type = sample_type[1].clone();
     let (function, location) = functions_and_locations(data, &mut strings);
 
-    let mut totals: FxHashMap<(u32, Option<u32>, u32, State), [i64; 3]> = FxHashMap::default();
+    // Stack, tag, activity, thread and state: what a pprof sample's labels tell apart.
+    type Key = (u32, Option<u32>, Option<u32>, u32, State);
+    let mut totals: FxHashMap<Key, [i64; 3]> = FxHashMap::default();
     for s in &data.samples {
-        let t = totals.entry((s.stack, s.tag, s.thread, State::of(s.flags))).or_default();
+        let activity = if s.tag.is_some() { None } else { s.activity };
+        let t = totals.entry((s.stack, s.tag, activity, s.thread, State::of(s.flags))).or_default();
         t[0] += s.count as i64;
         t[1] += s.weight_us as i64 * 1000;
         t[2] += Weight::Cpu.of(s) as i64 * 1000;
@@ -205,13 +208,19 @@ pub fn build(data: &ProfileData) -> proto::Profile {
     let mut keys: Vec<_> = totals.keys().copied().collect();
     keys.sort_unstable();
     let tags: Vec<_> = data.tags.iter().map(|t| tag_labels(data, t, &mut strings)).collect();
+    let activities: Vec<_> = data.activities.iter().map(|a| strings.label("activity", a)).collect();
     let threads: Vec<_> = (0..data.threads.len() as u32).map(|t| thread_labels(data, t, &mut strings)).collect();
     let sample = keys
         .into_iter()
-        .map(|key @ (stack, tag, thread, state)| {
+        .map(|key @ (stack, tag, activity, thread, state)| {
             let values = &totals[&key][..sample_type.len()];
-            let mut label: Vec<_> =
-                tag.map_or(&[][..], |t| &tags[t as usize]).iter().chain(&threads[thread as usize]).cloned().collect();
+            let mut label: Vec<_> = tag
+                .map_or(&[][..], |t| &tags[t as usize])
+                .iter()
+                .chain(activity.map(|a| &activities[a as usize]))
+                .chain(&threads[thread as usize])
+                .cloned()
+                .collect();
             label.push(strings.label("thread_state", state.name()));
             let location_id = data.stacks[stack as usize].iter().rev().map(|&f| f as u64 + 1).collect();
             proto::Sample { location_id, value: values.to_vec(), label }

@@ -1,7 +1,8 @@
 //! Writer for speedscope's file format (https://www.speedscope.app/file-format-schema.json):
 //! weights in seconds (wall or CPU), stacks root first. Merged profiles come first,
-//! as `by` asks: one per task prefix, or the whole cluster by task or by span, with
-//! stacks cut to the task's own code. Then one profile per thread with its raw stacks,
+//! as `by` asks: one per task prefix and one of the event loops, or the whole cluster
+//! by task, span or activity, with task stacks cut to the task's own code. Then one
+//! profile per thread with its raw stacks under their task's or activity's root frames,
 //! which is what `speedscope_read.rs` loads back.
 
 use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
@@ -78,28 +79,33 @@ struct Profile {
 }
 
 /// The files of synthetic root frames, which are not code: task keys or prefixes,
-/// and the span names above them.
+/// the span names above them, and event-loop activities (or, by activity, the kind
+/// of work above a task's prefix).
 pub const TASK_FILE: &str = "dask task";
 pub const SPAN_FILE: &str = "dask span";
+pub const ACTIVITY_FILE: &str = "dask activity";
 
-/// Synthetic root frames, appended after the real frames: per tag, the frames `by`
-/// roots its samples at; and in the merged view by task or span, those of untagged
-/// samples (threads keep untagged stacks as they are).
+/// Synthetic root frames, appended after the real frames: per tag and per activity,
+/// the frames `by` roots its samples at; and in merged views, those of samples in
+/// neither (threads keep those stacks as they are).
 struct Roots {
     by_tag: Vec<Vec<u32>>,
+    by_activity: Vec<Vec<u32>>,
     untagged: Vec<u32>,
 }
 
 impl Roots {
     fn new<'a>(data: &'a ProfileData, view: &View<'a>, by: By, frames: &mut Vec<SFrame<'a>>) -> Roots {
         let mut ids: HashMap<(&str, &str), u32> = HashMap::new();
-        let mut ids_of = |names: Vec<&'a str>| -> Vec<u32> {
-            let spans = if by == By::Span { names.len().saturating_sub(1) } else { 0 };
-            let files = std::iter::repeat_n(SPAN_FILE, spans).chain(std::iter::repeat(TASK_FILE));
+        // The last root of a task is its key or prefix; those above it group it.
+        let group = if by == By::Span { SPAN_FILE } else { ACTIVITY_FILE };
+        let mut ids_of = |names: Vec<&'a str>, last: &'static str, above: &'static str| -> Vec<u32> {
+            let n = names.len();
             names
                 .into_iter()
-                .zip(files)
-                .map(|(name, file)| {
+                .enumerate()
+                .map(|(i, name)| {
+                    let file = if i + 1 == n { last } else { above };
                     *ids.entry((name, file)).or_insert_with(|| {
                         frames.push(SFrame { name, file, line: None });
                         frames.len() as u32 - 1
@@ -107,16 +113,24 @@ impl Roots {
                 })
                 .collect()
         };
-        let by_tag = (0..data.tags.len() as u32).map(|t| ids_of(view.roots(Some(t), by))).collect();
-        let untagged = if matches!(by, By::Task | By::Span) { ids_of(view.roots(None, by)) } else { Vec::new() };
-        Roots { by_tag, untagged }
+        let by_tag =
+            (0..data.tags.len() as u32).map(|t| ids_of(view.roots(Some(t), None, by), TASK_FILE, group)).collect();
+        let by_activity = (0..data.activities.len() as u32)
+            .map(|a| ids_of(view.roots(None, Some(a), by), ACTIVITY_FILE, ACTIVITY_FILE))
+            .collect();
+        let untagged = match by {
+            By::Thread => Vec::new(),
+            _ => ids_of(view.roots(None, None, by), TASK_FILE, TASK_FILE),
+        };
+        Roots { by_tag, by_activity, untagged }
     }
 
     fn of(&self, s: &Sample, merged: bool) -> &[u32] {
-        match s.tag {
-            Some(t) => &self.by_tag[t as usize],
-            None if merged => &self.untagged,
-            None => &[],
+        match (s.tag, s.activity) {
+            (Some(t), _) => &self.by_tag[t as usize],
+            (None, Some(a)) => &self.by_activity[a as usize],
+            (None, None) if merged => &self.untagged,
+            (None, None) => &[],
         }
     }
 }
@@ -176,13 +190,12 @@ fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<P
     let weight = shown.weight;
     let mut out: Vec<Profile> = match shown.by {
         By::Thread => return Vec::new(),
-        By::Task | By::Span => {
+        By::Task | By::Span | By::Activity => {
             let mut all = Sampled::default();
             for s in time_order(data) {
                 all.add(s, weight, roots.of(s, true), view.frames(s.stack, s.tag.is_some()));
             }
-            let by = if shown.by == By::Task { "task" } else { "span" };
-            vec![all.finish(format!("whole cluster by {by} (task code only)"))]
+            vec![all.finish(format!("whole cluster by {} (task code only)", shown.by.as_str()))]
         }
         By::Prefix => {
             let mut per_prefix: HashMap<&str, Sampled> = HashMap::new();
@@ -196,9 +209,14 @@ fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<P
                     );
                 }
             }
+            let mut loops = Sampled::default();
+            for s in time_order(data).into_iter().filter(|s| s.tag.is_none()) {
+                loops.add(s, weight, roots.of(s, true), view.frames(s.stack, false));
+            }
             per_prefix
                 .into_iter()
                 .map(|(prefix, p)| p.finish(format!("{prefix} (all threads, task code only)")))
+                .chain([loops.finish("outside tasks: event loops by activity (all processes)".into())])
                 .collect()
         }
     };
@@ -363,7 +381,9 @@ mod tests {
         assert_eq!(d["profiles"][0]["name"], "g (all threads, task code only)", "largest prefix first");
         assert_eq!(names(&d, 0), [["g"]], "cut to the task's code; consecutive samples of one stack merge");
         assert_eq!(names(&d, 1), [["f"]]);
-        assert_eq!(names(&d, 2), [["f", "pool", "f"], ["g", "pool", "g"]], "threads keep raw stacks");
+        assert_eq!(d["profiles"][2]["name"], "outside tasks: event loops by activity (all processes)");
+        assert_eq!(names(&d, 2), [["(no task)", "pool", "h"]], "with their whole stacks");
+        assert_eq!(names(&d, 3), [["f", "pool", "f"], ["g", "pool", "g"]], "threads keep raw stacks");
         assert_eq!(d["activeProfileIndex"], 0);
         let d: Value = serde_json::from_slice(&write(&data, wall(By::Task), "t")).unwrap();
         assert_eq!(

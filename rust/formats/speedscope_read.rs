@@ -11,7 +11,7 @@
 
 use crate::error::Error;
 use crate::formats::limits::{self, Limits};
-use crate::formats::speedscope::{Extension, ThreadProfile, SPAN_FILE, TASK_FILE};
+use crate::formats::speedscope::{Extension, ThreadProfile, ACTIVITY_FILE, SPAN_FILE, TASK_FILE};
 use crate::profile::build::Builder;
 use crate::profile::model::{Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
 use crate::profile::views::By;
@@ -150,6 +150,9 @@ fn weights_us(mut left: u64) -> impl Iterator<Item = u32> {
     })
 }
 
+/// A stack's tag, activity and frames below its synthetic roots.
+type Rooted<'s> = (Option<u32>, Option<u32>, &'s [u32]);
+
 struct Reader<'a> {
     doc: &'a Doc,
     by: By,
@@ -172,7 +175,7 @@ impl Reader<'_> {
             .frames
             .get(index as usize)
             .ok_or_else(|| format!("a sample names frame {index}, which does not exist"))?;
-        if matches!(f.file.as_deref(), Some(TASK_FILE | SPAN_FILE)) {
+        if matches!(f.file.as_deref(), Some(TASK_FILE | SPAN_FILE | ACTIVITY_FILE)) {
             return Err(format!("the task frame {:?} below the root of a stack", f.name));
         }
         let out = &mut self.out;
@@ -189,24 +192,28 @@ impl Reader<'_> {
         self.doc.shared.frames.get(index as usize).filter(|f| f.file.as_deref() == Some(file)).map(|f| f.name.as_str())
     }
 
-    /// The tag the root frames stand for, if `stack` starts with them; and the rest.
-    fn split_root<'s>(&mut self, stack: &'s [u32]) -> Result<(Option<u32>, &'s [u32]), String> {
+    /// The tag or else the activity the root frames stand for, if `stack` starts with
+    /// them; and the rest.
+    fn split_root<'s>(&mut self, stack: &'s [u32]) -> Result<Rooted<'s>, String> {
+        let kind: Vec<String> =
+            stack.iter().map_while(|&i| self.root_named(i, ACTIVITY_FILE)).map(String::from).collect();
+        let stack = &stack[kind.len()..];
         let path: Vec<String> = stack.iter().map_while(|&i| self.root_named(i, SPAN_FILE)).map(String::from).collect();
         let Some(key) = stack.get(path.len()).and_then(|&i| self.root_named(i, TASK_FILE)).map(String::from) else {
-            return if path.is_empty() {
-                Ok((None, stack))
-            } else {
-                Err("span frames without a task frame below them".into())
+            return match (kind.is_empty(), path.is_empty()) {
+                (_, false) => Err("span frames without a task frame below them".into()),
+                (true, true) => Ok((None, None, stack)),
+                (false, true) => Ok((None, Some(self.out.activities.intern(kind.join(": "))), stack)),
             };
         };
         let prefix = match self.by {
             By::Thread => return Err(format!("a task frame {key:?} in a file grouped by thread")),
             By::Task => self.extension.prefixes.get(&key).cloned().unwrap_or_else(|| key.clone()),
-            By::Prefix | By::Span => key.clone(),
+            By::Prefix | By::Span | By::Activity => key.clone(),
         };
         let depth = path.len() + 1;
         let span = self.span(path);
-        Ok((Some(self.out.tags.intern(Tag { key, prefix, span })), &stack[depth..]))
+        Ok((Some(self.out.tags.intern(Tag { key, prefix, span })), None, &stack[depth..]))
     }
 
     /// The id of a span path read from the file: the path itself.
@@ -231,7 +238,7 @@ impl Reader<'_> {
         self.make_room(&p.weights)?;
         let thread = self.out.threads.intern(tp.thread.clone());
         for (stack, &seconds) in p.samples.iter().zip(&p.weights) {
-            let (tag, rest) = self.split_root(stack)?;
+            let (tag, activity, rest) = self.split_root(stack)?;
             let frames = rest.iter().map(|&i| self.frame(i)).collect::<Result<Vec<u32>, String>>()?;
             let stack = self.out.stacks.intern(frames);
             for weight_us in weights_us(micros(seconds)?) {
@@ -240,6 +247,7 @@ impl Reader<'_> {
                     thread,
                     stack,
                     tag,
+                    activity,
                     weight_us,
                     cpu_us: 0,
                     count: 1,
@@ -335,15 +343,18 @@ mod tests {
         Shown { by, weight: Weight::Wall }
     }
 
-    type Held = BTreeMap<(u64, Option<(String, String)>, Vec<String>), u64>;
+    type Held = BTreeMap<(u64, Option<(String, String)>, Option<String>, Vec<String>), u64>;
 
-    /// Microseconds per (thread, shown tag, stack of frame names): what a file can hold.
-    fn held(data: &ProfileData, shown: impl Fn(&Tag) -> Option<(String, String)>) -> Held {
+    /// Microseconds per (thread, shown tag, activity if `activities`, stack of frame
+    /// names): what a file can hold.
+    fn held(data: &ProfileData, shown: impl Fn(&Tag) -> Option<(String, String)>, activities: bool) -> Held {
         let mut out = BTreeMap::new();
         for s in &data.samples {
             let tag = s.tag.and_then(|t| shown(&data.tags[t as usize]));
+            let activity = s.activity.filter(|_| activities).map(|a| data.activities[a as usize].clone());
             let names = data.stacks[s.stack as usize].iter().map(|&f| data.frames[f as usize].name.clone()).collect();
-            *out.entry((data.threads[s.thread as usize].ident, tag, names)).or_default() += s.weight_us as u64;
+            let thread = data.threads[s.thread as usize].ident;
+            *out.entry((thread, tag, activity, names)).or_default() += s.weight_us as u64;
         }
         out
     }
@@ -351,19 +362,20 @@ mod tests {
     #[test]
     fn reads_back_what_the_file_holds() {
         let data = rich();
-        for by in [By::Thread, By::Task, By::Prefix, By::Span] {
+        for by in [By::Thread, By::Task, By::Prefix, By::Span, By::Activity] {
             let (back, by_back) = read(&speedscope::write(&data, wall(by), "t")).unwrap();
             assert_eq!(by_back, by);
             assert_eq!((&back.processes, &back.metadata), (&data.processes, &data.metadata));
             assert_eq!(back.threads.len(), data.threads.len());
             assert!(back.samples.iter().all(|s| s.time_ns == 0 && s.flags == FLAG_ACTIVE));
-            // By prefix the file holds prefixes only; by thread, no tags at all.
-            let expect = held(&data, |t| match by {
+            // By prefix the file holds prefixes only; by thread, no tags or activities at all.
+            let shown = |t: &Tag| match by {
                 By::Thread => None,
                 By::Task => Some((t.key.clone(), t.prefix.clone())),
-                By::Prefix | By::Span => Some((t.prefix.clone(), t.prefix.clone())),
-            });
-            assert_eq!(held(&back, |t| Some((t.key.clone(), t.prefix.clone()))), expect, "{by:?}");
+                By::Prefix | By::Span | By::Activity => Some((t.prefix.clone(), t.prefix.clone())),
+            };
+            let expect = held(&data, shown, by != By::Thread);
+            assert_eq!(held(&back, |t| Some((t.key.clone(), t.prefix.clone())), true), expect, "{by:?}");
             // By span the file holds span paths: each comes back as its own id.
             let paths: Vec<Vec<&str>> = back.tags.iter().map(|t| back.span_names(t)).collect();
             let expect: Vec<Vec<&str>> =

@@ -84,6 +84,12 @@ struct Body {
     count: Vec<u32>,
     #[prost(uint32, repeated, tag = "20")]
     flags: Vec<u32>,
+    /// Strings, as `activities` in the model.
+    #[prost(uint32, repeated, tag = "21")]
+    activity_name: Vec<u32>,
+    /// Each sample's activity + 1 (0: none); empty: no sample has one.
+    #[prost(uint32, repeated, tag = "22")]
+    activity: Vec<u32>,
 }
 
 #[derive(Default)]
@@ -122,6 +128,9 @@ fn body(data: &ProfileData) -> Body {
         b.tag_prefix.push(st.id(&t.prefix));
         b.tag_span.push(st.optional(t.span.as_deref()));
     }
+    for a in &data.activities {
+        b.activity_name.push(st.id(a));
+    }
     for t in &data.threads {
         b.thread_process.push(t.process);
         b.thread_ident.push(t.ident);
@@ -137,6 +146,9 @@ fn body(data: &ProfileData) -> Body {
         b.weight_us.push(s.weight_us);
         b.cpu_us.push(s.cpu_us);
         b.flags.push(s.flags.into());
+    }
+    if data.samples.iter().any(|s| s.activity.is_some()) {
+        b.activity = data.samples.iter().map(|s| s.activity.map_or(0, |a| a + 1)).collect();
     }
     if data.samples.iter().any(|s| s.count != 1) {
         b.count = data.samples.iter().map(|s| s.count).collect();
@@ -279,7 +291,7 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
     same_lengths(&[b.thread_process.len(), b.thread_ident.len(), b.thread_name.len()])?;
     let n = b.time_delta_ns.len();
     same_lengths(&[n, b.thread.len(), b.stack.len(), b.tag.len(), b.weight_us.len(), b.cpu_us.len(), b.flags.len()])?;
-    if !b.count.is_empty() && b.count.len() != n {
+    if [b.count.len(), b.activity.len()].iter().any(|&l| l != 0 && l != n) {
         return Err("columns differ in length".into());
     }
     let strings = &b.strings;
@@ -300,6 +312,7 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
     for i in 0..b.tag_key.len() {
         tags.push(Tag { key: string(b.tag_key[i])?, prefix: string(b.tag_prefix[i])?, span: optional(b.tag_span[i])? });
     }
+    let activities = b.activity_name.iter().map(|&i| string(i)).collect::<Result<Vec<_>, _>>()?;
     let mut threads = Vec::with_capacity(b.thread_ident.len());
     for i in 0..b.thread_ident.len() {
         threads.push(Thread {
@@ -317,6 +330,7 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
                 thread: b.thread[i],
                 stack: b.stack[i],
                 tag: b.tag[i].checked_sub(1),
+                activity: b.activity.get(i).and_then(|a| a.checked_sub(1)),
                 weight_us: b.weight_us[i],
                 cpu_us: b.cpu_us[i],
                 count: b.count.get(i).copied().unwrap_or(1),
@@ -325,7 +339,7 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
         })
         .collect();
     let Head { processes, metadata, spans, .. } = head;
-    Ok(ProfileData { frames, stacks, tags, threads, processes, samples, metadata, spans })
+    Ok(ProfileData { frames, stacks, tags, activities, threads, processes, samples, metadata, spans })
 }
 
 #[cfg(test)]

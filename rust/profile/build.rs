@@ -16,6 +16,7 @@ pub struct Builder {
     pub frames: Interner<Frame>,
     pub stacks: Interner<Vec<u32>>,
     pub tags: Interner<Tag>,
+    pub activities: Interner<String>,
     pub threads: Interner<Thread>,
     pub samples: Vec<Sample>,
 }
@@ -26,8 +27,11 @@ pub struct Builder {
 #[derive(Default)]
 pub struct Aggregator {
     pub keys: bool,
-    index: FxHashMap<(u32, u32, Option<u32>, u8), usize>,
+    index: FxHashMap<Kept, usize>,
 }
+
+/// Thread, stack, tag, activity and flags: what an aggregated sample keeps apart.
+type Kept = (u32, u32, Option<u32>, Option<u32>, u8);
 
 impl Aggregator {
     fn tag(tag: &Tag, keys: bool) -> Tag {
@@ -43,6 +47,7 @@ pub struct Remap {
     frames: Vec<Option<u32>>,
     stacks: Vec<Option<u32>>,
     tags: Vec<Option<u32>>,
+    activities: Vec<Option<u32>>,
     threads: Vec<Option<u32>>,
 }
 
@@ -51,14 +56,21 @@ pub trait Tables {
     fn frame(&self, id: u32) -> &Frame;
     fn stack(&self, id: u32) -> &[u32];
     fn tag(&self, id: u32) -> &Tag;
+    fn activity(&self, id: u32) -> &String;
     fn thread(&self, id: u32) -> &Thread;
-    fn counts(&self) -> [usize; 4];
+    fn counts(&self) -> [usize; 5];
 }
 
 impl Remap {
     pub fn for_source(src: &impl Tables) -> Remap {
-        let [f, s, t, th] = src.counts();
-        Remap { frames: vec![None; f], stacks: vec![None; s], tags: vec![None; t], threads: vec![None; th] }
+        let [f, s, t, a, th] = src.counts();
+        Remap {
+            frames: vec![None; f],
+            stacks: vec![None; s],
+            tags: vec![None; t],
+            activities: vec![None; a],
+            threads: vec![None; th],
+        }
     }
 }
 
@@ -88,7 +100,7 @@ impl Builder {
         // raw samples show, where capping the sum would let one sample's excess fill
         // another's gap.
         s.cpu_us = s.cpu_us.min(s.weight_us);
-        let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.flags)).or_insert(usize::MAX);
+        let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
         let into = self
             .samples
             .get_mut(*slot)
@@ -126,12 +138,15 @@ impl Builder {
             self.stacks.intern(frames)
         });
         let tag = sample.tag.map(|t| remapped(&mut map.tags[t as usize], || self.tags.intern(tag(src.tag(t)))));
+        let activity = sample
+            .activity
+            .map(|a| remapped(&mut map.activities[a as usize], || self.activities.intern(src.activity(a).clone())));
         let thread = remapped(&mut map.threads[sample.thread as usize], || {
             let mut th = src.thread(sample.thread).clone();
             th.process = process.unwrap_or(th.process);
             self.threads.intern(th)
         });
-        Sample { stack, tag, thread, ..*sample }
+        Sample { stack, tag, activity, thread, ..*sample }
     }
 
     pub fn finish(self, processes: Vec<Process>, metadata: Metadata) -> ProfileData {
@@ -139,6 +154,7 @@ impl Builder {
             frames: self.frames.into_items(),
             stacks: self.stacks.into_items(),
             tags: self.tags.into_items(),
+            activities: self.activities.into_items(),
             threads: self.threads.into_items(),
             processes,
             samples: self.samples,
@@ -212,11 +228,14 @@ impl Tables for ProfileData {
     fn tag(&self, id: u32) -> &Tag {
         &self.tags[id as usize]
     }
+    fn activity(&self, id: u32) -> &String {
+        &self.activities[id as usize]
+    }
     fn thread(&self, id: u32) -> &Thread {
         &self.threads[id as usize]
     }
-    fn counts(&self) -> [usize; 4] {
-        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
+    fn counts(&self) -> [usize; 5] {
+        [self.frames.len(), self.stacks.len(), self.tags.len(), self.activities.len(), self.threads.len()]
     }
 }
 
@@ -230,11 +249,14 @@ impl Tables for Builder {
     fn tag(&self, id: u32) -> &Tag {
         self.tags.get(id)
     }
+    fn activity(&self, id: u32) -> &String {
+        self.activities.get(id)
+    }
     fn thread(&self, id: u32) -> &Thread {
         self.threads.get(id)
     }
-    fn counts(&self) -> [usize; 4] {
-        [self.frames.len(), self.stacks.len(), self.tags.len(), self.threads.len()]
+    fn counts(&self) -> [usize; 5] {
+        [self.frames.len(), self.stacks.len(), self.tags.len(), self.activities.len(), self.threads.len()]
     }
 }
 

@@ -74,3 +74,10 @@ impl Interner<Vec<u32>> {
         }
     }
 }
+
+impl Interner<String> {
+    /// Finds a string without allocating.
+    pub fn find_str(&self, item: &str) -> Option<u32> {
+        self.index.get(item).copied()
+    }
+}

@@ -132,6 +132,8 @@ pub struct Sample {
     pub thread: u32,
     pub stack: u32,
     pub tag: Option<u32>,
+    /// What the thread's event loop was doing, where it ran no task.
+    pub activity: Option<u32>,
     /// The wall time this sample stands for.
     pub weight_us: u32,
     /// CPU time the thread used since the previous tick (0 where not measured).
@@ -154,6 +156,9 @@ mod sample_columns {
         stack: Vec<u32>,
         /// -1: no task.
         tag: Vec<i64>,
+        /// -1: no activity; empty: none has one.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        activity: Vec<i64>,
         weight_us: Vec<u32>,
         cpu_us: Vec<u32>,
         /// Empty: every sample counts once.
@@ -177,6 +182,11 @@ mod sample_columns {
             thread: samples.iter().map(|x| x.thread).collect(),
             stack: samples.iter().map(|x| x.stack).collect(),
             tag: samples.iter().map(|x| x.tag.map_or(-1, i64::from)).collect(),
+            activity: if samples.iter().all(|x| x.activity.is_none()) {
+                Vec::new()
+            } else {
+                samples.iter().map(|x| x.activity.map_or(-1, i64::from)).collect()
+            },
             weight_us: samples.iter().map(|x| x.weight_us).collect(),
             cpu_us: samples.iter().map(|x| x.cpu_us).collect(),
             count: if samples.iter().all(|x| x.count == 1) {
@@ -193,7 +203,8 @@ mod sample_columns {
         let c = Columns::deserialize(d)?;
         let n = c.time_delta_ns.len();
         let columns = [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()];
-        if columns.iter().any(|&l| l != n) || !(c.count.is_empty() || c.count.len() == n) {
+        let optional = [c.count.len(), c.activity.len()];
+        if columns.iter().any(|&l| l != n) || optional.iter().any(|&l| l != 0 && l != n) {
             return Err(D::Error::custom("sample columns differ in length"));
         }
         let mut time = 0i64;
@@ -205,6 +216,7 @@ mod sample_columns {
                     thread: c.thread[i],
                     stack: c.stack[i],
                     tag: u32::try_from(c.tag[i]).ok(),
+                    activity: c.activity.get(i).and_then(|&a| u32::try_from(a).ok()),
                     weight_us: c.weight_us[i],
                     cpu_us: c.cpu_us[i],
                     count: c.count.get(i).copied().unwrap_or(1),
@@ -250,6 +262,9 @@ pub struct ProfileData {
     /// Frame ids, root first.
     pub stacks: Vec<Vec<u32>>,
     pub tags: Vec<Tag>,
+    /// Event-loop activities, "scheduler: task-finished".
+    #[serde(default)]
+    pub activities: Vec<String>,
     pub threads: Vec<Thread>,
     pub processes: Vec<Process>,
     #[serde(with = "sample_columns")]
@@ -269,6 +284,12 @@ impl Footprint for Frame {
 impl Footprint for Tag {
     fn heap_bytes(&self) -> usize {
         self.key.len() + self.prefix.len() + self.span.as_ref().map_or(0, |s| s.len())
+    }
+}
+
+impl Footprint for String {
+    fn heap_bytes(&self) -> usize {
+        self.len()
     }
 }
 
@@ -330,8 +351,15 @@ impl ProfileData {
             return Err("a thread names a process that does not exist".into());
         }
         let (threads, stacks, tags) = (self.threads.len() as u32, self.stacks.len() as u32, self.tags.len() as u32);
-        if self.samples.iter().any(|s| s.thread >= threads || s.stack >= stacks || s.tag.is_some_and(|t| t >= tags)) {
-            return Err("a sample names a thread, stack or tag that does not exist".into());
+        let activities = self.activities.len() as u32;
+        let missing = |s: &Sample| {
+            s.thread >= threads
+                || s.stack >= stacks
+                || s.tag.is_some_and(|t| t >= tags)
+                || s.activity.is_some_and(|a| a >= activities)
+        };
+        if self.samples.iter().any(missing) {
+            return Err("a sample names a thread, stack, tag or activity that does not exist".into());
         }
         Ok(())
     }
@@ -342,7 +370,12 @@ impl ProfileData {
             items.iter().map(|i| i.heap_bytes() + std::mem::size_of::<T>()).sum()
         }
         let samples = self.samples.len() * std::mem::size_of::<Sample>();
-        samples + table(&self.frames) + table(&self.stacks) + table(&self.tags) + table(&self.threads)
+        samples
+            + table(&self.frames)
+            + table(&self.stacks)
+            + table(&self.tags)
+            + table(&self.activities)
+            + table(&self.threads)
     }
 
     /// Samples taken, counting each aggregated one as the samples it stands for.
@@ -423,6 +456,7 @@ pub mod tests {
                 thread,
                 stack,
                 tag,
+                activity: None,
                 weight_us: 10_000,
                 cpu_us: 0,
                 count: 1,

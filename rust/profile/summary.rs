@@ -1,9 +1,9 @@
-//! Totals for reports: time per process, per task prefix and per span (each with its
-//! top functions), and the functions with the most self time. Every row splits its
+//! Totals for reports: time per process, per task prefix, per span and per event-loop
+//! activity (each with its top functions), and the functions with the most self time. Every row splits its
 //! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
 use crate::profile::model::{ProfileData, Sample, State};
-use crate::profile::views::Weight;
+use crate::profile::views::{Weight, NO_TASK};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -96,6 +96,17 @@ pub struct PrefixTime {
     pub group: Group,
 }
 
+/// Time outside tasks in one activity ("scheduler: task-finished"); `kind` and `name`
+/// are its two halves. Samples in none are the activity `NO_TASK`, of no kind.
+#[derive(Serialize)]
+pub struct ActivityTime {
+    pub activity: String,
+    pub kind: String,
+    pub name: String,
+    #[serde(flatten)]
+    pub group: Group,
+}
+
 /// A span with the spans nested in it.
 #[derive(Serialize)]
 pub struct SpanTime {
@@ -114,6 +125,8 @@ pub struct Summary {
     pub spans: Vec<SpanTime>,
     /// Samples outside tasks: event loops, communication, deserialising, the scheduler.
     pub untagged: Group,
+    /// The same by activity, largest first.
+    pub activities: Vec<ActivityTime>,
     /// Whether any sample carries CPU time.
     pub cpu_measured: bool,
     /// Every sample: `samples`, `seconds` and the rest at the top level.
@@ -204,6 +217,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
     let mut per_span: HashMap<Vec<&str>, Tally> = HashMap::new();
     let mut all = Tally::default();
     let mut untagged = Tally::default();
+    let mut per_activity: HashMap<Option<u32>, Tally> = HashMap::new();
     for s in &data.samples {
         let secs = s.weight_us as f64 / 1e6;
         let th = &data.threads[s.thread as usize];
@@ -220,7 +234,10 @@ pub fn summarize(data: &ProfileData) -> Summary {
                     per_span.entry(path[..depth].to_vec()).or_default().add(data, s);
                 }
             }
-            None => untagged.add(data, s),
+            None => {
+                untagged.add(data, s);
+                per_activity.entry(s.activity).or_default().add(data, s);
+            }
         }
         all.add(data, s);
     }
@@ -247,6 +264,18 @@ pub fn summarize(data: &ProfileData) -> Summary {
         .collect();
     // Outermost spans first, each followed by its nested ones.
     spans.sort_by(|a, b| a.path.cmp(&b.path));
+    let mut activities: Vec<ActivityTime> = per_activity
+        .into_iter()
+        .map(|(a, t)| {
+            let activity = a.map_or(NO_TASK, |a| data.activities[a as usize].as_str());
+            let (kind, name) = match a {
+                Some(_) => activity.split_once(": ").unwrap_or(("", activity)),
+                None => ("", activity),
+            };
+            ActivityTime { activity: activity.into(), kind: kind.into(), name: name.into(), group: t.finish(data) }
+        })
+        .collect();
+    activities.sort_by(|a, b| b.group.seconds.total_cmp(&a.group.seconds).then_with(|| a.activity.cmp(&b.activity)));
     let times = data.samples.iter().map(|s| s.time_ns as f64 / 1e9);
     Summary {
         first: times.clone().reduce(f64::min),
@@ -255,6 +284,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
         prefixes,
         spans,
         untagged: untagged.finish(data),
+        activities,
         cpu_measured: data.samples.iter().any(|s| s.cpu_us > 0),
         all: all.finish(data),
     }

@@ -10,17 +10,25 @@ use std::collections::HashMap;
 use std::str::FromStr;
 
 /// What the synthetic root frames of each sample are, so views group by them:
-/// none, the task key, the task prefix, or the span path and then the prefix.
+/// none, the task key, the task prefix, the span path and then the prefix, or the
+/// kind of work (tasks, a scheduler's or a worker's event loop) and then the prefix
+/// or activity. Outside tasks every view but `Thread` roots at the activity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum By {
     Thread,
     Task,
     Prefix,
     Span,
+    Activity,
 }
 
-const BY_NAMES: [(&str, By); 4] =
-    [("thread", By::Thread), ("task", By::Task), ("prefix", By::Prefix), ("span", By::Span)];
+const BY_NAMES: [(&str, By); 5] = [
+    ("thread", By::Thread),
+    ("task", By::Task),
+    ("prefix", By::Prefix),
+    ("span", By::Span),
+    ("activity", By::Activity),
+];
 
 impl FromStr for By {
     type Err = Error;
@@ -69,8 +77,10 @@ pub struct Shown {
     pub weight: Weight,
 }
 
-/// The root of untagged samples in task views.
+/// The root of samples in no task and no activity in task views.
 pub const NO_TASK: &str = "(no task)";
+/// The first root of task samples by activity.
+pub const TASKS: &str = "tasks";
 /// The span root of task samples that no span names (local schedulers).
 pub const NO_SPAN: &str = "(no span)";
 
@@ -106,16 +116,21 @@ impl<'a> View<'a> {
         View { data, machinery, function }
     }
 
-    /// The roots a sample of `tag` is grouped under, outermost first (none by thread).
-    pub fn roots(&self, tag: Option<u32>, by: By) -> Vec<&'a str> {
+    /// The roots a sample of `tag` or else `activity` is grouped under, outermost
+    /// first (none by thread).
+    pub fn roots(&self, tag: Option<u32>, activity: Option<u32>, by: By) -> Vec<&'a str> {
         let data = self.data;
         let tag = tag.map(|t| &data.tags[t as usize]);
-        match (by, tag) {
-            (By::Thread, _) => Vec::new(),
-            (_, None) => vec![NO_TASK],
-            (By::Task, Some(t)) => vec![&t.key],
-            (By::Prefix, Some(t)) => vec![&t.prefix],
-            (By::Span, Some(t)) => {
+        let activity = activity.map(|a| data.activities[a as usize].as_str());
+        match (by, tag, activity) {
+            (By::Thread, _, _) => Vec::new(),
+            (By::Activity, None, Some(a)) => a.split_once(": ").map_or(vec![a], |(kind, name)| vec![kind, name]),
+            (_, None, Some(a)) => vec![a],
+            (_, None, None) => vec![NO_TASK],
+            (By::Task, Some(t), _) => vec![&t.key],
+            (By::Prefix, Some(t), _) => vec![&t.prefix],
+            (By::Activity, Some(t), _) => vec![TASKS, &t.prefix],
+            (By::Span, Some(t), _) => {
                 let mut roots = data.span_names(t);
                 if roots.is_empty() {
                     roots.push(NO_SPAN);
@@ -201,10 +216,15 @@ mod tests {
             ["pool"],
             "inside the machinery: its leaf stays"
         );
-        assert_eq!(view.roots(data.samples[0].tag, By::Prefix), ["user"]);
-        assert!(view.roots(data.samples[0].tag, By::Thread).is_empty());
-        assert_eq!(view.roots(data.samples[0].tag, By::Span), [NO_SPAN, "user"]);
-        assert_eq!(view.roots(None, By::Span), [NO_TASK]);
+        assert_eq!(view.roots(data.samples[0].tag, None, By::Prefix), ["user"]);
+        assert!(view.roots(data.samples[0].tag, None, By::Thread).is_empty());
+        assert_eq!(view.roots(data.samples[0].tag, None, By::Span), [NO_SPAN, "user"]);
+        assert_eq!(view.roots(None, None, By::Span), [NO_TASK]);
+        data.activities.push("scheduler: task-finished".into());
+        let view = View::new(&data);
+        assert_eq!(view.roots(None, Some(0), By::Prefix), ["scheduler: task-finished"]);
+        assert_eq!(view.roots(None, Some(0), By::Activity), ["scheduler", "task-finished"]);
+        assert_eq!(view.roots(data.samples[0].tag, Some(0), By::Activity), [TASKS, "user"], "a task wins");
     }
 
     #[test]

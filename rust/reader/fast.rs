@@ -9,12 +9,11 @@ use super::layout::Layout;
 use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
 use super::{StackReader, ThreadStack, Want};
-use crate::profile::model::{Frame, Tag};
-use crate::reader::tags::ThreadTags;
+use crate::profile::model::Frame;
+use crate::reader::tags::{ReadMarks, ThreadTags};
 use crate::reader::GilAt;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde_json::{json, Value};
-use std::sync::Arc;
 
 /// Further reads of a thread whose copy tore, in the same tick.
 const RETRIES: usize = 3;
@@ -30,11 +29,11 @@ fn copies(attempt: usize) -> usize {
     }
 }
 
-/// A thread read: its state, its frame ids (Err: lost) and its task during the read.
+/// A thread read: its state, its frame ids (Err: lost) and its marks during the read.
 pub struct ReadThread {
     pub state: ThreadState,
     pub frames: Result<Vec<u64>, ()>,
-    pub tag: Result<Option<Arc<Tag>>, ()>,
+    pub marks: ReadMarks,
 }
 
 struct Kept {
@@ -120,7 +119,7 @@ impl FastReader {
         self.thread_reads += chosen.len() as u64;
         self.lost_reads += frames.iter().filter(|f| f.is_err()).count() as u64;
         let mut out = Vec::with_capacity(chosen.len());
-        for ((state, tag), frames) in chosen.into_iter().zip(after).zip(frames) {
+        for ((state, marks), frames) in chosen.into_iter().zip(after).zip(frames) {
             if let Ok(ids) = &frames {
                 let epoch = self.codes.epoch;
                 self.last.insert(
@@ -128,7 +127,7 @@ impl FastReader {
                     Kept { frame_ref: state.frame_ref, chunk: state.chunk, top: state.top, ids: ids.clone(), epoch },
                 );
             }
-            out.push(ReadThread { state, frames, tag });
+            out.push(ReadThread { state, frames, marks });
         }
         if self.last.len() > 2 * states.len() + 64 {
             let live: FxHashSet<u64> = states.iter().map(|t| t.addr).collect();
@@ -212,7 +211,7 @@ impl StackReader for FastReader {
                 cpu_ns: r.state.cpu_ns,
                 ran: r.state.ran,
                 native_tid: Some(r.state.native_tid).filter(|&t| t != 0),
-                tag: r.tag,
+                marks: r.marks,
             });
         }
         Ok(())

@@ -23,11 +23,10 @@ pub use pyspy::PySpyReader;
 pub use threads::thread_cpu_ns;
 
 use crate::error::Error;
-use crate::profile::model::{Frame, Tag};
+use crate::profile::model::Frame;
 use serde_json::Value;
 use std::ops::Range;
-use std::sync::Arc;
-use tags::ThreadTags;
+use tags::{ReadMarks, ThreadTags};
 
 /// Which threads a tick reads.
 #[derive(Clone, Copy, Debug)]
@@ -64,8 +63,8 @@ pub struct ThreadStack {
     pub ran: Option<f64>,
     /// The kernel's id of the thread, for its `/proc/self/task` files.
     pub native_tid: Option<u64>,
-    /// The task the thread ran during the read; Err if it changed meanwhile.
-    pub tag: Result<Option<Arc<Tag>>, ()>,
+    /// The task or activity the thread was in during the read.
+    pub marks: ReadMarks,
 }
 
 /// Where the GIL is, to tell its waits from other locks'.

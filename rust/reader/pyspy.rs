@@ -133,10 +133,10 @@ impl StackReader for PySpyReader {
                 cpu_ns,
                 ran,
                 native_tid,
-                tag: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
+                marks: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
             self.cpu_ns += stack.cpu_ns;
-            let in_task = before.get(&t.thread_id).is_some_and(|b| b.tag.is_some());
+            let in_task = before.get(&t.thread_id).is_some_and(|b| b.marks.task.is_some());
             if want.keeps(stack.active, stack.holds_gil, in_task) && !t.frames.is_empty() {
                 let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
                 out.push(ThreadStack { frames, ..stack });

@@ -1,8 +1,9 @@
-//! Which task each Python thread runs, and what the thread is called.
+//! What each Python thread does for dask (the task it runs, or its event loop's
+//! activity), and what the thread is called.
 //!
 //! Set from Python in the executing thread; read by the sampler at capture time.
-//! Every change bumps the thread's version so the sampler can tell that a task
-//! started or ended while it was reading that thread's stack.
+//! Every change bumps the thread's version so the sampler can tell that a task or
+//! an activity started or ended while it was reading that thread's stack.
 
 use crate::profile::model::Tag;
 use crate::sync::Mutex;
@@ -10,10 +11,50 @@ use rustc_hash::FxHashSet;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// How an activity nests in the one a thread is already in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    /// A connection's read loop: any activity it dispatches names its own time.
+    Connection,
+    /// A dispatched piece of work (an RPC or stream op, a periodic callback, a transfer):
+    /// the innermost one names the time.
+    Dispatch,
+    /// A state machine step: names time only outside any dispatched work, since inside
+    /// it the step is the work's own (the scheduler's `task-finished` runs its stimulus).
+    StateMachine,
+}
+
+/// An event-loop activity: "scheduler: task-finished", "worker: gather_dep".
+#[derive(Debug, PartialEq, Eq)]
+pub struct Activity {
+    pub name: Arc<str>,
+    pub level: Level,
+}
+
+impl Activity {
+    /// Whether entering `self` while in `current` names the time `self`'s.
+    fn replaces(&self, current: Option<&Activity>) -> bool {
+        !matches!(
+            (self.level, current.map(|c| c.level)),
+            (Level::StateMachine, Some(Level::Dispatch | Level::StateMachine))
+        )
+    }
+}
+
+/// What a thread does: the task it runs, else the activity its event loop is in.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Marks {
+    pub task: Option<Arc<Tag>>,
+    pub activity: Option<Arc<Activity>>,
+}
+
+/// A thread's marks during a read; Err if they changed meanwhile.
+pub type ReadMarks = Result<Marks, ()>;
+
 #[derive(Clone, Debug, Default)]
 pub struct ThreadTag {
     pub version: u64,
-    pub tag: Option<Arc<Tag>>,
+    pub marks: Marks,
 }
 
 #[derive(Default)]
@@ -27,43 +68,66 @@ pub struct ThreadTags {
 
 impl ThreadTags {
     pub fn set_tag(&self, ident: u64, tag: Tag) {
-        self.update(ident, Some(Arc::new(tag)));
+        self.update(ident, |m| m.task = Some(Arc::new(tag)));
     }
 
     pub fn clear_tag(&self, ident: u64) {
-        self.update(ident, None);
+        self.update(ident, |m| m.task = None);
     }
 
-    fn update(&self, ident: u64, tag: Option<Arc<Tag>>) {
+    fn update(&self, ident: u64, change: impl FnOnce(&mut Marks)) {
         let mut tags = self.tags.lock();
         let entry = tags.entry(ident).or_default();
         entry.version += 1;
-        entry.tag = tag;
+        change(&mut entry.marks);
     }
 
-    /// A consistent copy of every thread's tag, taken before a stack read.
+    /// Puts thread `ident` in `activity` where it names the time (see `Level`); returns
+    /// the activity to go back to with `leave`.
+    pub fn enter(&self, ident: u64, activity: &Arc<Activity>) -> Option<Arc<Activity>> {
+        let mut tags = self.tags.lock();
+        let entry = tags.entry(ident).or_default();
+        let current = entry.marks.activity.clone();
+        if activity.replaces(current.as_deref()) && !same(current.as_ref(), Some(activity)) {
+            entry.version += 1;
+            entry.marks.activity = Some(activity.clone());
+        }
+        current
+    }
+
+    /// Puts thread `ident` back in the activity `enter` returned.
+    pub fn leave(&self, ident: u64, previous: Option<Arc<Activity>>) {
+        let mut tags = self.tags.lock();
+        let entry = tags.entry(ident).or_default();
+        if !same(entry.marks.activity.as_ref(), previous.as_ref()) {
+            entry.version += 1;
+            entry.marks.activity = previous;
+        }
+    }
+
+    /// A consistent copy of every thread's marks, taken before a stack read.
     pub fn snapshot(&self) -> HashMap<u64, ThreadTag> {
         self.tags.lock().clone()
     }
 
     /// Threads running a task now.
     pub fn tagged(&self) -> FxHashSet<u64> {
-        self.tags.lock().iter().filter(|(_, t)| t.tag.is_some()).map(|(&ident, _)| ident).collect()
+        self.tags.lock().iter().filter(|(_, t)| t.marks.task.is_some()).map(|(&ident, _)| ident).collect()
     }
 
-    /// The tags of `idents`, taken right before their stacks are read.
+    /// The marks of `idents`, taken right before their stacks are read.
     pub fn versions(&self, idents: &[u64]) -> Vec<Option<ThreadTag>> {
         let tags = self.tags.lock();
         idents.iter().map(|i| tags.get(i).cloned()).collect()
     }
 
-    /// The thread's tag if it did not change since `before` was taken; `Err(())` if it did.
-    pub fn stable_tag(&self, before: Option<&ThreadTag>, ident: u64) -> Result<Option<Arc<Tag>>, ()> {
+    /// The thread's marks if they did not change since `before` was taken; `Err(())` if they did.
+    pub fn stable_tag(&self, before: Option<&ThreadTag>, ident: u64) -> ReadMarks {
         unchanged(before, self.tags.lock().get(&ident))
     }
 
     /// `stable_tag` for each of `idents`, under one lock.
-    pub fn stable_tags(&self, before: &[Option<ThreadTag>], idents: &[u64]) -> Vec<Result<Option<Arc<Tag>>, ()>> {
+    pub fn stable_tags(&self, before: &[Option<ThreadTag>], idents: &[u64]) -> Vec<ReadMarks> {
         let tags = self.tags.lock();
         before.iter().zip(idents).map(|(b, i)| unchanged(b.as_ref(), tags.get(i))).collect()
     }
@@ -100,11 +164,18 @@ impl ThreadTags {
     }
 }
 
-fn unchanged(before: Option<&ThreadTag>, now: Option<&ThreadTag>) -> Result<Option<Arc<Tag>>, ()> {
+fn unchanged(before: Option<&ThreadTag>, now: Option<&ThreadTag>) -> ReadMarks {
     match (before, now) {
-        (None, None) => Ok(None),
-        (Some(a), Some(b)) if a.version == b.version => Ok(a.tag.clone()),
+        (None, None) => Ok(Marks::default()),
+        (Some(a), Some(b)) if a.version == b.version => Ok(a.marks.clone()),
         _ => Err(()),
+    }
+}
+
+fn same(a: Option<&Arc<Activity>>, b: Option<&Arc<Activity>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        (a, b) => a.is_none() && b.is_none(),
     }
 }
 
@@ -116,14 +187,56 @@ mod tests {
     fn tag_set_clear_and_versions() {
         let t = ThreadTags::default();
         let before = t.versions(&[7]);
-        assert_eq!(t.stable_tags(&before, &[7]), [Ok(None)]);
+        assert_eq!(t.stable_tags(&before, &[7]), [Ok(Marks::default())]);
         t.set_tag(7, Tag { key: "('f', 1)".into(), prefix: "f".into(), span: None });
         assert!(t.stable_tags(&before, &[7])[0].is_err(), "a tag set during the read is not trusted");
         let during = t.snapshot();
-        assert_eq!(t.stable_tag(during.get(&7), 7).unwrap().unwrap().prefix, "f");
+        assert_eq!(t.stable_tag(during.get(&7), 7).unwrap().task.unwrap().prefix, "f");
         t.clear_tag(7);
         assert!(t.stable_tag(during.get(&7), 7).is_err());
-        assert_eq!(t.stable_tag(t.snapshot().get(&7), 7), Ok(None));
+        assert_eq!(t.stable_tag(t.snapshot().get(&7), 7), Ok(Marks::default()));
+    }
+
+    fn activity(name: &str, level: Level) -> Arc<Activity> {
+        Arc::new(Activity { name: name.into(), level })
+    }
+
+    fn now(t: &ThreadTags) -> Option<Arc<str>> {
+        t.stable_tag(t.snapshot().get(&1), 1).unwrap().activity.map(|a| a.name.clone())
+    }
+
+    #[test]
+    fn activities_nest_by_level() {
+        let t = ThreadTags::default();
+        let stream = activity("stream", Level::Connection);
+        let op = activity("task-finished", Level::Dispatch);
+        let stimulus = activity("stimulus", Level::StateMachine);
+        let outer = t.enter(1, &stream);
+        let in_stream = t.enter(1, &op);
+        assert_eq!(now(&t).as_deref(), Some("task-finished"), "dispatched work names its time");
+        let in_op = t.enter(1, &stimulus);
+        assert_eq!(now(&t).as_deref(), Some("task-finished"), "a state machine inside an op is the op's");
+        t.leave(1, in_op);
+        t.leave(1, in_stream);
+        assert_eq!(now(&t).as_deref(), Some("stream"));
+        let in_connection = t.enter(1, &stimulus);
+        assert_eq!(now(&t).as_deref(), Some("stimulus"), "outside any op the state machine names it");
+        t.leave(1, in_connection);
+        t.leave(1, outer);
+        assert_eq!(now(&t), None);
+    }
+
+    #[test]
+    fn staying_in_an_activity_tears_no_read() {
+        let t = ThreadTags::default();
+        let op = activity("gather", Level::Dispatch);
+        let first = t.enter(1, &op);
+        let before = t.versions(&[1]);
+        let again = t.enter(1, &op);
+        t.leave(1, again);
+        assert!(t.stable_tags(&before, &[1])[0].is_ok());
+        t.leave(1, first);
+        assert!(t.stable_tags(&before, &[1])[0].is_err());
     }
 
     #[test]

@@ -47,7 +47,7 @@ impl Sampler {
         let store = Store::new(config.max_memory);
         let shared = Shared {
             config: Mutex::new(config),
-            tags: ThreadTags::default(),
+            tags: Arc::default(),
             store: Mutex::new(store),
             cpu: Mutex::new(CpuSeries::default()),
             stats: Mutex::new(RunStats::default()),
@@ -67,7 +67,7 @@ impl Sampler {
         self.pid != std::process::id()
     }
 
-    pub fn tags(&self) -> &ThreadTags {
+    pub fn tags(&self) -> &Arc<ThreadTags> {
         &self.shared.tags
     }
 
@@ -224,7 +224,7 @@ impl Sampler {
                     "active": s.active,
                     "owns_gil": s.holds_gil,
                     "state": t.state.name(),
-                    "task": s.tag.as_ref().ok().and_then(|t| t.as_ref()).map(|t| &t.key),
+                    "task": s.marks.as_ref().ok().and_then(|m| m.task.as_ref()).map(|t| &t.key),
                     "frames": t.frames.iter().map(frame_json).collect::<Vec<_>>(),
                 })
             })

@@ -47,6 +47,7 @@ pub struct Recorded<'a> {
     pub name: Option<String>,
     pub frames: &'a [u32],
     pub tag: Option<&'a Tag>,
+    pub activity: Option<&'a str>,
     pub weight_us: u32,
     pub cpu_us: u32,
     pub flags: u8,
@@ -78,7 +79,18 @@ impl Store {
         flags: u8,
     ) {
         let ids: Vec<u32> = frames.map(|f| self.frame_id(f)).collect();
-        self.record_ids(Recorded { time_ns, ident, name: None, frames: &ids, tag, weight_us, cpu_us: 0, flags });
+        let activity = None;
+        self.record_ids(Recorded {
+            time_ns,
+            ident,
+            name: None,
+            frames: &ids,
+            tag,
+            activity,
+            weight_us,
+            cpu_us: 0,
+            flags,
+        });
     }
 
     /// A new cap; the oldest samples go at once if the store is over it.
@@ -105,17 +117,18 @@ impl Store {
         let t = &mut self.tables;
         let stack = t.stacks.intern_slice(r.frames);
         let tag = r.tag.map(|tag| t.tags.find(tag).unwrap_or_else(|| t.tags.intern(tag.clone())));
+        let activity = r.activity.map(|a| t.activities.find_str(a).unwrap_or_else(|| t.activities.intern(a.into())));
         let thread = Thread { process: 0, ident: r.ident, name: r.name };
         let thread = t.threads.find(&thread).unwrap_or_else(|| t.threads.intern(thread));
         let (time_ns, weight_us, cpu_us, flags) = (r.time_ns, r.weight_us, r.cpu_us, r.flags);
-        self.ring.push_back(Sample { time_ns, thread, stack, tag, weight_us, cpu_us, count: 1, flags });
+        self.ring.push_back(Sample { time_ns, thread, stack, tag, activity, weight_us, cpu_us, count: 1, flags });
         self.recorded += 1;
         self.enforce_cap();
     }
 
     fn tables_bytes(&self) -> usize {
         let t = &self.tables;
-        t.frames.bytes() + t.stacks.bytes() + t.tags.bytes() + t.threads.bytes()
+        t.frames.bytes() + t.stacks.bytes() + t.tags.bytes() + t.activities.bytes() + t.threads.bytes()
     }
 
     pub fn bytes(&self) -> usize {
@@ -175,7 +188,7 @@ impl Store {
         let taken = samples.len() as u64;
         let kept = if window.aggregate {
             let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
-            samples.map(|s| (s.thread, s.stack, prefix(s.tag), s.flags)).collect::<FxHashSet<_>>().len()
+            samples.map(|s| (s.thread, s.stack, prefix(s.tag), s.activity, s.flags)).collect::<FxHashSet<_>>().len()
         } else {
             samples.len()
         };
@@ -228,7 +241,7 @@ mod tests {
         for t in 0..100 {
             push(&mut s, t, &["main", "work"], Some("k"));
         }
-        assert_eq!(s.tables.counts(), [2, 1, 1, 1]);
+        assert_eq!(s.tables.counts(), [2, 1, 1, 0, 1]);
         assert_eq!(s.stats().samples_held, 100);
     }
 

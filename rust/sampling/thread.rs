@@ -10,7 +10,7 @@
 //! It never touches the GIL: the readers read interpreter memory directly.
 
 use crate::profile::model::{Frame, State};
-use crate::reader::tags::ThreadTags;
+use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::states::{CpuSeries, StateStats, States};
@@ -66,7 +66,7 @@ pub struct LastTick {
 pub struct Shared {
     /// Changes only while stopped (`configure`); a run reads its own copy.
     pub config: Mutex<SamplerConfig>,
-    pub tags: ThreadTags,
+    pub tags: Arc<ThreadTags>,
     pub store: Mutex<Store>,
     /// CPU per second of the whole process and of its threads Python does not know.
     pub cpu: Mutex<CpuSeries>,
@@ -270,14 +270,14 @@ impl<'a> Loop<'a> {
         let mut store = self.shared.store.lock();
         let mut ids = Vec::new();
         for (t, state) in self.stacks.iter().zip(&self.states) {
-            // A tag that changed during the read (Err) was a task's at selection.
-            let in_task = !matches!(t.tag, Ok(None));
+            // Marks that changed during the read (Err) were a task's at selection.
+            let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
             if !keep.keeps(t.active, t.holds_gil, in_task) || t.frames.is_empty() {
                 continue;
             }
-            let tag = t.tag.clone().unwrap_or_else(|()| {
+            let marks = t.marks.clone().unwrap_or_else(|()| {
                 boundary += 1;
-                None
+                Marks::default()
             });
             let valid_for = (self.reader.epoch(), store.generation());
             if valid_for != self.ids_valid_for {
@@ -296,7 +296,8 @@ impl<'a> Loop<'a> {
                 ident: t.ident,
                 name: self.shared.tags.name(t.ident).or_else(|| t.name.clone()),
                 frames: &ids,
-                tag: tag.as_deref(),
+                tag: marks.task.as_deref(),
+                activity: marks.activity.as_ref().map(|a| &*a.name),
                 weight_us,
                 cpu_us,
                 flags,
