@@ -1,6 +1,7 @@
 """The Rust core: the sampling thread, the sample store and the exporters."""
 
-from typing import Any
+from collections.abc import Awaitable, Generator
+from typing import Any, Callable
 
 from dask_pyspy.options import SamplerOptions
 
@@ -32,6 +33,22 @@ class Sampler:
         spans: dict[str, dict[str, list[str]]] | None = None,
     ) -> bytes: ...
     def window_size(self, bounds: tuple[float, float], aggregate: bool) -> tuple[int, int]: ...
+    def enter_activity(self, activity: Activity) -> Activity | None: ...
+    def leave_activity(self, previous: Activity | None) -> None: ...
+    def current_activity(self) -> Activity | None: ...
+    def steps(self, coro: Awaitable[Any], activity: Activity | Callable[[], Activity | None]) -> Steps: ...
+
+class Activity:
+    """An event-loop activity; `level` is "connection", "dispatch" or "state-machine"."""
+
+    def __init__(self, name: str, level: str) -> None: ...
+    @property
+    def name(self) -> str: ...
+
+class Steps:
+    """A coroutine run in an activity: awaiting it awaits the coroutine."""
+
+    def __await__(self) -> Generator[Any, Any, Any]: ...
 
 class Profile:
     @staticmethod
@@ -69,6 +86,7 @@ class Profile:
         process: int | None = None,
         tasks: bool | None = None,
         span: str | list[str] | None = None,
+        activity: str | None = None,
     ) -> str | None: ...
     def only_process(self, index: int) -> Profile: ...
     def aggregated(self, keys: bool) -> Profile: ...

@@ -126,6 +126,11 @@ class Sampler:
     def clear_thread_tag(self, ident: int) -> None:
         self._native.clear_thread_tag(ident)
 
+    @property
+    def native(self) -> _native.Sampler:
+        """The native sampler, for hooks that call it per message (see `activities`)."""
+        return self._native
+
     def set_thread_name(self, ident: int, name: str) -> None:
         """Name thread `ident` in profiles, over its Python name (e.g. to add a worker address)."""
         self._native.set_thread_name(ident, name)

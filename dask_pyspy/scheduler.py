@@ -105,7 +105,7 @@ class ClusterProfiler:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.hold = SamplerHold()
+        self.hold = SamplerHold(scheduler)
         self.sampler_options: SamplerOptions | None = None
         self._lock = asyncio.Lock()
 

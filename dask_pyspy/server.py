@@ -9,6 +9,7 @@ from typing import Any, Callable
 from distributed import Scheduler, Worker
 
 from dask_pyspy._loop import off_loop
+from dask_pyspy.activities import Hooks
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler, process_sampler
 
@@ -19,18 +20,22 @@ HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
 
 
 class SamplerHold:
-    """A server's hold on the process sampler. A sampler that cannot run turns sampling
-    off in this server, with the reason; the server keeps running."""
+    """A server's hold on the process sampler, and the hooks that name its event loop's
+    activities while it holds one. A sampler that cannot run turns sampling off in this
+    server, with the reason; the server keeps running."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: Scheduler | Worker) -> None:
+        self.server = server
         self.sampler: Sampler | None = None
         self.error: str | None = None
+        self.hooks: Hooks | None = None
 
     async def apply(self, opts: SamplerOptions) -> None:
         """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
         try:
             if self.sampler is None:
                 self.sampler = await off_loop(process_sampler.acquire, opts)
+                self.hooks = Hooks(self.server, self.sampler.native)
             else:
                 await off_loop(process_sampler.configure, opts)
             self.error = None
@@ -40,6 +45,9 @@ class SamplerHold:
             await self.release()
 
     async def release(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
         if self.sampler is not None:
             self.sampler = None
             await off_loop(process_sampler.release)

@@ -118,7 +118,7 @@ class WorkerProfiler:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.hold = SamplerHold()
+        self.hold = SamplerHold(worker)
         self.tasks = TaskLog(config.get("task-history"))
         self.spans = SpanNames()
         self.holders = 0

@@ -153,6 +153,11 @@ impl PySampler {
         steps::leave(self.inner.tags(), previous.map(|p| p.get()))
     }
 
+    /// The activity the calling thread is in.
+    fn current_activity(&self) -> Option<steps::PyActivity> {
+        steps::current(self.inner.tags())
+    }
+
     /// `coro` run in `activity` (an Activity, or a callable giving each step's).
     fn steps(&self, coro: Py<PyAny>, activity: Py<PyAny>) -> steps::Steps {
         steps::Steps::new(self.inner.tags().clone(), coro, activity)

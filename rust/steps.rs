@@ -51,6 +51,11 @@ pub fn enter(tags: &ThreadTags, activity: &PyActivity) -> Option<PyActivity> {
     tags.enter(ident(), &activity.inner).map(|inner| PyActivity { inner })
 }
 
+/// The activity the calling thread is in.
+pub fn current(tags: &ThreadTags) -> Option<PyActivity> {
+    tags.activity(ident()).map(|inner| PyActivity { inner })
+}
+
 pub fn leave(tags: &ThreadTags, previous: Option<&PyActivity>) {
     tags.leave(ident(), previous.map(|p| p.inner.clone()))
 }

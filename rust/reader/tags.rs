@@ -105,6 +105,11 @@ impl ThreadTags {
         }
     }
 
+    /// The activity thread `ident` is in.
+    pub fn activity(&self, ident: u64) -> Option<Arc<Activity>> {
+        self.tags.lock().get(&ident).and_then(|t| t.marks.activity.clone())
+    }
+
     /// A consistent copy of every thread's marks, taken before a stack read.
     pub fn snapshot(&self) -> HashMap<u64, ThreadTag> {
         self.tags.lock().clone()

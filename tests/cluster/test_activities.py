@@ -1,0 +1,125 @@
+"""Event-loop activities: time outside tasks named by what distributed dispatched."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from distributed.core import rpc
+
+from tests.cluster.test_preload import preloaded
+
+# The functions below run in a `dask scheduler` subprocess, which cannot import tests.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ACTIVITY_FILE = "dask activity"
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def spin_before_await() -> None:
+    spin(0.2)
+
+
+def spin_after_await() -> None:
+    spin(0.2)
+
+
+def spin_in_stream() -> None:
+    spin(0.2)
+
+
+async def custom_rpc(comm: Any = None) -> str:
+    import asyncio
+
+    spin_before_await()
+    await asyncio.sleep(0.05)
+    spin_after_await()
+    return "spun"
+
+
+def custom_stream(**kwargs: Any) -> None:
+    spin_in_stream()
+
+
+def add_custom_handlers(dask_scheduler: Any) -> None:
+    dask_scheduler.handlers["custom_rpc"] = custom_rpc
+    dask_scheduler.stream_handlers["custom-stream"] = custom_stream
+
+
+def seconds_by_root(doc: dict[str, Any], function: str) -> dict[str | None, float]:
+    """Seconds of stacks that run `function`, by the activity at their root (None: none)."""
+    frames = doc["shared"]["frames"]
+    out: dict[str | None, float] = {}
+    for thread in doc["x-dask-pyspy"]["threads"]:
+        profile = doc["profiles"][thread["profile"]]
+        for stack, weight in zip(profile["samples"], profile["weights"]):
+            if any(frames[i]["name"] == function for i in stack):
+                root = frames[stack[0]]
+                activity = root["name"] if root.get("file") == ACTIVITY_FILE else None
+                out[activity] = out.get(activity, 0.0) + weight
+    return out
+
+
+def activities(profile: Any) -> dict[str, float]:
+    return {row["activity"]: row["seconds"] for row in profile.summary()["activities"]}
+
+
+def test_handlers_added_after_the_plugin_are_named_across_awaits(tmp_path):
+    with preloaded(tmp_path, scheduler_preload=True) as cluster:
+        client = cluster.client
+        client.run_on_scheduler(add_custom_handlers)
+        start = time.time()
+
+        async def call() -> list[str]:
+            async with rpc(client.scheduler.address) as r:
+                return [await r.custom_rpc() for _ in range(3)]
+
+        assert client.sync(call) == ["spun"] * 3
+        for _ in range(3):
+            client._send_to_scheduler({"op": "custom-stream"})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            doc = client.pyspy_profile(start=start, by="prefix").speedscope()
+            stream = seconds_by_root(doc, "spin_in_stream")
+            if sum(stream.values()) >= 0.3:
+                break
+        before, after = seconds_by_root(doc, "spin_before_await"), seconds_by_root(doc, "spin_after_await")
+        for spun in (before, after):
+            assert sum(spun.values()) >= 0.2, spun
+            # Torn reads (a step starting mid-read) may lose a few samples their name.
+            assert spun.get("scheduler: custom_rpc", 0) >= 0.9 * sum(spun.values()), spun
+        assert stream.get("scheduler: custom-stream", 0) >= 0.9 * sum(stream.values()), stream
+
+
+def test_the_schedulers_graph_and_task_handlers_are_named(client):
+    start = time.time()
+    client.gather(client.map(lambda x: x + 1, range(2000), pure=False))
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        names = activities(client.pyspy_profile(start=start))
+        if {"scheduler: update-graph", "scheduler: task-finished", "worker: compute-task"} <= set(names):
+            break
+    assert {"scheduler: update-graph", "scheduler: task-finished", "worker: compute-task"} <= set(names), names
+
+
+def test_a_large_transfer_is_named_on_both_workers(client):
+    sender, receiver = sorted(client.scheduler_info()["workers"])
+    start = time.time()
+    for i in range(5):
+        big = client.submit(np.full, 50_000_000 // 8, i, workers=[sender], pure=False)
+        total = client.submit(np.sum, big, workers=[receiver], pure=False)
+        assert total.result() == i * (50_000_000 // 8)
+        del big, total
+    prof = client.pyspy_profile(start=start)
+    names = [p["name"] for p in prof.processes]
+    on = {name: activities(prof.only_process(names.index(name))) for name in (sender, receiver)}
+    assert on[sender].get("worker: get_data", 0) > 0, on[sender]
+    assert on[receiver].get("worker: gather_dep", 0) > 0, on[receiver]
