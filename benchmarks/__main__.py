@@ -22,6 +22,7 @@ SECTIONS = [
     "idle",
     "memory",
     "collection",
+    "activities",
 ]
 
 

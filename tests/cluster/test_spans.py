@@ -32,7 +32,8 @@ def span_weights(doc: dict) -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = {}
     for sample, weight in zip(merged["samples"], merged["weights"]):
         roots = tuple(frames[f]["name"] for f in sample if frames[f]["file"] in ("dask span", "dask task"))
-        out[roots] = out.get(roots, 0.0) + weight
+        if roots:  # samples outside tasks root at their activity instead
+            out[roots] = out.get(roots, 0.0) + weight
     return out
 
 
