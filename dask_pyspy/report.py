@@ -186,6 +186,7 @@ MAX_ACTIVITY_ROWS = 25  # a table, not a list of every message kind; the rest su
 MAX_ACTIVITY_GRAPHS = 6
 ACTIVITY_GRAPH_SHARE = 0.01  # of all sampled time: smaller activities get no graph of their own
 NO_CALLS = "\u2014"  # the summary counts no calls per activity yet
+ACTIVITY_HEADER = ["activity", "process kind", "sampled s", "CPU s", "GIL share", "calls"]
 
 
 def _activity_row(a: dict[str, Any]) -> list[Any]:
@@ -268,6 +269,7 @@ def _graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
         "lead": profile.flamegraph_svg(f"Task {what} by {GROUPS[by]}", by=by, tasks=True),
         "outside": profile.flamegraph_svg("Outside tasks", tasks=False),
         "untagged": 100 * summary["untagged"]["seconds"] / (summary["seconds"] or 1.0),
+        "activity_header": ACTIVITY_HEADER,
         "activities": _activities(summary["activities"]),
         "activity_graphs": _activity_graphs(profile, summary),
         "scheduler": _scheduler(summary),
