@@ -206,7 +206,8 @@ def _activities(rows: list[dict[str, Any]]) -> list[list[Any]]:
     shown, rest = rows[:MAX_ACTIVITY_ROWS], rows[MAX_ACTIVITY_ROWS:]
     table = [_activity_row(a) for a in shown]
     if rest:
-        other = {k: sum(a[k] for a in rest) for k in ("seconds", "cpu", "gil")}
+        summed = ("seconds", "cpu", "gil", *(("calls",) if all("calls" in a for a in rest) else ()))
+        other = {k: sum(a[k] for a in rest) for k in summed}
         table.append(_activity_row({"activity": f"other activities ({len(rest)})", "kind": "", **other}))
     return table
 
