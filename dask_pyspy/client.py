@@ -103,7 +103,8 @@ def get_profile(
 
     workers: None (all), a number of workers picked at random, or addresses.
     start, stop: Unix seconds; or `last`: the last so many seconds.
-    by: default grouping of exports, "thread", "task", "prefix" or "span".
+    by: default grouping of exports, "thread", "task", "prefix", "span" or "activity"
+    (time outside tasks by the scheduler's or worker's event-loop activity).
     timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
     span: only the samples of one dask span and the spans nested in it: a name (every
     span of that name), a span id, or a path of names outermost first. A name or path

@@ -29,8 +29,9 @@ class Profile:
     """Samples of one or more processes, with their task tags and dask spans.
 
     `by` picks the default grouping of exports: "thread" (plain stacks), "task" or
-    "prefix" (a root frame per task key or task prefix, so views group by task), or
-    "span" (root frames for the dask span path, then the task prefix). `weight` picks
+    "prefix" (a root frame per task key or task prefix, so views group by task),
+    "span" (root frames for the dask span path, then the task prefix), or "activity"
+    (time outside tasks under its event-loop activity, task time under its prefix). `weight` picks
     what a sample weighs in them: "wall" time, or "cpu" time its thread used.
     """
 
@@ -159,16 +160,19 @@ class Profile:
         tasks: bool | None = None,
         span: str | list[str] | tuple[str, ...] | None = None,
         weight: str | None = None,
+        activity: str | None = None,
     ) -> str | None:
         """An interactive flame graph (an icicle, roots on top); None if no sample matches.
 
         by="thread" shows raw stacks; "task", "prefix" or "span" roots them at their task
         key, prefix, or span path and prefix, and cuts the worker's machinery below each
-        task's own code. A call cycle repeated in a row (recursion) is shown once. The
-        samples can be narrowed to one task `prefix`, one `process` (an index into
-        `processes`), one `span` (see `only_span`), and to task time (`tasks=True`) or
-        time outside tasks (`tasks=False`). `weight`: "wall" or "cpu" (default: the
-        profile's).
+        task's own code; "activity" roots time outside tasks at its event-loop activity
+        (kind, then name) and task time at its prefix. A call cycle repeated in a row
+        (recursion) is shown once. The samples can be narrowed to one task `prefix`, one
+        `process` (an index into `processes`), one `span` (see `only_span`), to task time
+        (`tasks=True`) or time outside tasks (`tasks=False`), and to time outside tasks
+        in one `activity` (as `summary()["activities"]` names it, e.g.
+        "scheduler: task-finished"). `weight`: "wall" or "cpu" (default: the profile's).
         """
         if tasks is not None:
             options.flag("tasks", tasks)
@@ -181,6 +185,7 @@ class Profile:
             process=process,
             tasks=tasks,
             span=options.span(span),
+            activity=activity,
         )
 
     def aggregated(self, keys: bool = False) -> Profile:

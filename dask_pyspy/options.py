@@ -9,7 +9,7 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
-BY_CHOICES = ("thread", "task", "prefix", "span")
+BY_CHOICES = ("thread", "task", "prefix", "span", "activity")
 WEIGHT_CHOICES = ("wall", "cpu")
 READER_CHOICES = ("auto", "fast", "pyspy")
 

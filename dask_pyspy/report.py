@@ -182,6 +182,70 @@ def _prefixes(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, floa
     ]
 
 
+MAX_ACTIVITY_ROWS = 25  # a table, not a list of every message kind; the rest sum into one row
+MAX_ACTIVITY_GRAPHS = 6
+ACTIVITY_GRAPH_SHARE = 0.01  # of all sampled time: smaller activities get no graph of their own
+NO_CALLS = "\u2014"  # the summary counts no calls per activity yet
+ACTIVITY_HEADER = ["activity", "process kind", "sampled s", "CPU s", "GIL share", "calls"]
+
+
+def _activity_row(a: dict[str, Any]) -> list[Any]:
+    """An activity's time, CPU and share of it holding the GIL (how much of the loop was Python)."""
+    return [
+        a["activity"],
+        a["kind"],
+        float(a["seconds"]),
+        float(a["cpu"]),
+        f"{100 * a['gil'] / (a['seconds'] or 1.0):.0f}%",
+        a["calls"] if "calls" in a else NO_CALLS,
+    ]
+
+
+def _activities(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """The largest activities (the summary lists them largest first), then the rest as one row."""
+    shown, rest = rows[:MAX_ACTIVITY_ROWS], rows[MAX_ACTIVITY_ROWS:]
+    table = [_activity_row(a) for a in shown]
+    if rest:
+        summed = ("seconds", "cpu", "gil", *(("calls",) if all("calls" in a for a in rest) else ()))
+        other = {k: sum(a[k] for a in rest) for k in summed}
+        table.append(_activity_row({"activity": f"other activities ({len(rest)})", "kind": "", **other}))
+    return table
+
+
+def _activity_graphs(profile: Profile, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Graphs of the busiest activities; "(no task)", with no activity, is in the outside graph."""
+    least = ACTIVITY_GRAPH_SHARE * summary["seconds"]
+    busiest = [a for a in summary["activities"] if a["kind"] and a["seconds"] >= least][:MAX_ACTIVITY_GRAPHS]
+    return [
+        _graph(
+            profile.flamegraph_svg(f"Activity {a['activity']}", tasks=False, activity=a["activity"]),
+            a["activity"],
+            f"Flame graph of {a['activity']} ({a['seconds']:.2f} s)",
+        )
+        for a in busiest
+    ]
+
+
+SCHEDULER_KIND = "scheduler"  # the activities of the scheduler's event loop, and the name its process starts with
+
+
+def _scheduler(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The scheduler's activities, and their share of its process's sampled time; None
+    if no sample is in one."""
+    rows = [a for a in summary["activities"] if a["kind"] == SCHEDULER_KIND]
+    if not rows:
+        return None
+    busy = sum(a["seconds"] for a in rows)
+    own = sum(p["seconds"] for p in summary["processes"] if p["name"].startswith(SCHEDULER_KIND))
+    return {
+        "activities": _activities(rows),
+        "seconds": float(busy),
+        "process_seconds": float(own),
+        # A profile without the scheduler's process (scheduler=False) has no share to show.
+        "share": f"{100 * busy / own:.0f}%" if own else "",
+    }
+
+
 GROUPS = {"task": "task", "prefix": "task prefix", "span": "span"}
 
 
@@ -196,7 +260,7 @@ def _graph(svg: str | None, title: str, summary: str) -> dict[str, Any]:
 
 def _graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
     """The whole cluster by task (or prefix), outside tasks and by thread; one graph per
-    prefix, per span and per process."""
+    prefix, per span, per busy activity and per process; the activities' tables."""
     by = _lead_by(profile)
     what = "CPU time" if profile.weight == "cpu" else "time"
     spans = [(" / ".join(s["path"]), s) for s in summary["spans"]]
@@ -206,6 +270,10 @@ def _graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
         "lead": profile.flamegraph_svg(f"Task {what} by {GROUPS[by]}", by=by, tasks=True),
         "outside": profile.flamegraph_svg("Outside tasks", tasks=False),
         "untagged": 100 * summary["untagged"]["seconds"] / (summary["seconds"] or 1.0),
+        "activity_header": ACTIVITY_HEADER,
+        "activities": _activities(summary["activities"]),
+        "activity_graphs": _activity_graphs(profile, summary),
+        "scheduler": _scheduler(summary),
         "threads": profile.flamegraph_svg("All processes by thread"),
         "prefix_graphs": [
             _graph(
