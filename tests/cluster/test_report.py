@@ -236,7 +236,11 @@ def test_speedscope_app_opens_on_the_profile_with_most_task_time(client, speedsc
     client.gather(
         client.map(alpha, range(200), [0.01] * 200, pure=False) + client.map(beta, range(50), [0.01] * 50, pure=False)
     )
-    for by, merged in (("prefix", "(all threads, task code only)"), ("task", "whole cluster by task")):
+    for by, merged in (
+        ("prefix", "(all threads, task code only)"),
+        ("task", "whole cluster by task"),
+        ("activity", "whole cluster by activity"),
+    ):
         prof = client.pyspy_profile(start=start, by=by)
         doc = prof.speedscope()
         profiles, active = doc["profiles"], doc["activeProfileIndex"]
