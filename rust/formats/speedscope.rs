@@ -6,7 +6,7 @@
 //! which is what `speedscope_read.rs` loads back.
 
 use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
-use crate::profile::views::{By, Shown, View, Weight};
+use crate::profile::views::{By, Shown, View, Weight, NO_TASK};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -92,6 +92,9 @@ struct Roots {
     by_tag: Vec<Vec<u32>>,
     by_activity: Vec<Vec<u32>>,
     untagged: Vec<u32>,
+    /// The root of samples in no activity among the event loops' (not a task frame,
+    /// so readers of task roots do not count them).
+    no_activity: Vec<u32>,
 }
 
 impl Roots {
@@ -122,7 +125,8 @@ impl Roots {
             By::Thread => Vec::new(),
             _ => ids_of(view.roots(None, None, by), TASK_FILE, TASK_FILE),
         };
-        Roots { by_tag, by_activity, untagged }
+        let no_activity = ids_of(vec![NO_TASK], ACTIVITY_FILE, ACTIVITY_FILE);
+        Roots { by_tag, by_activity, untagged, no_activity }
     }
 
     fn of(&self, s: &Sample, merged: bool) -> &[u32] {
@@ -211,7 +215,8 @@ fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<P
             }
             let mut loops = Sampled::default();
             for s in time_order(data).into_iter().filter(|s| s.tag.is_none()) {
-                loops.add(s, weight, roots.of(s, true), view.frames(s.stack, false));
+                let root = if s.activity.is_some() { roots.of(s, true) } else { &roots.no_activity };
+                loops.add(s, weight, root, view.frames(s.stack, false));
             }
             per_prefix
                 .into_iter()
