@@ -43,6 +43,17 @@ CONNECTION, DISPATCH, STATE_MACHINE = "connection", "dispatch", "state-machine"
 NOTED = "_pyspy_activity"  # a tornado stream's attribute: the activity of its last read or write
 
 
+def run_in(
+    native: _native.Sampler, activity: _native.Activity, func: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """`func(*args, **kwargs)` with the calling thread in `activity`."""
+    previous = native.enter_activity(activity)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        native.leave_activity(previous)
+
+
 class Named:
     """The activities of one server, each made once: `<kind>: <name>`."""
 
@@ -70,11 +81,7 @@ class Named:
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
-            previous = native.enter_activity(activity)
-            try:
-                result = func(*args, **kwargs)
-            finally:
-                native.leave_activity(previous)
+            result = run_in(native, activity, func, *args, **kwargs)
             return self.stepped(result, activity) if inspect.iscoroutine(result) else result
 
         return run
@@ -170,11 +177,7 @@ class StreamIO:
             activity = getattr(self, NOTED, None)
             if activity is None:
                 return handle_events(self, fd, events)
-            previous = native.enter_activity(activity)
-            try:
-                handle_events(self, fd, events)
-            finally:
-                native.leave_activity(previous)
+            run_in(native, activity, handle_events, self, fd, events)
 
         return in_noted
 
@@ -247,11 +250,7 @@ class Hooks:
         @functools.wraps(handle_stimulus)
         def run(*stims: Any) -> None:
             name = type(stims[0]).__name__ if stims else "stimulus"
-            previous = named.native.enter_activity(named(name, STATE_MACHINE))
-            try:
-                handle_stimulus(*stims)
-            finally:
-                named.native.leave_activity(previous)
+            run_in(named.native, named(name, STATE_MACHINE), handle_stimulus, *stims)
 
         return run
 

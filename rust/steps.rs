@@ -5,8 +5,8 @@
 //! one of its coroutine's steps runs: `Steps` enters it before each step and leaves
 //! it after, and whatever runs between steps is not counted as the coroutine's.
 
+use crate::names::choose;
 use crate::reader::tags::{Activity, Level, ThreadTags};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use pyo3::{intern, PyTraverseError, PyVisit};
@@ -29,10 +29,7 @@ pub struct PyActivity {
 impl PyActivity {
     #[new]
     fn new(name: &str, level: &str) -> PyResult<PyActivity> {
-        let level = LEVELS.iter().find(|(n, _)| *n == level).map(|(_, l)| *l).ok_or_else(|| {
-            let allowed: Vec<String> = LEVELS.iter().map(|(n, _)| format!("'{n}'")).collect();
-            PyValueError::new_err(format!("level must be one of {}, not {level:?}", allowed.join(", ")))
-        })?;
+        let level = choose("level", level, &LEVELS)?;
         Ok(PyActivity { inner: Arc::new(Activity { name: name.into(), level }) })
     }
 

@@ -3,7 +3,7 @@
 //! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
 use crate::profile::model::{ProfileData, Sample, State};
-use crate::profile::views::{Weight, NO_TASK};
+use crate::profile::views::{split_activity, Weight, NO_TASK};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -268,10 +268,7 @@ pub fn summarize(data: &ProfileData) -> Summary {
         .into_iter()
         .map(|(a, t)| {
             let activity = a.map_or(NO_TASK, |a| data.activities[a as usize].as_str());
-            let (kind, name) = match a {
-                Some(_) => activity.split_once(": ").unwrap_or(("", activity)),
-                None => ("", activity),
-            };
+            let (kind, name) = if a.is_some() { split_activity(activity) } else { ("", activity) };
             ActivityTime { activity: activity.into(), kind: kind.into(), name: name.into(), group: t.finish(data) }
         })
         .collect();

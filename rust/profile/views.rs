@@ -91,6 +91,12 @@ const MACHINERY: &[&str] = &[
     "/dask/_task_spec.py", "/dask/core.py", "/dask/local.py", "/dask/threaded.py", "/dask/utils.py", "/dask_pyspy/",
 ];
 
+/// An activity's kind of process and its own name: "scheduler: task-finished" is
+/// ("scheduler", "task-finished"); a name without a kind has kind "".
+pub fn split_activity(activity: &str) -> (&str, &str) {
+    activity.split_once(": ").unwrap_or(("", activity))
+}
+
 /// The longest call cycle folded: recursion through up to this many functions.
 const MAX_CYCLE: usize = 8;
 
@@ -124,7 +130,10 @@ impl<'a> View<'a> {
         let activity = activity.map(|a| data.activities[a as usize].as_str());
         match (by, tag, activity) {
             (By::Thread, _, _) => Vec::new(),
-            (By::Activity, None, Some(a)) => a.split_once(": ").map_or(vec![a], |(kind, name)| vec![kind, name]),
+            (By::Activity, None, Some(a)) => match split_activity(a) {
+                ("", name) => vec![name],
+                (kind, name) => vec![kind, name],
+            },
             (_, None, Some(a)) => vec![a],
             (_, None, None) => vec![NO_TASK],
             (By::Task, Some(t), _) => vec![&t.key],
