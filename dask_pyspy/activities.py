@@ -54,6 +54,19 @@ def run_in(
         native.leave_activity(previous)
 
 
+def same_signature(wrapper: Callable[..., Any], func: Callable[..., Any]) -> Callable[..., Any]:
+    """`wrapper` with `func`'s signature, which distributed reads (a first `comm`).
+
+    `functools.wraps` alone is not enough: on Python 3.9 `inspect` unwraps a decorated
+    bound method (`Worker.get_data`) to its function, `self` first.
+    """
+    try:
+        wrapper.__signature__ = inspect.signature(func)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # no signature to keep (some builtins)
+        pass
+    return wrapper
+
+
 class Named:
     """The activities of one server, each made once: `<kind>: <name>`."""
 
@@ -77,14 +90,14 @@ class Named:
             async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
                 return await native.steps(func(*args, **kwargs), activity)
 
-            return run_coroutine
+            return same_signature(run_coroutine, func)
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
             result = run_in(native, activity, func, *args, **kwargs)
             return self.stepped(result, activity) if inspect.iscoroutine(result) else result
 
-        return run
+        return same_signature(run, func)
 
     async def stepped(self, coro: Awaitable[Any], activity: Any) -> Any:
         return await self.native.steps(coro, activity)
