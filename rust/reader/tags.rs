@@ -14,7 +14,8 @@ use std::sync::Arc;
 /// How an activity nests in the one a thread is already in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Level {
-    /// A connection's read loop: any activity it dispatches names its own time.
+    /// A connection's reads and writes: they name time only outside dispatched work and
+    /// state machine steps, so any activity those run names its own time.
     Connection,
     /// A dispatched piece of work (an RPC or stream op, a periodic callback, a transfer):
     /// the innermost one names the time.
@@ -34,10 +35,10 @@ pub struct Activity {
 impl Activity {
     /// Whether entering `self` while in `current` names the time `self`'s.
     fn replaces(&self, current: Option<&Activity>) -> bool {
-        !matches!(
-            (self.level, current.map(|c| c.level)),
-            (Level::StateMachine, Some(Level::Dispatch | Level::StateMachine))
-        )
+        match (self.level, current.map(|c| c.level)) {
+            (Level::Dispatch, _) | (_, None | Some(Level::Connection)) => true,
+            (Level::Connection | Level::StateMachine, Some(Level::Dispatch | Level::StateMachine)) => false,
+        }
     }
 }
 
@@ -226,7 +227,14 @@ mod tests {
         assert_eq!(now(&t).as_deref(), Some("stream"));
         let in_connection = t.enter(1, &stimulus);
         assert_eq!(now(&t).as_deref(), Some("stimulus"), "outside any op the state machine names it");
+        let write = activity("comm write", Level::Connection);
+        let in_stimulus = t.enter(1, &write);
+        assert_eq!(now(&t).as_deref(), Some("stimulus"), "a write inside a step is the step's");
+        t.leave(1, in_stimulus);
         t.leave(1, in_connection);
+        let in_stream = t.enter(1, &write);
+        assert_eq!(now(&t).as_deref(), Some("comm write"), "inside a connection's loop a write is named");
+        t.leave(1, in_stream);
         t.leave(1, outer);
         assert_eq!(now(&t), None);
     }
