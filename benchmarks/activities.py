@@ -119,10 +119,11 @@ def run(quick: bool) -> Section:
         f"{cost['sync']:.0f} ns, a coroutine handler with one await {cost['async']:.0f} ns. "
         f"Target <= 2 us: {verdict(max(cost.values()) <= 2000)}.",
         f"Event-loop threads' running (CPU-weighted) samples outside tasks in the demo workload: "
-        f"{100 * dispatch:.1f}% named by a dispatch point, {100 * base_share:.1f}% by the loop's base "
+        f"{100 * dispatch:.1f}% named by what ran (an op, a callback, a state machine step, a comm's "
+        f"receiving or sending), {100 * base_share:.1f}% only by the loop's base "
         f"activity (`<kind>: event loop`), {100 * (1 - dispatch - base_share):.1f}% unnamed "
         f"(torn reads, threads the hooks do not cover); {total:.2f} CPU s in all. Before activities: 0% "
-        f"named (all '(no task)'). Target >= 90% named: {verdict(dispatch + base_share >= 0.9)}.",
+        f"named (all '(no task)'). Target >= 90% carry an activity: {verdict(dispatch + base_share >= 0.9)}.",
     ]
     header = ["small tasks (6,000 tiny tasks, 2 workers)", "seconds, median (min-max)", "ratio"]
     return Section("Activities: cost and coverage (issue 19)", __doc__ or "", [table(header, rows)], notes)

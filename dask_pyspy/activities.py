@@ -9,15 +9,13 @@ The hooks sit at the dispatch points, not on handlers by name, so handlers added
 later by other plugins are named too:
 - RPC and stream handlers, by op, through the server's `handlers` and
   `stream_handlers` dicts (looked up per message in `distributed/core.py`);
-- a connection's own loop (reading and deserialising messages, writing replies),
-  through `_handle_comm` and `handle_stream` for connections opened after this;
 - periodic callbacks, by their name in `periodic_callbacks`;
 - the worker's asynchronous instructions (`gather_dep`, `execute`) and its state
   machine (`handle_stimulus`, by event class), which names time outside any op;
-- tornado's I/O callbacks, which carry on a transfer once a socket would block,
-  in the activity that last read from or wrote to the stream (`StreamIO`);
-- the rest of the loop thread's time (polling, batched sends, connections opened
-  before the hooks) is "<kind>: event loop".
+- comms' reads and writes outside any op ("receiving", "sending": a stream's
+  batches, batched sends), the offload thread's (de)serialising, and tornado's I/O
+  callbacks, in the activity that asked for them (`Shared`);
+- the rest of the loop thread's time (polling, timers) is "<kind>: event loop".
 
 A dispatch point missing from the installed distributed is skipped: its time stays
 "(no task)".
@@ -28,10 +26,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Awaitable
 from typing import Any, Callable
 
 from distributed import Scheduler, Worker
+from distributed.comm import utils as comm_utils
+from distributed.comm.core import Comm
 from distributed.utils import iscoroutinefunction
 from tornado.iostream import BaseIOStream
 
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 CONNECTION, DISPATCH, STATE_MACHINE = "connection", "dispatch", "state-machine"
 NOTED = "_pyspy_activity"  # a tornado stream's attribute: the activity of its last read or write
+COMM_IO = {"read": "receiving", "write": "sending"}
+STREAM_IO = ("read_bytes", "read_into", "write")
 
 
 def run_in(
@@ -143,36 +146,82 @@ class NamedCallbacks(dict):
         return dict(self)
 
 
-class StreamIO:
-    """tornado's streams, their reads and writes in the activity that asked for them.
+class Shared:
+    """Hooks on what a process's servers share: distributed's comms, its offload thread
+    and tornado's streams. The first server's `Hooks` put them in, the last's remove them.
 
-    A 50 MB `get_data` reply is written mostly by tornado's own callback on the socket
-    becoming writable, outside the handler's steps; each read and write call notes the
-    caller's activity on the stream, and the callback runs in it. One per process
-    (the class is shared), held by every server's hooks.
+    - A comm's reads and writes outside any op (a stream's batches, batched sends, a
+      connection opened before the hooks) are "receiving" and "sending".
+    - (De)serialising a large message on the offload thread runs in the caller's activity.
+    - A 50 MB `get_data` reply is written mostly by tornado's own callback on the socket
+      becoming writable, outside the handler's steps; each stream read and write notes
+      the caller's activity on the stream, and the callback runs in it.
     """
 
-    METHODS = ("read_bytes", "read_into", "write")
-    holders = 0
-    originals: dict[str, Callable[..., Any]] = {}
+    servers: list[tuple[int, Named]] = []  # (event loop thread, its server's names)
+    originals: list[tuple[Any, str, Any]] = []
 
     @classmethod
-    def hold(cls, native: _native.Sampler) -> None:
-        cls.holders += 1
-        if cls.holders > 1:
-            return
-        cls.originals = {name: vars(BaseIOStream)[name] for name in (*cls.METHODS, "_handle_events")}
-        wrappers = {name: cls._noting(native, cls.originals[name]) for name in cls.METHODS}
-        wrappers["_handle_events"] = cls._in_noted(native, cls.originals["_handle_events"])
-        for name, wrapper in wrappers.items():
-            setattr(BaseIOStream, name, wrapper)
+    def hold(cls, named: Named) -> None:
+        cls.servers.append((threading.get_ident(), named))
+        if len(cls.servers) == 1:
+            replacements = cls._replacements(named.native)
+            cls.originals = [(owner, name, vars(owner)[name]) for owner, name, _ in replacements]
+            for owner, name, replacement in replacements:
+                setattr(owner, name, replacement)
 
     @classmethod
-    def release(cls) -> None:
-        cls.holders -= 1
-        if cls.holders == 0:
-            for name, original in cls.originals.items():
-                setattr(BaseIOStream, name, original)
+    def release(cls, named: Named) -> None:
+        cls.servers.remove((threading.get_ident(), named))
+        if not cls.servers:
+            for owner, name, original in cls.originals:
+                setattr(owner, name, original)
+
+    @classmethod
+    def here(cls) -> Named | None:
+        """The names of the server whose event loop runs on this thread."""
+        ident = threading.get_ident()
+        return next((named for thread, named in cls.servers if thread == ident), None)
+
+    @classmethod
+    def _replacements(cls, native: _native.Sampler) -> list[tuple[Any, str, Callable[..., Any]]]:
+        out: list[tuple[Any, str, Callable[..., Any]]] = []
+        for comm in cls._subclasses(Comm):
+            methods = (name for name in COMM_IO if name in vars(comm))
+            out += [(comm, name, cls._comm_io(vars(comm)[name], COMM_IO[name])) for name in methods]
+        if hasattr(comm_utils, "offload"):
+            out.append((comm_utils, "offload", cls._offload(native, comm_utils.offload)))
+        out += [(BaseIOStream, name, cls._noting(native, vars(BaseIOStream)[name])) for name in STREAM_IO]
+        out.append((BaseIOStream, "_handle_events", cls._in_noted(native, BaseIOStream._handle_events)))
+        return out
+
+    @classmethod
+    def _subclasses(cls, base: type) -> list[type]:
+        """The subclasses of `base` imported so far (tcp, tls, inproc, ...)."""
+        subclasses: list[type] = base.__subclasses__()
+        return [c for sub in subclasses for c in (sub, *cls._subclasses(sub))]
+
+    @classmethod
+    def _comm_io(cls, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        @functools.wraps(method)
+        async def run(comm: Comm, *args: Any, **kwargs: Any) -> Any:
+            named = cls.here()
+            if named is None:  # a client's or another thread's comm
+                return await method(comm, *args, **kwargs)
+            return await named.native.steps(method(comm, *args, **kwargs), named(name, CONNECTION))
+
+        return run
+
+    @classmethod
+    def _offload(cls, native: _native.Sampler, offload: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(offload)
+        def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            activity = native.current_activity() if cls.here() else None
+            if activity is None:
+                return offload(fn, *args, **kwargs)
+            return offload(run_in, native, activity, fn, *args, **kwargs)
+
+        return run
 
     @staticmethod
     def _noting(native: _native.Sampler, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -207,7 +256,7 @@ class Hooks:
         server.periodic_callbacks = NamedCallbacks(server.periodic_callbacks, self.named)
         # Installed on the event loop, so this is its thread's base activity.
         self._base = native.enter_activity(self.named("event loop", CONNECTION))
-        StreamIO.hold(native)
+        Shared.hold(self.named)
         self._hook("_handle_comm", self._connection)
         self._hook("handle_stream", self._stream)
         if isinstance(server, Worker):
@@ -226,11 +275,11 @@ class Hooks:
         """Steps of an RPC connection are its op's until the reply is written, and
         reading the next message otherwise (`_comms` holds each comm's op)."""
         named, comms = self.named, getattr(self.server, "_comms", {})
-        reading = named("reading rpc", CONNECTION)
+        receiving = named(COMM_IO["read"], CONNECTION)
 
         def current(comm: Any) -> _native.Activity:
             op = comms.get(comm)
-            return reading if op is None else named(op)
+            return receiving if op is None else named(op)
 
         @functools.wraps(handle_comm)
         async def run(comm: Any) -> None:
@@ -239,11 +288,11 @@ class Hooks:
         return run
 
     def _stream(self, handle_stream: Callable[..., Any]) -> Callable[..., Any]:
-        reading = self.named("reading stream", CONNECTION)
+        receiving = self.named(COMM_IO["read"], CONNECTION)
 
         @functools.wraps(handle_stream)
         async def run(comm: Any, extra: dict[str, Any] | None = None) -> None:
-            await self.named.stepped(handle_stream(comm, extra), reading)
+            await self.named.stepped(handle_stream(comm, extra), receiving)
 
         return run
 
@@ -270,7 +319,7 @@ class Hooks:
     def remove(self) -> None:
         """Called on the event loop, like `__init__`."""
         self.named.native.leave_activity(self._base)
-        StreamIO.release()
+        Shared.release(self.named)
         server = self.server
         server.handlers = dict(server.handlers)
         server.stream_handlers = dict(server.stream_handlers)

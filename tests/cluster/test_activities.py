@@ -100,14 +100,40 @@ def test_handlers_added_after_the_plugin_are_named_across_awaits(tmp_path):
 
 
 def test_the_schedulers_graph_and_task_handlers_are_named(client):
+    # The plugin came after the workers connected: their streams' reads and batched
+    # sends are named too.
+    expected = {
+        "scheduler: update-graph",
+        "scheduler: task-finished",
+        "worker: compute-task",
+        "scheduler: receiving",
+        "scheduler: sending",
+    }
     start = time.time()
-    client.gather(client.map(lambda x: x + 1, range(2000), pure=False))
-    deadline = time.time() + 120
+    deadline = time.time() + 180
     while time.time() < deadline:
+        client.gather(client.map(lambda x: x + 1, range(2000), pure=False))
         names = activities(client.pyspy_profile(start=start))
-        if {"scheduler: update-graph", "scheduler: task-finished", "worker: compute-task"} <= set(names):
+        if expected <= set(names):
             break
-    assert {"scheduler: update-graph", "scheduler: task-finished", "worker: compute-task"} <= set(names), names
+    assert expected <= set(names), names
+
+
+def hooked(dask_worker: Any) -> list[str]:
+    """The activity hooks in place in this worker's process."""
+    from distributed.comm.tcp import TCP
+    from tornado.iostream import BaseIOStream
+
+    methods = {"TCP.read": vars(TCP)["read"], "TCP.write": vars(TCP)["write"], "BaseIOStream.write": BaseIOStream.write}
+    found = [name for name, method in methods.items() if hasattr(method, "__wrapped__")]
+    return found + (["handlers"] if type(dask_worker.handlers) is not dict else [])
+
+
+def test_unregistering_the_plugin_removes_every_hook(fresh):
+    _, client = fresh
+    assert all(client.run(hooked).values())
+    client.unregister_worker_plugin("pyspy")
+    assert client.run(hooked) == dict.fromkeys(client.scheduler_info()["workers"], [])
 
 
 def test_a_large_transfer_is_named_on_both_workers(client):
