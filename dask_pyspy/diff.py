@@ -61,8 +61,8 @@ class ProfileDiff:
     Frames are functions (name and file, lines ignored), grouped by task prefix when
     either profile has tasks (`by`).
 
-    `functions` (self time, by name and file) and `prefixes` (task prefixes,
-    "(no task)" for the rest) are {"gained": rows, "lost": rows}, the 15 largest
+    `functions` (self time, by name and file) and `prefixes` (task prefixes, time
+    outside tasks by activity, "(no task)" for the rest) are {"gained": rows, "lost": rows}, the 15 largest
     changes each way, largest first. A row: `name`, `file` (None for prefixes),
     `base_seconds`, `new_seconds`, `seconds` (new - base, not scaled), `change_pct`
     (that change as a percentage of the row's base seconds; None where the base had

@@ -7,8 +7,8 @@
 //! Frames are labelled by function (name and file, no line): an edit that moves
 //! lines does not split a function in two.
 //!
-//! The tables rank functions (self time, by name and file) and task prefixes by the
-//! change in seconds, unscaled. `change_pct` is that change relative to the base's
+//! The tables rank functions (self time, by name and file) and task prefixes (time
+//! outside tasks by activity) by the change in seconds, unscaled. `change_pct` is that change relative to the base's
 //! seconds of the row (None when the base had none); `share_points` is the change
 //! of the row's share of all sampled time, in percentage points: the scaled view
 //! the graph's colours show.
@@ -69,11 +69,13 @@ fn self_times(data: &ProfileData) -> HashMap<(&str, &str), u64> {
     out
 }
 
-/// Microseconds per task prefix, untagged samples under NO_TASK.
+/// Microseconds per task prefix; samples outside tasks by their activity
+/// ("scheduler: task-finished"), else under NO_TASK.
 fn prefix_times(data: &ProfileData) -> HashMap<&str, u64> {
     let mut out = HashMap::new();
+    let activity = |a: Option<u32>| a.map_or(NO_TASK, |a| data.activities[a as usize].as_str());
     for s in &data.samples {
-        let prefix = s.tag.map_or(NO_TASK, |t| data.tags[t as usize].prefix.as_str());
+        let prefix = s.tag.map_or_else(|| activity(s.activity), |t| data.tags[t as usize].prefix.as_str());
         *out.entry(prefix).or_default() += s.weight_us as u64;
     }
     out
@@ -181,6 +183,16 @@ mod tests {
         let vanished = diff(&run(10), &run(0));
         assert_eq!(vanished.functions.lost[0].change_pct, Some(-100.0));
         assert_eq!(diff(&run(0), &run(10)).functions.gained[0].change_pct, None, "no base time: no ratio");
+    }
+
+    #[test]
+    fn time_outside_tasks_ranks_by_activity() {
+        let mut new = run(10);
+        new.activities.push("scheduler: task-finished".into());
+        new.samples.last_mut().unwrap().activity = Some(0);
+        let d = diff(&run(10), &new);
+        assert_eq!(d.prefixes.gained[0].name, "scheduler: task-finished");
+        assert_eq!(d.prefixes.lost[0].name, NO_TASK, "the base's loop sample had no activity");
     }
 
     #[test]
