@@ -158,30 +158,33 @@ class Shared:
       the caller's activity on the stream, and the callback runs in it.
     """
 
-    servers: list[tuple[int, Named]] = []  # (event loop thread, its server's names)
+    servers: dict[int, list[Named]] = {}  # by event loop thread: its servers' names
     originals: list[tuple[Any, str, Any]] = []
 
     @classmethod
     def hold(cls, named: Named) -> None:
-        cls.servers.append((threading.get_ident(), named))
-        if len(cls.servers) == 1:
+        if not cls.servers:
             replacements = cls._replacements(named.native)
             cls.originals = [(owner, name, vars(owner)[name]) for owner, name, _ in replacements]
             for owner, name, replacement in replacements:
                 setattr(owner, name, replacement)
+        cls.servers.setdefault(threading.get_ident(), []).append(named)
 
     @classmethod
     def release(cls, named: Named) -> None:
-        cls.servers.remove((threading.get_ident(), named))
+        here = cls.servers[threading.get_ident()]
+        here.remove(named)
+        if not here:
+            del cls.servers[threading.get_ident()]
         if not cls.servers:
             for owner, name, original in cls.originals:
                 setattr(owner, name, original)
 
     @classmethod
     def here(cls) -> Named | None:
-        """The names of the server whose event loop runs on this thread."""
-        ident = threading.get_ident()
-        return next((named for thread, named in cls.servers if thread == ident), None)
+        """The names of the (first) server whose event loop runs on this thread."""
+        here = cls.servers.get(threading.get_ident())
+        return here[0] if here else None
 
     @classmethod
     def _replacements(cls, native: _native.Sampler) -> list[tuple[Any, str, Callable[..., Any]]]:
