@@ -85,18 +85,21 @@ class Named:
         return activity
 
     def wrap(self, func: Callable[..., Any], activity: _native.Activity) -> Callable[..., Any]:
-        """`func` run in `activity`; a coroutine function stays one (distributed checks)."""
+        """`func` run in `activity`, each call counted once as one of its calls; a
+        coroutine function stays one (distributed checks)."""
         native = self.native
         if iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
+                native.count_call(activity)
                 return await native.steps(func(*args, **kwargs), activity)
 
             return same_signature(run_coroutine, func)
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
+            native.count_call(activity)
             result = run_in(native, activity, func, *args, **kwargs)
             return self.stepped(result, activity) if inspect.iscoroutine(result) else result
 

@@ -153,6 +153,11 @@ impl PySampler {
         steps::leave(self.inner.tags(), previous.map(|p| p.get()))
     }
 
+    /// Counts one dispatched call of `activity`, for the calls of `summary()["activities"]`.
+    fn count_call(&self, activity: &Bound<'_, steps::PyActivity>) {
+        self.inner.count_call(&activity.get().inner)
+    }
+
     /// The activity the calling thread is in.
     fn current_activity(&self) -> Option<steps::PyActivity> {
         steps::current(self.inner.tags())

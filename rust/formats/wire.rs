@@ -90,6 +90,9 @@ struct Body {
     /// Each sample's activity + 1 (0: none); empty: no sample has one.
     #[prost(uint32, repeated, tag = "22")]
     activity: Vec<u32>,
+    /// Each activity's calls + 1 (0: not counted); empty: none counted.
+    #[prost(uint64, repeated, tag = "23")]
+    activity_calls: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -131,6 +134,7 @@ fn body(data: &ProfileData) -> Body {
     for a in &data.activities {
         b.activity_name.push(st.id(a));
     }
+    b.activity_calls = data.activity_calls.iter().map(|c| c.map_or(0, |c| c.saturating_add(1))).collect();
     for t in &data.threads {
         b.thread_process.push(t.process);
         b.thread_ident.push(t.ident);
@@ -313,6 +317,10 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
         tags.push(Tag { key: string(b.tag_key[i])?, prefix: string(b.tag_prefix[i])?, span: optional(b.tag_span[i])? });
     }
     let activities = b.activity_name.iter().map(|&i| string(i)).collect::<Result<Vec<_>, _>>()?;
+    if !b.activity_calls.is_empty() && b.activity_calls.len() != activities.len() {
+        return Err("columns differ in length".into());
+    }
+    let activity_calls = b.activity_calls.iter().map(|c| c.checked_sub(1)).collect();
     let mut threads = Vec::with_capacity(b.thread_ident.len());
     for i in 0..b.thread_ident.len() {
         threads.push(Thread {
@@ -339,7 +347,7 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
         })
         .collect();
     let Head { processes, metadata, spans, .. } = head;
-    Ok(ProfileData { frames, stacks, tags, activities, threads, processes, samples, metadata, spans })
+    Ok(ProfileData { frames, stacks, tags, activities, activity_calls, threads, processes, samples, metadata, spans })
 }
 
 #[cfg(test)]
@@ -357,6 +365,26 @@ mod tests {
         let head = read_head(&bytes).unwrap();
         assert_eq!((head.samples, head.processes.len()), (data.n_samples(), data.processes.len()));
         assert_eq!(head.span_ids, ["s1"]);
+    }
+
+    #[test]
+    fn activity_calls_travel_where_known() {
+        let mut data = rich();
+        data.activities.push("scheduler: reading rpc".into());
+        data.activity_calls = vec![Some(12), None];
+        assert_eq!(decode(&encode(&data)).unwrap(), data);
+        data.activity_calls = vec![Some(0), Some(u64::MAX - 1)];
+        assert_eq!(decode(&encode(&data)).unwrap(), data);
+        let mut uneven = body(&data);
+        uneven.activity_calls.pop();
+        assert!(tables(uneven, head(&data, 0)).unwrap_err().contains("differ in length"));
+    }
+
+    #[test]
+    fn a_body_without_calls_decodes_as_none_known() {
+        let data = rich();
+        let old = Body { activity_calls: Vec::new(), ..body(&data) };
+        assert!(tables(old, head(&data, 0)).unwrap().activity_calls.is_empty());
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub struct Builder {
     pub stacks: Interner<Vec<u32>>,
     pub tags: Interner<Tag>,
     pub activities: Interner<String>,
+    /// Calls by activity id, where known; may be shorter than `activities`.
+    pub activity_calls: Vec<Option<u64>>,
     pub threads: Interner<Thread>,
     pub samples: Vec<Sample>,
 }
@@ -149,12 +151,38 @@ impl Builder {
         Sample { stack, tag, activity, thread, ..*sample }
     }
 
+    /// Adds `calls` to activity `name`'s, interning it.
+    pub fn add_calls(&mut self, name: &str, calls: u64) {
+        let id = self.activities.find_str(name).unwrap_or_else(|| self.activities.intern(name.into())) as usize;
+        if self.activity_calls.len() <= id {
+            self.activity_calls.resize(id + 1, None);
+        }
+        let slot = &mut self.activity_calls[id];
+        *slot = Some(slot.unwrap_or(0) + calls);
+    }
+
+    /// Adds every call count `src` knows, by activity name.
+    pub fn add_calls_of(&mut self, src: &ProfileData) {
+        for (name, calls) in src.activities.iter().zip(&src.activity_calls) {
+            if let Some(calls) = *calls {
+                self.add_calls(name, calls);
+            }
+        }
+    }
+
     pub fn finish(self, processes: Vec<Process>, metadata: Metadata) -> ProfileData {
+        let mut activity_calls = self.activity_calls;
+        if activity_calls.iter().all(Option::is_none) {
+            activity_calls.clear();
+        } else {
+            activity_calls.resize(self.activities.len(), None);
+        }
         ProfileData {
             frames: self.frames.into_items(),
             stacks: self.stacks.into_items(),
             tags: self.tags.into_items(),
             activities: self.activities.into_items(),
+            activity_calls,
             threads: self.threads.into_items(),
             processes,
             samples: self.samples,
@@ -194,6 +222,11 @@ impl Merger {
             if let Some(offset) = offsets[part.threads[s.thread as usize].process as usize] {
                 self.out.copy_sample(part, &mut map, s, Some(offset));
             }
+        }
+        // Calls are by name, not by process: a part with a process seen already (reached
+        // through two workers) would count that process's calls twice.
+        if offsets.iter().all(Option::is_some) {
+            self.out.add_calls_of(part);
         }
         self.spans.extend(part.spans.iter().map(|(id, s)| (id.clone(), s.clone())));
         if let Value::Object(tasks) = &part.metadata.tasks {
@@ -270,12 +303,16 @@ impl ProfileData {
         merger.finish(metadata)
     }
 
-    /// The samples of one process only.
+    /// The samples of one process only; calls, which are not kept by process, only
+    /// where it is the only one.
     pub fn only_process(&self, process: u32) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);
         for s in self.samples.iter().filter(|s| self.threads[s.thread as usize].process == process) {
             out.copy_sample(self, &mut map, s, Some(0));
+        }
+        if self.processes.len() == 1 {
+            out.add_calls_of(self);
         }
         let mut one = out.finish(vec![self.processes[process as usize].clone()], self.metadata.clone());
         one.spans = self.spans.clone();
@@ -290,12 +327,14 @@ impl ProfileData {
         for s in &self.samples {
             out.aggregate_sample(self, &mut map, s, &mut aggregator);
         }
+        out.add_calls_of(self);
         let mut aggregated = out.finish(self.processes.clone(), self.metadata.clone());
         aggregated.spans = self.spans.clone();
         aggregated
     }
 
-    /// The samples `keep` keeps, with every process and span.
+    /// The samples `keep` keeps, with every process and span; no calls, which a
+    /// selection of samples does not select.
     pub fn filtered(&self, keep: impl Fn(&Sample) -> bool) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);

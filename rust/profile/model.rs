@@ -265,6 +265,10 @@ pub struct ProfileData {
     /// Event-loop activities, "scheduler: task-finished".
     #[serde(default)]
     pub activities: Vec<String>,
+    /// Times each activity was dispatched in the profile's window, by activity; None
+    /// where not counted (a connection's reads), empty where none is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub activity_calls: Vec<Option<u64>>,
     pub threads: Vec<Thread>,
     pub processes: Vec<Process>,
     #[serde(with = "sample_columns")]
@@ -361,6 +365,9 @@ impl ProfileData {
         if self.samples.iter().any(missing) {
             return Err("a sample names a thread, stack, tag or activity that does not exist".into());
         }
+        if !self.activity_calls.is_empty() && self.activity_calls.len() != self.activities.len() {
+            return Err("activity calls and activities differ in length".into());
+        }
         Ok(())
     }
 
@@ -375,6 +382,7 @@ impl ProfileData {
             + table(&self.stacks)
             + table(&self.tags)
             + table(&self.activities)
+            + std::mem::size_of_val(self.activity_calls.as_slice())
             + table(&self.threads)
     }
 
@@ -491,6 +499,34 @@ pub mod tests {
         assert_eq!((w2.processes[0].name.as_str(), w2.samples.len(), w2.frames.len()), ("w2", 2, 3));
     }
 
+    /// `profile` with samples in `activities` and their calls.
+    fn with_calls(token: &str, activities: &[&str], calls: Vec<Option<u64>>) -> ProfileData {
+        let mut p = profile(token, &vec![(1, &["loop"][..], None); activities.len()]);
+        p.activities = activities.iter().map(|a| a.to_string()).collect();
+        p.samples.iter_mut().enumerate().for_each(|(i, s)| s.activity = Some(i as u32));
+        p.activity_calls = calls;
+        p
+    }
+
+    #[test]
+    fn calls_add_up_by_activity_name_across_processes() {
+        let a = with_calls("w1", &["w: get_data", "w: reading"], vec![Some(3), None]);
+        let b = with_calls("w2", &["w: gather", "w: get_data"], vec![Some(5), Some(4)]);
+        let plain = profile("w3", &[(1, &["f"], None)]);
+        let m = ProfileData::merge(&[&a, &b, &a, &plain], Metadata::default());
+        let calls =
+            |p: &ProfileData, name: &str| p.activity_calls[p.activities.iter().position(|a| a == name).unwrap()];
+        assert_eq!(calls(&m, "w: get_data"), Some(7), "a process seen twice counts once");
+        assert_eq!((calls(&m, "w: gather"), calls(&m, "w: reading")), (Some(5), None));
+        assert!(m.validate().is_ok());
+        let aggregated = m.aggregated(false);
+        assert_eq!(calls(&aggregated, "w: get_data"), Some(7));
+        assert!(m.only_process(0).activity_calls.is_empty(), "calls are not kept by process");
+        assert_eq!(calls(&a.only_process(0), "w: get_data"), Some(3));
+        assert!(m.filtered(|_| true).activity_calls.is_empty());
+        assert!(ProfileData::merge(&[&plain], Metadata::default()).activity_calls.is_empty());
+    }
+
     #[test]
     fn thread_names_resolve_and_merge() {
         let mut p = profile("w", &[(1, &["a"], None), (1, &["a"], None), (2, &["a"], None)]);
@@ -531,5 +567,12 @@ pub mod tests {
         assert!(broken.validate().unwrap_err().contains("stack"));
         let uneven = json.replace(r#""flags":[1]"#, r#""flags":[1,1]"#);
         assert!(serde_json::from_str::<ProfileData>(&uneven).is_err());
+        assert!(!json.contains("activity_calls"), "absent where none is known, as in older files");
+        let counted = with_calls("w", &["w: get_data", "w: reading"], vec![Some(3), None]);
+        let back: ProfileData = serde_json::from_str(&serde_json::to_string(&counted).unwrap()).unwrap();
+        assert_eq!(back, counted);
+        let mut uneven = counted;
+        uneven.activity_calls.pop();
+        assert!(uneven.validate().unwrap_err().contains("calls"));
     }
 }

@@ -103,6 +103,9 @@ pub struct ActivityTime {
     pub activity: String,
     pub kind: String,
     pub name: String,
+    /// Times it was dispatched in the window; absent where not counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calls: Option<u64>,
     #[serde(flatten)]
     pub group: Group,
 }
@@ -269,7 +272,14 @@ pub fn summarize(data: &ProfileData) -> Summary {
         .map(|(a, t)| {
             let activity = a.map_or(NO_TASK, |a| data.activities[a as usize].as_str());
             let (kind, name) = if a.is_some() { split_activity(activity) } else { ("", activity) };
-            ActivityTime { activity: activity.into(), kind: kind.into(), name: name.into(), group: t.finish(data) }
+            let calls = a.and_then(|a| data.activity_calls.get(a as usize).copied().flatten());
+            ActivityTime {
+                activity: activity.into(),
+                kind: kind.into(),
+                name: name.into(),
+                calls,
+                group: t.finish(data),
+            }
         })
         .collect();
     activities.sort_by(|a, b| b.group.seconds.total_cmp(&a.group.seconds).then_with(|| a.activity.cmp(&b.activity)));
@@ -363,6 +373,21 @@ mod tests {
         let bits = |s: Summary| (s.all.top[0].seconds.to_bits(), s.all.top[0].split.cpu.to_bits());
         let first = bits(summarize(&data));
         assert!((0..30).all(|_| bits(summarize(&data)) == first));
+    }
+
+    #[test]
+    fn activity_rows_carry_calls_only_where_counted() {
+        let mut data = profile("w", &[(1, &["a"], None), (1, &["b"], None), (1, &["c"], None)]);
+        data.activities = vec!["w: get_data".into(), "w: reading".into()];
+        data.samples[0].activity = Some(0);
+        data.samples[1].activity = Some(1);
+        data.activity_calls = vec![Some(25), None];
+        let rows = serde_json::to_value(summarize(&data).activities).unwrap();
+        let calls = |name: &str| rows.as_array().unwrap().iter().find(|r| r["name"] == name).unwrap().get("calls");
+        assert_eq!(calls("get_data"), Some(&serde_json::json!(25)));
+        assert_eq!((calls("reading"), calls(NO_TASK)), (None, None), "absent, not 0 or null");
+        data.activity_calls.clear();
+        assert!(summarize(&data).activities.iter().all(|r| r.calls.is_none()));
     }
 
     #[test]

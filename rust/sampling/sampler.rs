@@ -3,8 +3,9 @@
 
 use crate::error::{Error, Result};
 use crate::profile::model::{Frame, Metadata, Process, ProfileData};
-use crate::reader::tags::ThreadTags;
+use crate::reader::tags::{Activity, ThreadTags};
 use crate::reader::Chosen;
+use crate::sampling::calls::NS_PER_S;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::states::CpuSeries;
 use crate::sampling::store::{Store, Window, WindowSize};
@@ -49,6 +50,7 @@ impl Sampler {
             config: Mutex::new(config),
             tags: Arc::default(),
             store: Mutex::new(store),
+            calls: Mutex::default(),
             cpu: Mutex::new(CpuSeries::default()),
             stats: Mutex::new(RunStats::default()),
             last: Mutex::new(None),
@@ -177,6 +179,11 @@ impl Sampler {
         })
     }
 
+    /// Counts one dispatched call of `activity`: a short lock of its own, never the store's.
+    pub fn count_call(&self, activity: &Arc<Activity>) {
+        self.shared.calls.lock().count(now_ns() / NS_PER_S, activity);
+    }
+
     /// The samples of `window` as a profile of this process.
     pub fn profile(&self, window: Window, process_name: String, metadata: Metadata) -> ProfileData {
         let mut process = Process {
@@ -188,7 +195,10 @@ impl Sampler {
         };
         let cpu = self.shared.cpu.lock().totals(window.start_ns, window.stop_ns);
         process.stats["window_cpu"] = json!(cpu);
-        let mut data = self.shared.store.lock().window(window, process, metadata);
+        let mut store = self.shared.store.lock();
+        self.shared.fold_calls(&mut store);
+        let mut data = store.window(window, process, metadata);
+        drop(store);
         data.resolve_thread_names(|ident| self.shared.tags.name(ident));
         data
     }

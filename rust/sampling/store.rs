@@ -5,6 +5,7 @@
 
 use crate::profile::build::{Aggregator, Builder, Remap};
 use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Tag, Thread};
+use crate::sampling::calls::{Buckets, Pending, NS_PER_S};
 use rustc_hash::FxHashSet;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -56,6 +57,8 @@ pub struct Recorded<'a> {
 pub struct Store {
     tables: Builder,
     ring: VecDeque<Sample>,
+    /// Calls per activity and second, kept as long as samples of their seconds.
+    calls: Buckets,
     max_bytes: usize,
     recorded: u64,
     evicted: u64,
@@ -64,7 +67,15 @@ pub struct Store {
 
 impl Store {
     pub fn new(max_bytes: usize) -> Store {
-        Store { tables: Builder::default(), ring: VecDeque::new(), max_bytes, recorded: 0, evicted: 0, compactions: 0 }
+        Store {
+            tables: Builder::default(),
+            ring: VecDeque::new(),
+            calls: Buckets::default(),
+            max_bytes,
+            recorded: 0,
+            evicted: 0,
+            compactions: 0,
+        }
     }
 
     /// Records one thread's stack (frames root first).
@@ -126,18 +137,29 @@ impl Store {
         self.enforce_cap();
     }
 
+    /// Takes the calls counted since the last fold.
+    pub fn fold_calls(&mut self, pending: &mut Pending) {
+        self.calls.fold(pending);
+        self.enforce_cap();
+    }
+
     fn tables_bytes(&self) -> usize {
         let t = &self.tables;
         t.frames.bytes() + t.stacks.bytes() + t.tags.bytes() + t.activities.bytes() + t.threads.bytes()
     }
 
     pub fn bytes(&self) -> usize {
-        self.tables_bytes() + self.ring.len() * SAMPLE_BYTES
+        self.tables_bytes() + self.ring.len() * SAMPLE_BYTES + self.calls.bytes()
     }
 
     fn enforce_cap(&mut self) {
         while self.bytes() > self.max_bytes {
-            if self.tables_bytes() > self.max_bytes / 2 {
+            if self.ring.is_empty() {
+                // Only calls are left (counted while nothing was sampled): the oldest go.
+                if !self.calls.evict_oldest() {
+                    break;
+                }
+            } else if self.tables_bytes() > self.max_bytes / 2 {
                 self.evict((self.ring.len() / 2).max(1));
                 self.compact();
             } else {
@@ -150,8 +172,13 @@ impl Store {
 
     fn evict(&mut self, n: usize) {
         let n = n.min(self.ring.len());
+        let last_evicted = n.checked_sub(1).map(|i| self.ring[i].time_ns);
         self.ring.drain(..n);
         self.evicted += n as u64;
+        // Calls go with the seconds the ring no longer holds any sample of.
+        if let Some(kept_from) = self.ring.front().map(|s| s.time_ns).or(last_evicted) {
+            self.calls.evict_before(kept_from / NS_PER_S);
+        }
     }
 
     /// Rebuilds the tables from the samples still held, dropping what nothing uses.
@@ -176,6 +203,12 @@ impl Store {
                 out.aggregate_sample(&self.tables, &mut map, s, &mut aggregator);
             } else {
                 out.copy_sample(&self.tables, &mut map, s, None);
+            }
+        }
+        for (name, calls) in self.calls.window(window.start_ns, window.stop_ns) {
+            // Zero calls are worth keeping only for an activity the window sampled.
+            if calls > 0 || out.activities.find_str(name).is_some() {
+                out.add_calls(name, calls);
             }
         }
         out.finish(vec![process], metadata)
@@ -220,7 +253,10 @@ mod tests {
     use super::*;
     use crate::profile::build::Tables;
     use crate::profile::model::tests::frame;
+    use crate::reader::tags::Activity;
+    use crate::sampling::calls::tests::dispatch;
     use serde_json::Value;
+    use std::sync::Arc;
 
     fn proc() -> Process {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
@@ -301,6 +337,68 @@ mod tests {
         assert_eq!(w.frames.len(), 2, "only the frames the window uses");
         assert!(w.frames.iter().any(|f| f.name == "late"));
         assert!(s.window(all(2000, 3000), proc(), Metadata::default()).samples.is_empty());
+    }
+
+    fn count(store: &mut Store, second: u64, activity: &Arc<Activity>, n: u64) {
+        let mut pending = Pending::default();
+        (0..n).for_each(|_| pending.count(second, activity));
+        store.fold_calls(&mut pending);
+    }
+
+    fn in_activity(store: &mut Store, t: u64, activity: &str) {
+        let frames = [store.frame_id(frame("loop"))];
+        let r = Recorded {
+            time_ns: t,
+            ident: 1,
+            name: None,
+            frames: &frames,
+            tag: None,
+            activity: Some(activity),
+            weight_us: 10_000,
+            cpu_us: 0,
+            flags: 1,
+        };
+        store.record_ids(r);
+    }
+
+    #[test]
+    fn windows_carry_the_calls_of_their_seconds() {
+        let (get, gather) = (dispatch("w: get_data"), dispatch("w: gather"));
+        let mut s = Store::new(1 << 20);
+        in_activity(&mut s, 10 * NS_PER_S, "w: get_data");
+        in_activity(&mut s, 11 * NS_PER_S, "w: reading");
+        count(&mut s, 10, &get, 7);
+        count(&mut s, 12, &gather, 2);
+        let calls = |w: &ProfileData| -> Vec<(String, Option<u64>)> {
+            w.activities.iter().cloned().zip(w.activity_calls.iter().copied()).collect()
+        };
+        let w = s.window(all(0, 20 * NS_PER_S), proc(), Metadata::default());
+        let (get_data, gather, reading) =
+            (String::from("w: get_data"), String::from("w: gather"), String::from("w: reading"));
+        assert_eq!(calls(&w), [(get_data.clone(), Some(7)), (reading.clone(), None), (gather, Some(2))]);
+        let later = s.window(all(11 * NS_PER_S, 11 * NS_PER_S), proc(), Metadata::default());
+        assert_eq!((later.activities, later.activity_calls), (vec![reading], vec![]), "none known: none kept");
+        let first = s.window(all(10 * NS_PER_S, 10 * NS_PER_S), proc(), Metadata::default());
+        assert_eq!(calls(&first), [(get_data, Some(7))]);
+        assert!(s.window(all(0, NS_PER_S), proc(), Metadata::default()).activity_calls.is_empty());
+    }
+
+    #[test]
+    fn calls_are_evicted_with_their_seconds_samples() {
+        let get = dispatch("w: get_data");
+        let cap = 64 * 1024;
+        let mut s = Store::new(cap);
+        for second in 0..2_000 {
+            count(&mut s, second, &get, 1);
+            push(&mut s, second * NS_PER_S, &["main", "work"], None);
+        }
+        let oldest = s.stats().oldest_ns.unwrap() / NS_PER_S;
+        assert!(oldest > 0 && s.bytes() <= cap, "{oldest} {}", s.bytes());
+        let w = s.window(all(0, u64::MAX), proc(), Metadata::default());
+        assert_eq!(w.activity_calls, [Some(2_000 - oldest)], "calls of seconds the ring still holds");
+        let mut unsampled = Store::new(4096);
+        (0..1_000).for_each(|second| count(&mut unsampled, second, &get, 1));
+        assert!(unsampled.bytes() <= 4096, "calls alone stay under the cap too");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 use crate::profile::model::{Frame, State};
 use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
+use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::states::{CpuSeries, StateStats, States};
 use crate::sampling::store::{Recorded, Store};
@@ -68,6 +69,8 @@ pub struct Shared {
     pub config: Mutex<SamplerConfig>,
     pub tags: Arc<ThreadTags>,
     pub store: Mutex<Store>,
+    /// Calls counted since the last tick, which folds them into the store.
+    pub calls: Mutex<Pending>,
     /// CPU per second of the whole process and of its threads Python does not know.
     pub cpu: Mutex<CpuSeries>,
     pub stats: Mutex<RunStats>,
@@ -78,6 +81,13 @@ pub struct Shared {
     pub stop: Mutex<bool>,
     pub wake: Condvar,
     pub inject_panic: AtomicBool,
+}
+
+impl Shared {
+    /// Moves the calls counted so far into `store`.
+    pub fn fold_calls(&self, store: &mut Store) {
+        store.fold_calls(&mut self.calls.lock());
+    }
 }
 
 pub fn now_ns() -> u64 {
@@ -247,6 +257,7 @@ impl<'a> Loop<'a> {
                 stats.last_error = Some(e);
             }
         }
+        self.shared.fold_calls(&mut self.shared.store.lock());
         self.shared.stats.lock().ticks += 1;
     }
 

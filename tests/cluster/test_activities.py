@@ -99,6 +99,33 @@ def test_handlers_added_after_the_plugin_are_named_across_awaits(tmp_path):
         assert stream.get("scheduler: custom-stream", 0) >= 0.9 * sum(stream.values()), stream
 
 
+def counted_rpc(comm: Any = None) -> str:
+    spin(0.01)  # long enough to be sampled: calls are on rows of sampled time
+    return "counted"
+
+
+def add_counted_handler(dask_scheduler: Any) -> None:
+    dask_scheduler.handlers["counted_rpc"] = counted_rpc
+
+
+def test_a_handlers_calls_are_counted(client):
+    client.run_on_scheduler(add_counted_handler)
+    start = time.time()
+
+    async def call() -> list[str]:
+        async with rpc(client.scheduler.address) as r:
+            return [await r.counted_rpc() for _ in range(25)]
+
+    assert client.sync(call) == ["counted"] * 25
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rows = {r["activity"]: r for r in client.pyspy_profile(start=start).summary()["activities"]}
+        calls = rows.get("scheduler: counted_rpc", {}).get("calls", 0)
+        if calls >= 25:
+            break
+    assert calls == 25, rows.get("scheduler: counted_rpc")
+
+
 def test_the_schedulers_graph_and_task_handlers_are_named(client):
     # The plugin came after the workers connected: their streams' reads and batched
     # sends are named too.
