@@ -185,7 +185,7 @@ def _prefixes(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, floa
 MAX_ACTIVITY_ROWS = 25  # a table, not a list of every message kind; the rest sum into one row
 MAX_ACTIVITY_GRAPHS = 6
 ACTIVITY_GRAPH_SHARE = 0.01  # of all sampled time: smaller activities get no graph of their own
-NO_CALLS = "\u2014"  # the summary counts no calls per activity yet
+NO_CALLS = "\u2014"  # calls are counted for dispatched work, not for a loop's reads or base
 ACTIVITY_HEADER = ["activity", "process kind", "sampled s", "CPU s", "GIL share", "calls"]
 
 

@@ -52,8 +52,11 @@ def run_until_sampled(sampler: Sampler, work: Callable[[], None], timeout: float
             work()
 
 
-def in_activity(sampler: Sampler, name: str, work: Callable[[], None]) -> None:
-    previous = sampler._native.enter_activity(_native.Activity(name, "dispatch"))
+def in_activity(sampler: Sampler, name: str, work: Callable[[], None], calls: int = 0) -> None:
+    activity = _native.Activity(name, "dispatch")
+    for _ in range(calls):
+        sampler._native.count_call(activity)
+    previous = sampler._native.enter_activity(activity)
     try:
         run_until_sampled(sampler, work)
     finally:
@@ -69,7 +72,7 @@ class Recording:
         sampler.start()
         try:
             start = time.time()
-            in_activity(sampler, "scheduler: task-finished", finish_transitions)
+            in_activity(sampler, "scheduler: task-finished", finish_transitions, calls=3)
             in_activity(sampler, "scheduler: periodic stealing", balance_work)
             worker_start = time.time()
             in_activity(sampler, "worker: get_data", serve_data)
@@ -114,13 +117,14 @@ def test_time_outside_tasks_is_a_table_by_activity(recording):
     assert table["scheduler: periodic stealing"][1] == "scheduler"
     assert table["worker: get_data"][1] == "worker"
     activity = next(a for a in recording.profile.summary()["activities"] if a["name"] == "task-finished")
-    # sampled s, CPU s, GIL share, calls (not counted yet)
+    # sampled s, CPU s, GIL share, calls
     assert table["scheduler: task-finished"][2:] == [
         f"{activity['seconds']:,.3f}",
         f"{activity['cpu']:,.3f}",
         f"{100 * activity['gil'] / activity['seconds']:.0f}%",
-        report.NO_CALLS,
+        "3",
     ]
+    assert table["scheduler: periodic stealing"][5] == report.NO_CALLS, "not counted: no number"
     assert "inc" not in table, "task time is not outside tasks"
 
 
