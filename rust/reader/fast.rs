@@ -57,6 +57,8 @@ pub struct FastReader {
     thread_reads: u64,
     /// Reads made again because the thread ran while its frames were copied.
     retried_reads: u64,
+    /// Threads read again because their marks changed during a read.
+    retried_marks: u64,
     /// Threads that could not be read consistently even then: their samples are lost.
     lost_reads: u64,
 }
@@ -83,6 +85,7 @@ impl FastReader {
             mode,
             thread_reads: 0,
             retried_reads: 0,
+            retried_marks: 0,
             lost_reads: 0,
         })
     }
@@ -115,7 +118,8 @@ impl FastReader {
         let mut frames: Vec<Result<Vec<u64>, ()>> = chosen.iter().map(|t| self.unchanged(t).ok_or(())).collect();
         let before = tags.versions(&idents);
         self.read_frames(&mut chosen, &mut frames)?;
-        let after = tags.stable_tags(&before, &idents);
+        let mut after = tags.stable_tags(&before, &idents);
+        self.reread_torn_marks(&mut chosen, &mut frames, &mut after, tags)?;
         self.thread_reads += chosen.len() as u64;
         self.lost_reads += frames.iter().filter(|f| f.is_err()).count() as u64;
         let mut out = Vec::with_capacity(chosen.len());
@@ -163,6 +167,38 @@ impl FastReader {
                 threads[i] = state;
             }
             pending.retain(|&i| frames[i].is_err());
+        }
+        Ok(())
+    }
+
+    /// Reads again, up to `RETRIES` times, each thread whose marks changed while its
+    /// frames were read: an event loop enters and leaves activities every few
+    /// microseconds, and leaving such reads unmarked would bias its profile against the
+    /// work that switches most.
+    fn reread_torn_marks(
+        &mut self,
+        threads: &mut [ThreadState],
+        frames: &mut [Result<Vec<u64>, ()>],
+        marks: &mut [ReadMarks],
+        tags: &ThreadTags,
+    ) -> Result<(), String> {
+        for _ in 0..RETRIES {
+            let torn: Vec<usize> = (0..threads.len()).filter(|&i| marks[i].is_err() && frames[i].is_ok()).collect();
+            if torn.is_empty() {
+                break;
+            }
+            self.retried_marks += torn.len() as u64;
+            let idents: Vec<u64> = torn.iter().map(|&i| threads[i].ident).collect();
+            let mut again: Vec<ThreadState> = torn.iter().map(|&i| threads[i].clone()).collect();
+            let before = tags.versions(&idents);
+            Threads::reread(&mut again, &self.layout, &mut self.mem, &mut self.batch)?;
+            again.iter_mut().for_each(|t| t.still = false); // it ran: its old frames do not hold
+            let mut read = vec![Err(()); torn.len()];
+            self.read_frames(&mut again, &mut read)?;
+            let now = tags.stable_tags(&before, &idents);
+            for (((&i, state), f), m) in torn.iter().zip(again).zip(read).zip(now) {
+                (threads[i], frames[i], marks[i]) = (state, f, m);
+            }
         }
         Ok(())
     }
@@ -238,6 +274,7 @@ impl StackReader for FastReader {
             "python": format!("{}.{}", self.layout.version.0, self.layout.version.1),
             "thread_reads": self.thread_reads,
             "retried_reads": self.retried_reads,
+            "retried_marks": self.retried_marks,
             "lost_reads": self.lost_reads,
             "syscalls": self.mem.calls,
             "ranges_read": self.mem.ranges,

@@ -421,3 +421,46 @@ def test_sampling_holds_no_gil():
     finally:
         sys.setswitchinterval(switch)
         s.stop()
+
+
+def spin_in_a() -> None:
+    hold_gil(20e-6)
+
+
+def spin_in_b() -> None:
+    hold_gil(20e-6)
+
+
+def switch_activities(native: _native.Sampler, stop: threading.Event) -> None:
+    """An event loop's shape: a new activity every 20 microseconds."""
+    work = [
+        (_native.Activity("worker: a", "dispatch"), spin_in_a),
+        (_native.Activity("worker: b", "dispatch"), spin_in_b),
+    ]
+    while not stop.is_set():
+        for activity, spin in work:
+            previous = native.enter_activity(activity)
+            spin()
+            native.leave_activity(previous)
+
+
+def test_reads_torn_by_an_activity_change_are_read_again(sampler):
+    sampler.start()
+
+    def roots(function: str) -> dict[str, int]:
+        doc = sampler.profile(by="prefix").speedscope()
+        (switching,) = profiles_named(doc, " switching ")
+        out: dict[str, int] = {}
+        for stack in switching["samples"]:
+            names = frame_names(doc, stack)
+            if names[-2:] == [function, "hold_gil"]:
+                out[names[0]] = out.get(names[0], 0) + 1
+        return out
+
+    with Threads(("switching", switch_activities, (sampler._native,))):
+        wait_for(lambda: sum(roots("spin_in_a").values()) >= 200, timeout=120)
+    in_a, in_b = roots("spin_in_a"), roots("spin_in_b")
+    assert "worker: b" not in in_a and "worker: a" not in in_b, "no sample carries the other activity"
+    # Without reading again, over half the reads here lost their activity.
+    assert in_a.get("worker: a", 0) >= 0.98 * sum(in_a.values()), in_a
+    assert sampler.stats()["reader_stats"]["retried_marks"] > 0
