@@ -317,8 +317,9 @@ class Hooks:
 
         @functools.wraps(handle_stimulus)
         def run(*stims: Any) -> None:
-            name = type(stims[0]).__name__ if stims else "stimulus"
-            run_in(named.native, named(name, STATE_MACHINE), handle_stimulus, *stims)
+            activity = named(type(stims[0]).__name__ if stims else "stimulus", STATE_MACHINE)
+            named.native.count_call(activity)
+            run_in(named.native, activity, handle_stimulus, *stims)
 
         return run
 
