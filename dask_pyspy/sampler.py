@@ -158,17 +158,21 @@ class Sampler:
         name: str,
         metadata: dict[str, Any],
         spans: dict[str, dict[str, list[str]]],
+        span_ids: list[str] | None = None,
     ) -> bytes:
         """The window in the wire format (see `Profile.to_wire`) without a `Profile` in
-        between; `aggregate` aggregates it (see `Profile.merge_wire`)."""
+        between; `aggregate` aggregates it (see `Profile.merge_wire`); `span_ids` keeps
+        only the samples of tasks in those spans."""
         self._check_started()
         self.name_threads()
-        return self._native.export(self._bounds(start, stop), aggregate, name, metadata, spans)
+        return self._native.export(self._bounds(start, stop), aggregate, name, metadata, spans, span_ids)
 
-    def window_size(self, start: float | None, stop: float | None, aggregate: bool) -> dict[str, int]:
+    def window_size(
+        self, start: float | None, stop: float | None, aggregate: bool, span_ids: list[str] | None = None
+    ) -> dict[str, int]:
         """What `export` would hold: samples taken, and the decoded profile's approximate bytes."""
         self._check_started()
-        samples, size = self._native.window_size(self._bounds(start, stop), aggregate)
+        samples, size = self._native.window_size(self._bounds(start, stop), aggregate, span_ids)
         return {"samples": samples, "bytes": size}
 
     def _check_started(self) -> None:

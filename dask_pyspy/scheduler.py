@@ -98,6 +98,23 @@ def check_span(ext: Any, span: str | list[str] | None) -> None:
     raise ValueError(f"span: no span has the path {tuple(span)!r}; span paths: {listed(paths)}")
 
 
+def kept_span_ids(ext: Any, span: str | list[str] | None) -> list[str] | None:
+    """The ids of the spans a `span=` request keeps, as `SpanFilter` keeps them (a
+    name: the spans with it on their path; an id: that span and those nested in it; a
+    path: the spans whose path starts with it), for the workers to send only their
+    samples. None: no span asked for, or no span extension to resolve it."""
+    if span is None or ext is None:
+        return None
+    if isinstance(span, str):
+        chosen = [*ext.spans_search_by_tag.get(span, ()), *([ext.spans[span]] if span in ext.spans else ())]
+        ids = {span}  # an id the scheduler does not know still tags samples
+    else:
+        chosen = list(ext.spans_search_by_name.get(tuple(span), ()))
+        ids = set(span[:1]) if len(span) == 1 else set()
+    ids.update(nested.id for top in chosen for nested in top.traverse_spans())
+    return sorted(ids)
+
+
 class ClusterProfiler:
     """The scheduler's half: its sampler hold, the RPC handlers, the dashboard pages and
     the options every worker samples with. It outlives a re-registered `PySpyPlugin`,
@@ -216,14 +233,15 @@ class ClusterProfiler:
             addresses = self.select_workers(workers)
             timeout = config.timeout(timeout)
             span = options.span(span)
-            check_span(self.scheduler.extensions.get("spans"), span)
+            ext = self.scheduler.extensions.get("spans")
+            check_span(ext, span)
             aggregate = options.flag("aggregate", aggregate)
             scheduler = options.flag("scheduler", scheduler)
             cap = config.max_result()
         except ValueError as e:
             return rejected(e)
         stop = max(time.time(), start or 0.0) if stop is None else stop
-        window = {"start": start, "stop": stop, "aggregate": aggregate}
+        window = {"start": start, "stop": stop, "aggregate": aggregate, "span_ids": kept_span_ids(ext, span)}
         own = self.hold.sampler if scheduler else None
         sizes, missing = await self._sizes(addresses, own, timeout, window)
         if scheduler and own is None:
@@ -237,7 +255,7 @@ class ClusterProfiler:
         missing.update(failed)
         if own is not None:
             name = f"scheduler {self.scheduler.address}"
-            replies[SCHEDULER] = await off_loop(own.export, start, stop, aggregate, name, {}, {})
+            replies[SCHEDULER] = await off_loop(own.export, start, stop, aggregate, name, {}, {}, window["span_ids"])
         parts, span_ids = await off_loop(checked_parts, replies, sizes, missing)
         meta = {
             "window": [start, stop],
@@ -261,7 +279,7 @@ class ClusterProfiler:
             else:
                 missing[addr] = f"an unreadable size reply: {reply!r:.100}"
         if own is not None:
-            sizes[SCHEDULER] = await off_loop(own.window_size, window["start"], window["stop"], window["aggregate"])
+            sizes[SCHEDULER] = await off_loop(lambda: own.window_size(**window))
         return sizes, missing
 
     async def dump(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:

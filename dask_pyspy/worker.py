@@ -181,21 +181,33 @@ class WorkerProfiler:
             raise RuntimeError(f"sampling is off on worker {self.worker.address}: {self.hold.error}")
         return self.hold.sampler
 
-    async def profile(self, start: float | None = None, stop: float | None = None, aggregate: bool = False) -> bytes:
-        """The window in the wire format, with the task log and span names."""
+    async def profile(
+        self,
+        start: float | None = None,
+        stop: float | None = None,
+        aggregate: bool = False,
+        span_ids: list[str] | None = None,
+    ) -> bytes:
+        """The window in the wire format, with the task log and span names; with
+        `span_ids`, only the samples of tasks in those spans."""
         sampler = self._check()
 
         def export() -> bytes:
             tasks = {self.worker.address: self.tasks.summary(start, stop)}
-            return sampler.export(start, stop, aggregate, self.worker.address, {"tasks": tasks}, dict(self.spans.spans))
+            meta = {"tasks": tasks}
+            return sampler.export(start, stop, aggregate, self.worker.address, meta, dict(self.spans.spans), span_ids)
 
         return await off_loop(export)
 
     async def size(
-        self, start: float | None = None, stop: float | None = None, aggregate: bool = False
+        self,
+        start: float | None = None,
+        stop: float | None = None,
+        aggregate: bool = False,
+        span_ids: list[str] | None = None,
     ) -> dict[str, int]:
         """What `profile` would send: samples, and the decoded profile's approximate bytes."""
-        return await off_loop(self._check().window_size, start, stop, aggregate)
+        return await off_loop(self._check().window_size, start, stop, aggregate, span_ids)
 
     async def dump(self) -> dict[str, Any]:
         sampler = self._check()

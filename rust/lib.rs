@@ -29,6 +29,7 @@ use profile::views::{By, Shown};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
+use rustc_hash::FxHashSet;
 use sampling::config::SamplerConfig;
 use sampling::sampler::{self, Sampler};
 use sampling::store::Window;
@@ -53,10 +54,10 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T
     py.detach(|| catch_unwind(AssertUnwindSafe(f))).map_err(internal_error)
 }
 
-/// `(start, stop)` in Unix seconds, aggregated or not.
-fn window((start, stop): (f64, f64), aggregate: bool) -> Window {
+/// `(start, stop)` in Unix seconds, aggregated or not, narrowed to `spans` if given.
+fn window((start, stop): (f64, f64), aggregate: bool, spans: Option<&FxHashSet<String>>) -> Window<'_> {
     let ns = |t: f64| (t.max(0.0) * 1e9) as u64;
-    Window { start_ns: ns(start), stop_ns: ns(stop), aggregate }
+    Window { start_ns: ns(start), stop_ns: ns(stop), aggregate, spans }
 }
 
 fn metadata_arg(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Metadata> {
@@ -186,13 +187,15 @@ impl PySampler {
 
     /// The samples captured in `bounds` (Unix seconds), as process `process_name`.
     fn profile(&self, py: Python<'_>, bounds: (f64, f64), process_name: String) -> PyResult<PyProfile> {
-        let data = detached(py, || self.inner.profile(window(bounds, false), process_name, Metadata::default()))?;
+        let data = detached(py, || self.inner.profile(window(bounds, false, None), process_name, Metadata::default()))?;
         Ok(PyProfile::new(data))
     }
 
-    /// The samples in `bounds` (aggregated if `aggregate`) in the wire format, with
-    /// `metadata` and `spans`: one copy of the window, straight to bytes.
-    #[pyo3(signature = (bounds, aggregate, process_name, metadata=None, spans=None))]
+    /// The samples in `bounds` (aggregated if `aggregate`; only those tagged with one
+    /// of `span_ids` if given) in the wire format, with `metadata` and `spans`: one
+    /// copy of the window, straight to bytes.
+    #[pyo3(signature = (bounds, aggregate, process_name, metadata=None, spans=None, span_ids=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords
     fn export<'py>(
         &self,
         py: Python<'py>,
@@ -201,10 +204,12 @@ impl PySampler {
         process_name: String,
         metadata: Option<&Bound<'py, PyDict>>,
         spans: Option<&Bound<'py, PyDict>>,
+        span_ids: Option<Vec<String>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
+        let span_ids = span_ids.map(FxHashSet::from_iter);
         let bytes = detached(py, || {
-            let mut data = self.inner.profile(window(bounds, aggregate), process_name, metadata);
+            let mut data = self.inner.profile(window(bounds, aggregate, span_ids.as_ref()), process_name, metadata);
             data.spans = spans;
             wire::encode(&data)
         })?;
@@ -212,8 +217,16 @@ impl PySampler {
     }
 
     /// What `export` would hold: (samples taken, approximate memory in bytes).
-    fn window_size(&self, py: Python<'_>, bounds: (f64, f64), aggregate: bool) -> PyResult<(u64, u64)> {
-        let size = detached(py, || self.inner.window_size(window(bounds, aggregate)))?;
+    #[pyo3(signature = (bounds, aggregate, span_ids=None))]
+    fn window_size(
+        &self,
+        py: Python<'_>,
+        bounds: (f64, f64),
+        aggregate: bool,
+        span_ids: Option<Vec<String>>,
+    ) -> PyResult<(u64, u64)> {
+        let span_ids = span_ids.map(FxHashSet::from_iter);
+        let size = detached(py, || self.inner.window_size(window(bounds, aggregate, span_ids.as_ref())))?;
         Ok((size.samples, size.bytes))
     }
 }

@@ -185,7 +185,7 @@ impl Sampler {
     }
 
     /// The samples of `window` as a profile of this process.
-    pub fn profile(&self, window: Window, process_name: String, metadata: Metadata) -> ProfileData {
+    pub fn profile(&self, window: Window<'_>, process_name: String, metadata: Metadata) -> ProfileData {
         let mut process = Process {
             name: process_name,
             pid: std::process::id(),
@@ -203,7 +203,7 @@ impl Sampler {
         data
     }
 
-    pub fn window_size(&self, window: Window) -> WindowSize {
+    pub fn window_size(&self, window: Window<'_>) -> WindowSize {
         self.shared.store.lock().window_size(window)
     }
 

@@ -23,13 +23,15 @@ pub struct StoreStats {
     pub oldest_ns: Option<u64>,
 }
 
-/// Which samples an export takes: those captured in `[start_ns, stop_ns]`, aggregated
-/// into one profile with `aggregate` (see `Aggregator`).
+/// Which samples an export takes: those captured in `[start_ns, stop_ns]` and, with
+/// `spans`, tagged with one of those span ids; aggregated into one profile with
+/// `aggregate` (see `Aggregator`).
 #[derive(Clone, Copy, Debug)]
-pub struct Window {
+pub struct Window<'a> {
     pub start_ns: u64,
     pub stop_ns: u64,
     pub aggregate: bool,
+    pub spans: Option<&'a FxHashSet<String>>,
 }
 
 /// What a window export would hold.
@@ -194,11 +196,11 @@ impl Store {
     }
 
     /// The samples of `window`, with just the tables they use.
-    pub fn window(&self, window: Window, process: Process, metadata: Metadata) -> ProfileData {
+    pub fn window(&self, window: Window<'_>, process: Process, metadata: Metadata) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(&self.tables);
         let mut aggregator = Aggregator::default();
-        for s in self.range(window) {
+        for s in self.samples(window) {
             if window.aggregate {
                 out.aggregate_sample(&self.tables, &mut map, s, &mut aggregator);
             } else {
@@ -216,23 +218,33 @@ impl Store {
 
     /// Roughly the memory an export of `window` would take: its samples and at most
     /// the tables; and the samples it stands for.
-    pub fn window_size(&self, window: Window) -> WindowSize {
-        let samples = self.range(window);
-        let taken = samples.len() as u64;
+    pub fn window_size(&self, window: Window<'_>) -> WindowSize {
+        let taken = self.samples(window).count() as u64;
         let kept = if window.aggregate {
             let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
-            samples.map(|s| (s.thread, s.stack, prefix(s.tag), s.activity, s.flags)).collect::<FxHashSet<_>>().len()
+            let keys = self.samples(window).map(|s| (s.thread, s.stack, prefix(s.tag), s.activity, s.flags));
+            keys.collect::<FxHashSet<_>>().len()
         } else {
-            samples.len()
+            taken as usize
         };
         // Interners hold each item twice; a profile's tables once.
         WindowSize { samples: taken, bytes: (kept * SAMPLE_BYTES + self.tables_bytes() / 2) as u64 }
     }
 
-    fn range(&self, window: Window) -> std::collections::vec_deque::Iter<'_, Sample> {
+    /// The samples `window` takes: its time range, narrowed to its spans' tags.
+    fn samples<'s>(&'s self, window: Window<'_>) -> impl Iterator<Item = &'s Sample> + 's {
         let lo = self.ring.partition_point(|s| s.time_ns < window.start_ns);
         let hi = self.ring.partition_point(|s| s.time_ns <= window.stop_ns);
-        self.ring.range(lo..hi.max(lo))
+        // Decided once per tag, not per sample: a window holds far more samples than tags.
+        let kept_tags: Option<Vec<bool>> = window.spans.map(|ids| {
+            let tags = &self.tables.tags;
+            (0..tags.len() as u32).map(|t| tags.get(t).span.as_ref().is_some_and(|id| ids.contains(id))).collect()
+        });
+        let keeps = move |s: &&Sample| match &kept_tags {
+            None => true,
+            Some(kept) => s.tag.is_some_and(|t| kept[t as usize]),
+        };
+        self.ring.range(lo..hi.max(lo)).filter(keeps)
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -262,8 +274,8 @@ mod tests {
         Process { name: "p".into(), pid: 1, host: "h".into(), token: "t".into(), stats: Value::Null }
     }
 
-    fn all(start_ns: u64, stop_ns: u64) -> Window {
-        Window { start_ns, stop_ns, aggregate: false }
+    fn all(start_ns: u64, stop_ns: u64) -> Window<'static> {
+        Window { start_ns, stop_ns, aggregate: false, spans: None }
     }
 
     fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {
@@ -339,6 +351,30 @@ mod tests {
         assert!(s.window(all(2000, 3000), proc(), Metadata::default()).samples.is_empty());
     }
 
+    #[test]
+    fn a_window_of_spans_takes_only_their_samples() {
+        let mut s = Store::new(1 << 20);
+        for t in 0..12u64 {
+            let span = ["a", "b", "c"][t as usize % 3];
+            let tag = Tag { key: format!("k-{t}"), prefix: "k".into(), span: Some(span.into()) };
+            s.record(t, 1, ["main", span].iter().map(|n| frame(n)), Some(&tag), 10_000, 1);
+        }
+        push(&mut s, 12, &["main", "untagged"], None);
+        let ids: FxHashSet<String> = ["a", "c"].map(String::from).into_iter().collect();
+        let spans = Window { spans: Some(&ids), ..all(0, 100) };
+        let w = s.window(spans, proc(), Metadata::default());
+        assert_eq!(w.samples.len(), 8);
+        assert!(w.tags.iter().all(|t| t.span.as_deref() != Some("b")), "{:?}", w.tags);
+        assert_eq!(s.window_size(spans).samples, 8);
+        let aggregated = Window { aggregate: true, ..spans };
+        assert_eq!(
+            (s.window_size(aggregated).samples, s.window(aggregated, proc(), Metadata::default()).n_samples()),
+            (8, 8)
+        );
+        let none = FxHashSet::default();
+        assert!(s.window(Window { spans: Some(&none), ..spans }, proc(), Metadata::default()).samples.is_empty());
+    }
+
     fn count(store: &mut Store, second: u64, activity: &Arc<Activity>, n: u64) {
         let mut pending = Pending::default();
         (0..n).for_each(|_| pending.count(second, activity));
@@ -411,7 +447,7 @@ mod tests {
             s.record(t, 1, ["main", leaf].iter().map(|n| frame(n)), Some(&tag), 10_000 + t as u32, 1);
         }
         push(&mut s, 10, &["main", "idle"], None);
-        let aggregated = Window { start_ns: 0, stop_ns: 100, aggregate: true };
+        let aggregated = Window { start_ns: 0, stop_ns: 100, aggregate: true, spans: None };
         let w = s.window(aggregated, proc(), Metadata::default());
         assert_eq!(w.samples.len(), 3, "read and parse under prefix load, and the untagged one");
         assert_eq!((w.n_samples(), w.total_us()), (11, 10 * 10_000 + 45 + 10_000));

@@ -11,6 +11,7 @@ import uuid
 import pytest
 from distributed import span
 
+from dask_pyspy.client import _call
 from tests.cluster.test_cli import DASK, one_line_error, run
 from tests.cluster.workload import spin_for
 from tests.conftest import frame_names
@@ -90,6 +91,27 @@ def test_nested_spans_and_their_filters(client):
     assert prefixes(span=("outer", "inner")) == {"inner_work"}
     with pytest.raises(ValueError, match=r"no span has the path \('inner',\)"):  # a path starts at the outermost span
         prefixes(span=["inner"])
+
+
+def reply_bytes(client, **request) -> int:
+    """Bytes of the processes' parts in the scheduler's reply: what moved to it."""
+    return sum(map(len, client.sync(_call, client, "pyspy_profile", **request)["parts"].values()))
+
+
+def test_workers_send_only_the_samples_of_the_span_asked_for(client):
+    start = time.time()
+    with span("moved") as moved_id:
+        inside = tasks(client, "moved_work", 100)
+    client.gather(inside + tasks(client, "stays_work", 400))
+    stop = time.time()
+    window = {"start": start, "stop": stop}
+    for request in ({"span": "moved"}, {"span": moved_id}, {"span": ("moved",)}):
+        assert reply_bytes(client, **request, **window) < reply_bytes(client, **window) / 2, request
+        filtered = client.pyspy_profile(**request, **window).summary()
+        after = client.pyspy_profile(**window).only_span(request["span"]).summary()
+        assert filtered["prefixes"] == after["prefixes"] and filtered["samples"] == after["samples"] > 0, request
+    aggregated = client.pyspy_profile(span="moved", aggregate=True, **window).summary()
+    assert {p["prefix"] for p in aggregated["prefixes"]} == {"moved_work"}
 
 
 def test_a_span_the_scheduler_forgot_keeps_a_name(client):
