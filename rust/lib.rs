@@ -293,7 +293,8 @@ impl PyProfile {
     /// The head of wire bytes: what they hold, without the samples.
     #[staticmethod]
     fn wire_head<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>> {
-        no_panic(|| values::to_py(py, &wire::read_head(data)?))
+        let head = detached(py, || wire::read_head(data))??;
+        no_panic(|| values::to_py(py, &head))
     }
 
     /// One profile of the named parts in wire bytes, merged as each is decoded, with
