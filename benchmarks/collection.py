@@ -266,7 +266,8 @@ def unknown_keyword(error: TypeError, variant: dict[str, Any]) -> None:
 
 
 async def _reply(start: float, stop: float, variant: dict[str, Any], dask_worker: Any) -> bytes:
-    return await dask_worker.handlers["pyspy_profile"](start=start, stop=stop, **variant)
+    reply = await dask_worker.handlers["pyspy_profile"](start=start, stop=stop, **variant)
+    return getattr(reply, "data", reply)  # the bytes, sent as a frame in a `Serialize` since issue 21
 
 
 def worker_replies(client: Client, variant: dict[str, Any]) -> dict[str, bytes] | None:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from dask.utils import key_split
 from distributed import Worker
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import Serialize, to_serialize
 
 from dask_pyspy import config
 from dask_pyspy._loop import off_loop
@@ -187,9 +188,10 @@ class WorkerProfiler:
         stop: float | None = None,
         aggregate: bool = False,
         span_ids: list[str] | None = None,
-    ) -> bytes:
+    ) -> Serialize:
         """The window in the wire format, with the task log and span names; with
-        `span_ids`, only the samples of tasks in those spans."""
+        `span_ids`, only the samples of tasks in those spans. Sent as a frame of its
+        own: packed into the message, it would be copied on the event loop."""
         sampler = self._check()
 
         def export() -> bytes:
@@ -197,7 +199,7 @@ class WorkerProfiler:
             meta = {"tasks": tasks}
             return sampler.export(start, stop, aggregate, self.worker.address, meta, dict(self.spans.spans), span_ids)
 
-        return await off_loop(export)
+        return to_serialize(await off_loop(export))
 
     async def size(
         self,

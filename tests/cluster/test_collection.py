@@ -79,7 +79,7 @@ def answer_with(kind: str):
         real = dask_worker.handlers["pyspy_profile"]
 
         async def broken(**kwargs):
-            data = await real(**kwargs)
+            data = (await real(**kwargs)).data  # the bytes in their wrapper (sent as a frame)
             return {"garbage": b"garbage", "oversized": data + b"\0" * (4 << 20), "cut": data[:-64]}[kind]
 
         dask_worker.handlers["pyspy_profile"] = broken
