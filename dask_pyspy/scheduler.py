@@ -119,7 +119,7 @@ def kept_span_ids(ext: Any, span: str | list[str] | None) -> list[str] | None:
     if span is None or ext is None:
         return None
     if isinstance(span, str):
-        chosen = [*ext.spans_search_by_tag.get(span, ()), *([ext.spans[span]] if span in ext.spans else ())]
+        chosen = [*ext.spans_search_by_tag.get(span, ()), *filter(None, [ext.spans.get(span)])]
         ids = {span}  # an id the scheduler does not know still tags samples
     else:
         chosen = list(ext.spans_search_by_name.get(tuple(span), ()))

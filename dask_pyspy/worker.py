@@ -47,6 +47,15 @@ class SpanNames:
             self.spans[span_id] = {"names": names, "ids": ids}
         return span_id
 
+    def with_nested(self, ids: list[str] | None) -> list[str] | None:
+        """`ids` and the spans named here that are nested in one of them: the scheduler
+        resolves a request from the spans it knows, and may have forgotten some."""
+        if ids is None:
+            return None
+        wanted = set(ids)
+        nested = (span_id for span_id, span in list(self.spans.items()) if wanted.intersection(span["ids"]))
+        return sorted(wanted.union(nested))
+
 
 class TaskTagger(dict):
     """`Worker.active_threads` that also tells the sampler which task each thread runs,
@@ -197,7 +206,8 @@ class WorkerProfiler:
         def export() -> bytes:
             tasks = {self.worker.address: self.tasks.summary(start, stop)}
             meta = {"tasks": tasks}
-            return sampler.export(start, stop, aggregate, self.worker.address, meta, dict(self.spans.spans), span_ids)
+            spans, ids = dict(self.spans.spans), self.spans.with_nested(span_ids)
+            return sampler.export(start, stop, aggregate, self.worker.address, meta, spans, ids)
 
         return to_serialize(await off_loop(export))
 
@@ -209,7 +219,8 @@ class WorkerProfiler:
         span_ids: list[str] | None = None,
     ) -> dict[str, int]:
         """What `profile` would send: samples, and the decoded profile's approximate bytes."""
-        return await off_loop(self._check().window_size, start, stop, aggregate, span_ids)
+        sampler = self._check()
+        return await off_loop(lambda: sampler.window_size(start, stop, aggregate, self.spans.with_nested(span_ids)))
 
     async def dump(self) -> dict[str, Any]:
         sampler = self._check()

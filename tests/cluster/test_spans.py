@@ -130,6 +130,21 @@ def test_a_span_the_scheduler_forgot_keeps_a_name(client):
     assert ("forgotten",) in paths and (default_id,) in paths, paths
 
 
+def test_an_id_the_scheduler_forgot_keeps_the_spans_nested_in_it(client):
+    start = time.time()
+    with span("lost") as lost_id, span("child"):
+        inside = tasks(client, "lost_child_work", 100)
+    client.gather(inside + tasks(client, "beside_work", 100))
+    child_id = client.run_on_scheduler(_span_of, inside[0].key)
+    client.run_on_scheduler(_forget, ids=[lost_id, child_id])
+    try:
+        # The scheduler resolves the id to itself alone; the workers add the spans they named in it.
+        kept = client.pyspy_profile(start=start, span=lost_id).summary()["prefixes"]
+    finally:
+        client.run_on_scheduler(_forget, ids=[])
+    assert {p["prefix"] for p in kept} == {"lost_child_work"}
+
+
 def _span_of(key, dask_scheduler=None):
     return dask_scheduler.tasks[key].group.span_id
 
