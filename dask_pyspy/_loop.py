@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -22,8 +23,11 @@ _pool_lock = threading.Lock()
 
 def _lower_priority() -> None:
     # Linux nice is per thread (setpriority on a thread id); elsewhere it is per process.
+    # A refusal (a sandbox) leaves the thread as it was: a failing initializer would
+    # break the pool, and every collection with it.
     if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
 
 def _executor() -> ThreadPoolExecutor:
