@@ -10,10 +10,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-# Niceness of the threads doing the profiler's heavy work. Off the loop is not enough:
-# a collection exports in every worker at once, and on a busy machine the event loops
-# then stalled 50-600 ms waiting for a CPU (sampled runnable, not running) while those
-# threads ran. At nice 10 (weight 110 against 1024) a woken loop thread preempts them.
+# How much nicer than the loop the threads doing the profiler's heavy work are. Off
+# the loop is not enough: a collection exports in every worker at once, and on a busy
+# machine the event loops then stalled 50-600 ms waiting for a CPU (sampled runnable,
+# not running) while those threads ran. 10 nicer (weight 110 against 1024), they
+# give way to a woken loop thread.
 NICE = 10
 THREADS = 2  # concurrent heavy jobs per process: a dashboard render beside a collection
 
@@ -26,8 +27,9 @@ def _lower_priority() -> None:
     # A refusal (a sandbox) leaves the thread as it was: a failing initializer would
     # break the pool, and every collection with it.
     if sys.platform == "linux":
+        tid = threading.get_native_id()
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
 
 
 def _executor() -> ThreadPoolExecutor:
