@@ -45,7 +45,8 @@ fn new_token() -> String {
 impl Sampler {
     pub fn new(config: SamplerConfig) -> Result<Sampler> {
         config.validate()?;
-        let store = Store::new(config.max_memory);
+        let mut store = Store::new(config.max_memory);
+        store.set_retention(config.retention());
         let shared = Shared {
             config: Mutex::new(config),
             tags: Arc::default(),
@@ -88,7 +89,10 @@ impl Sampler {
         if self.is_running() {
             return Err(Error::Broken(CONFIGURE_RUNNING.into()));
         }
-        self.shared.store.lock().set_max_bytes(config.max_memory);
+        let mut store = self.shared.store.lock();
+        store.set_max_bytes(config.max_memory);
+        store.set_retention(config.retention());
+        drop(store);
         *self.shared.config.lock() = config;
         Ok(())
     }
