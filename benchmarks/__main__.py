@@ -23,6 +23,7 @@ SECTIONS = [
     "memory",
     "collection",
     "activities",
+    "retention",
 ]
 
 

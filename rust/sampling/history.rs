@@ -18,11 +18,64 @@ pub const MAX_STEP_NS: u64 = 3_600 * 1_000_000_000;
 type Key = (u32, u32, Option<u32>, Option<u32>, u8);
 
 const INDEX_ENTRY_BYTES: usize = std::mem::size_of::<(Key, usize)>() + 8;
+pub const FOLDED_BYTES: usize = std::mem::size_of::<Folded>();
+
+const NONE: u32 = u32::MAX;
+/// Activity ids past this lose their activity when folded (a process names a few dozen).
+const NO_ACTIVITY: u16 = u16::MAX;
+
+/// A folded sample without its time (its bucket's start).
+#[derive(Clone, Copy, Debug)]
+struct Folded {
+    thread: u32,
+    stack: u32,
+    tag: u32,
+    weight_us: u32,
+    cpu_us: u32,
+    count: u32,
+    activity: u16,
+    flags: u8,
+}
+
+impl Folded {
+    fn of(s: &Sample) -> Folded {
+        let activity = s.activity.and_then(|a| u16::try_from(a).ok()).filter(|&a| a != NO_ACTIVITY);
+        Folded {
+            thread: s.thread,
+            stack: s.stack,
+            tag: s.tag.unwrap_or(NONE),
+            weight_us: s.weight_us,
+            cpu_us: s.cpu_us.min(s.weight_us), // as views cap it, per raw sample
+            count: s.count,
+            activity: activity.unwrap_or(NO_ACTIVITY),
+            flags: s.flags,
+        }
+    }
+
+    fn at(&self, time_ns: u64) -> Sample {
+        Sample {
+            time_ns,
+            thread: self.thread,
+            stack: self.stack,
+            tag: (self.tag != NONE).then_some(self.tag),
+            activity: (self.activity != NO_ACTIVITY).then_some(u32::from(self.activity)),
+            weight_us: self.weight_us,
+            cpu_us: self.cpu_us,
+            count: self.count,
+            flags: self.flags,
+        }
+    }
+
+    fn key(&self) -> Key {
+        let s = self.at(0);
+        (s.thread, s.stack, s.tag, s.activity, s.flags)
+    }
+}
 
 pub struct Bucket {
     pub start_ns: u64,
     pub step_ns: u64,
-    pub samples: Vec<Sample>,
+    samples: Vec<Folded>,
 }
 
 impl Bucket {
@@ -31,10 +84,8 @@ impl Bucket {
     }
 
     /// Sums `s` into the sample of its key, or a new one when that one is full.
-    fn add(&mut self, index: &mut FxHashMap<Key, usize>, mut s: Sample) {
-        s.time_ns = self.start_ns;
-        s.cpu_us = s.cpu_us.min(s.weight_us); // as views cap it, per raw sample
-        let slot = index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
+    fn add(&mut self, index: &mut FxHashMap<Key, usize>, s: Folded) {
+        let slot = index.entry(s.key()).or_insert(usize::MAX);
         let into = self.samples.get_mut(*slot).filter(|into| {
             into.weight_us.checked_add(s.weight_us).is_some() && into.count.checked_add(s.count).is_some()
         });
@@ -49,6 +100,10 @@ impl Bucket {
                 self.samples.push(s);
             }
         }
+    }
+
+    fn samples(&self) -> impl Iterator<Item = Sample> + Clone + '_ {
+        self.samples.iter().map(|f| f.at(self.start_ns))
     }
 }
 
@@ -88,7 +143,7 @@ impl History {
         let newest = self.buckets.back_mut().expect("just made");
         let before = newest.samples.len();
         self.standing += u64::from(s.count);
-        newest.add(&mut self.open, s);
+        newest.add(&mut self.open, Folded::of(&s));
         self.held += newest.samples.len() - before;
         closed
     }
@@ -97,8 +152,8 @@ impl History {
         self.held
     }
 
-    pub fn bytes(&self, sample_bytes: usize) -> usize {
-        self.held * sample_bytes + self.open.len() * INDEX_ENTRY_BYTES
+    pub fn bytes(&self) -> usize {
+        self.held * FOLDED_BYTES + self.open.len() * INDEX_ENTRY_BYTES
     }
 
     pub fn oldest_ns(&self) -> Option<u64> {
@@ -142,8 +197,8 @@ impl History {
     }
 
     /// The samples of buckets that start in `[start_ns, stop_ns]`.
-    pub fn range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = &Sample> + Clone {
-        self.in_range(start_ns, stop_ns).flat_map(|b| &b.samples)
+    pub fn range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = Sample> + Clone + '_ {
+        self.in_range(start_ns, stop_ns).flat_map(|b| b.samples())
     }
 
     fn in_range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = &Bucket> + Clone {
@@ -162,10 +217,14 @@ impl History {
         out
     }
 
-    /// Every sample, to renumber after the store compacts its tables.
-    pub fn samples_mut(&mut self) -> impl Iterator<Item = &mut Sample> {
+    /// Every sample through `renumber`, after the store compacts its tables.
+    pub fn renumber(&mut self, mut renumber: impl FnMut(Sample) -> Sample) {
         self.open.clear(); // keys change: the newest bucket starts a fresh index
-        self.buckets.iter_mut().flat_map(|b| b.samples.iter_mut())
+        for b in &mut self.buckets {
+            for f in &mut b.samples {
+                *f = Folded::of(&renumber(f.at(b.start_ns)));
+            }
+        }
     }
 
     pub fn buckets(&self) -> usize {
@@ -204,7 +263,7 @@ mod tests {
         h.fold(sample(MIN + 7, 1), MIN);
         h.fold(sample(MIN + 9, 2), MIN);
         assert_eq!(h.fold(sample(2 * MIN, 1), MIN), Some((MIN, 2 * MIN)), "a newer step closes the bucket");
-        let first: Vec<&Sample> = h.range(MIN, MIN).collect();
+        let first: Vec<Sample> = h.range(MIN, MIN).collect();
         assert_eq!(first.len(), 2);
         assert_eq!((first[0].time_ns, first[0].weight_us, first[0].count), (MIN, 20_000, 2));
         assert_eq!(first[0].cpu_us, 20_000, "CPU capped per sample at its wall time");

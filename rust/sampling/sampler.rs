@@ -188,6 +188,12 @@ impl Sampler {
         self.shared.calls.lock().count(now_ns() / NS_PER_S, activity);
     }
 
+    /// `f` on the store, as the sampling thread fills it (tests and benchmarks replay
+    /// recorded samples through it).
+    pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
+        f(&mut self.shared.store.lock())
+    }
+
     /// The samples of `window` as a profile of this process.
     pub fn profile(&self, window: Window, process_name: String, metadata: Metadata) -> ProfileData {
         let mut process = Process {

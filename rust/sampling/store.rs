@@ -90,6 +90,9 @@ pub struct Store {
     /// coarsened with them.
     calls: Buckets,
     max_bytes: usize,
+    /// The tables' bytes right after the last compaction: growth past it is mostly task
+    /// keys that only folded samples had, which compacting drops.
+    compacted_tables: usize,
     recorded: u64,
     evicted: u64,
     compactions: u64,
@@ -104,6 +107,7 @@ impl Store {
             retention: Retention::default(),
             calls: Buckets::default(),
             max_bytes,
+            compacted_tables: 0,
             recorded: 0,
             evicted: 0,
             compactions: 0,
@@ -217,12 +221,13 @@ impl Store {
     }
 
     pub fn bytes(&self) -> usize {
-        self.tables_bytes() + self.ring.len() * SAMPLE_BYTES + self.history.bytes(SAMPLE_BYTES) + self.calls.bytes()
+        self.tables_bytes() + self.ring.len() * SAMPLE_BYTES + self.history.bytes() + self.calls.bytes()
     }
 
     fn enforce_cap(&mut self) {
         while self.bytes() > self.max_bytes {
-            if self.tables_bytes() > self.max_bytes / 2 {
+            let tables = self.tables_bytes();
+            if tables > self.max_bytes / 2 || tables > self.compacted_tables + self.max_bytes / 32 {
                 // Folded samples leave task keys behind: compacting drops them. Only if the
                 // samples left still need more does the oldest half of them go.
                 self.compact();
@@ -276,11 +281,12 @@ impl Store {
             fresh.copy_sample(&self.tables, &mut map, s, None);
         }
         self.ring = std::mem::take(&mut fresh.samples).into();
-        for s in self.history.samples_mut() {
-            fresh.copy_sample(&self.tables, &mut map, s, None);
-            *s = fresh.samples.pop().expect("just copied");
-        }
+        self.history.renumber(|s| {
+            fresh.copy_sample(&self.tables, &mut map, &s, None);
+            fresh.samples.pop().expect("just copied")
+        });
         self.tables = fresh;
+        self.compacted_tables = self.tables_bytes();
         self.compactions += 1;
     }
 
@@ -291,7 +297,8 @@ impl Store {
         let mut map = Remap::for_source(&self.tables);
         let mut aggregator = Aggregator::default();
         process.stats["resolution"] = json!(self.resolution(window));
-        for s in self.history.range(window.start_ns, window.stop_ns).chain(self.range(window)) {
+        for s in self.history.range(window.start_ns, window.stop_ns).chain(self.range(window).copied()) {
+            let s = &s;
             if window.aggregate {
                 out.aggregate_sample(&self.tables, &mut map, s, &mut aggregator);
             } else {
@@ -325,7 +332,7 @@ impl Store {
     /// the tables; and the samples it stands for.
     pub fn window_size(&self, window: Window) -> WindowSize {
         let folded = self.history.range(window.start_ns, window.stop_ns);
-        let samples = folded.chain(self.range(window));
+        let samples = folded.chain(self.range(window).copied());
         let taken = samples.clone().map(|s| u64::from(s.count)).sum();
         let kept = if window.aggregate {
             let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
