@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from dask_pyspy import timeline
 from dask_pyspy.pages import render
 
 if TYPE_CHECKING:  # the model imports this module to render itself
@@ -324,6 +325,8 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
     summary = profile.summary()
     return {
         "title": title,
+        # From the raw samples: an aggregated copy keeps no sample times.
+        "timeline": timeline.charts(raw),
         "summary": summary,
         # The speedscope file to download (none for an empty profile), and whether its samples are aggregated.
         "speedscope": base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else "",
@@ -353,12 +356,17 @@ REFRESH_CHOICES = (0, 5, 30)
 WINDOWS = (10, 30, 60, 300, 900)  # seconds the dashboard page links to
 
 
-def render_dashboard(profile: Profile, last: float, stacks: str, refresh: int = 0) -> str:
-    """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the report."""
+def render_dashboard(
+    profile: Profile, window: tuple[float, float], last: float | None, stacks: str, refresh: int = 0
+) -> str:
+    """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the
+    report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None."""
+    shown = f"last {last:g} s" if last is not None else f"{_when(window[0])} to {_when(window[1])}"
     return render(
         "dashboard.html",
-        **_report(profile, f"dask-pyspy: last {last:g} s of the cluster"),
+        **_report(profile, f"dask-pyspy: {shown} of the cluster"),
         last=last,
+        window=window,
         stacks=stacks,
         refresh=refresh,
         refresh_choices=REFRESH_CHOICES,
