@@ -365,8 +365,7 @@ def render_dashboard(
     return render(
         "dashboard.html",
         **_report(profile, f"dask-pyspy: {shown} of the cluster"),
-        last=last,
-        window=window,
+        shown=f"the last {last:g} seconds" if last is not None else f"{shown} ({window[1] - window[0]:.0f} s)",
         stacks=stacks,
         refresh=refresh,
         refresh_choices=REFRESH_CHOICES,

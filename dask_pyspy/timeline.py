@@ -157,13 +157,12 @@ def charts(profile: Profile) -> dict[str, Any] | None:
             continue
         top = _top(timeline["series"], kind)
         ymax = _nice(max(totals["wall"]) / step)
-        kinds.append(
-            {
-                "kind": kind,
-                "processes": totals["processes"],
-                "charts": [_chart(timeline, kind, weight, top, ymax) for weight in WEIGHTS],
-            }
-        )
+        wall, cpu = (_chart(timeline, kind, weight, top, ymax) for weight in WEIGHTS)
+        legend = [
+            {"name": w["name"], "colour": w["colour"], "wall": w["seconds"], "cpu": c["seconds"]}
+            for w, c in zip(wall["layers"], cpu["layers"])
+        ]
+        kinds.append({"kind": kind, "processes": totals["processes"], "charts": [wall, cpu], "legend": legend})
     return {
         "start": start,
         "step": step,

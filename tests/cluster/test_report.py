@@ -326,7 +326,8 @@ def test_dashboard_timeline_and_a_chosen_range(client, chromium):
     port = client.scheduler_info()["services"]["dashboard"]
     page = f"http://127.0.0.1:{port}/pyspy/"
     chromium.get(f"{page}?start={first[0] - 1}&stop={second[1] + 1}")
-    assert " to " in chromium.title
+    assert " to " in chromium.title and "s). Show the last" in chromium.find_element("tag name", "p").text
+    screenshot(chromium, "dashboard-range")
     for name, (lo, hi) in (("alpha", first), ("beta", second)):
         steps = _steps_with_time(chromium, name)
         assert steps and all(a < hi + 0.5 and b > lo - 0.5 for a, b in steps), (name, steps, lo, hi)

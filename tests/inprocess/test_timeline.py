@@ -145,14 +145,18 @@ def test_the_chart_in_a_browser(recording, tmp_path):
         driver.find_element("css selector", "label[for=tl-cpu]").click()
         assert driver.find_element("css selector", ".tl-cpu").is_displayed()
         assert not driver.find_element("css selector", ".tl-wall").is_displayed()
-        day = stretched(recording.profile, tmp_path / "day.pyspy.gz", 86400 / 4)
-        driver.get(day.save(tmp_path / "day.html").as_uri())
-        chart = driver.find_element("css selector", ".timeline")
-        assert float(chart.get_attribute("data-step") or "nan") >= 300
-        labels = [t.text for t in driver.find_elements("css selector", ".tl-wall text")]
-        assert any(":" in label for label in labels)
-        driver.execute_script("arguments[0].scrollIntoView();", chart)
-        screenshot(driver, "timeline-report-day")
+        screenshot(driver, "timeline-report-cpu")
+        span = recording.total[1] - recording.load[0]
+        # Ten minutes label every minute, a day every two hours: no label needs seconds.
+        for seconds, least_step, name in ((600, 2, "10min"), (86400, 300, "day")):
+            long = stretched(recording.profile, tmp_path / f"{name}.pyspy.gz", seconds / span)
+            driver.get(long.save(tmp_path / f"{name}.html").as_uri())
+            chart = driver.find_element("css selector", ".timeline")
+            assert float(chart.get_attribute("data-step") or "nan") >= least_step
+            labels = [t.text for t in driver.find_elements("css selector", ".tl-wall text") if ":" in t.text]
+            assert 4 <= len(labels) <= 11 and all(label.count(":") == 1 for label in labels), labels
+            driver.execute_script("arguments[0].scrollIntoView();", chart)
+            screenshot(driver, f"timeline-report-{name}")
         assert console_errors(driver) == []
     finally:
         driver.quit()
