@@ -13,6 +13,8 @@ from dask_pyspy.diff import ProfileDiff
 from dask_pyspy.files import check_writable, file_kind, read_regular, write_atomic
 from dask_pyspy.report import render_html, render_notebook
 
+TIMELINE_MAX_WINDOW = 7 * 86400.0  # seconds; a longer collection window is not drawn whole
+
 
 def task_totals(runs: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
     """One process's `tasks` metadata from (prefix, wall seconds) runs: per prefix, the
@@ -156,9 +158,9 @@ class Profile:
 
         `step`: seconds per step; None picks 1, 2, 5, 10, 15, 30 s, 1, 2, 5, 10, 15,
         30 min, 1, 2, 3, 6, 12 or 24 h, the first giving at most 300 steps over the
-        profile (its collection window where known). Steps start at multiples of the
-        step in Unix time. `by`: "prefix" splits task time by task prefix, "span" by
-        span path ("(no span)" outside any). Time outside tasks is split by event-loop
+        profile (and its collection window where known, up to a week). Steps start at
+        multiples of the step in Unix time. `by`: "prefix" splits task time by task
+        prefix, "span" by span path ("(no span)" outside any). Time outside tasks is split by event-loop
         activity, "(no task)" where in none.
 
         Returns `{"step": s, "start": unix s, "steps": n, "kinds": {kind: {"processes",
@@ -177,8 +179,11 @@ class Profile:
         if step is not None:
             step = options.seconds("step", step)
         window = self._native.metadata().get("window")
-        # Either end of a collection's window may be open (None): then the samples' own span.
-        bounds = (float(window[0]), float(window[1])) if window and None not in window else None
+        # The steps cover the window asked for, so quiet ends show as quiet; not an open
+        # end (None), nor a window like start=0 whose steps would be mostly before any sample.
+        bounds = None
+        if window and None not in window and window[1] - window[0] <= TIMELINE_MAX_WINDOW:
+            bounds = (float(window[0]), float(window[1]))
         return self._native.timeline(step=step, by=options.choice("by", by, ("prefix", "span")), bounds=bounds)
 
     def flamegraph_svg(

@@ -160,3 +160,11 @@ def test_the_chart_in_a_browser(recording, tmp_path):
         assert console_errors(driver) == []
     finally:
         driver.quit()
+
+
+def test_steps_cover_the_collection_window_up_to_a_week(recording):
+    load = recording.load
+    wide = recording.profile.with_metadata(window=[load[0] - 100, load[0] + 100]).timeline(step=1)
+    assert wide["start"] <= load[0] - 100 and wide["start"] + wide["steps"] >= load[0] + 100
+    endless = recording.profile.with_metadata(window=[0.0, load[1]]).timeline()
+    assert endless["step"] == 1.0 and endless["start"] > load[0] - 5, "not steps back to 1970"
