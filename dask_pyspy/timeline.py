@@ -13,6 +13,8 @@ import datetime
 import math
 from typing import TYPE_CHECKING, Any
 
+from dask_pyspy.pages import when
+
 if TYPE_CHECKING:  # the model imports the report, which imports this module
     from dask_pyspy.model import Profile
 
@@ -30,27 +32,8 @@ KINDS = ("worker", "scheduler")  # the order charts are shown in
 WEIGHTS = {"wall": "threads busy (wall s per s)", "cpu": "cores used (CPU s per s)"}
 # Time axis label intervals: the first leaving at most MAX_TICKS labels.
 TICK_INTERVALS = (
-    1,
-    2,
-    5,
-    10,
-    15,
-    30,
-    60,
-    120,
-    300,
-    600,
-    900,
-    1800,
-    3600,
-    7200,
-    10800,
-    21600,
-    43200,
-    86400,
-    172800,
-    604800,
-)
+    1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800,
+)  # fmt: skip
 MAX_TICKS = 10
 
 
@@ -167,8 +150,8 @@ def charts(profile: Profile) -> dict[str, Any] | None:
         "start": start,
         "step": step,
         "steps": steps,
-        "from": _local(start).isoformat(sep=" ", timespec="seconds"),
-        "to": _local(stop).isoformat(sep=" ", timespec="seconds"),
+        "from": when(start),
+        "to": when(stop),
         "kinds": kinds,
         "times": _time_ticks(start, stop),
         "top": TOP_SERIES,
