@@ -9,21 +9,15 @@ the templates'. Flame graphs are rendered in Rust (inferno).
 from __future__ import annotations
 
 import base64
-import datetime
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dask_pyspy.pages import render
+from dask_pyspy import timeline
+from dask_pyspy.pages import render, when
 
 if TYPE_CHECKING:  # the model imports this module to render itself
     from dask_pyspy.model import Profile
-
-
-def _when(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
 
 
 def _lost(stats: dict[str, Any]) -> dict[str, str]:
@@ -61,7 +55,7 @@ def _overview(profile: Profile, summary: dict[str, Any]) -> list[Any]:
     window = profile.metadata.get("window") or [summary["first"], summary["last"]]
     duration = (window[1] - window[0]) if None not in window else 0.0
     return [
-        f"{_when(window[0])} - {_when(window[1])}",
+        f"{when(window[0])} - {when(window[1])}",
         float(duration),
         len(profile.processes),
         sum(p["threads"] for p in summary["processes"]),
@@ -324,6 +318,8 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
     summary = profile.summary()
     return {
         "title": title,
+        # From the raw samples: an aggregated copy keeps no sample times.
+        "timeline": timeline.charts(raw),
         "summary": summary,
         # The speedscope file to download (none for an empty profile), and whether its samples are aggregated.
         "speedscope": base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else "",
@@ -353,12 +349,16 @@ REFRESH_CHOICES = (0, 5, 30)
 WINDOWS = (10, 30, 60, 300, 900)  # seconds the dashboard page links to
 
 
-def render_dashboard(profile: Profile, last: float, stacks: str, refresh: int = 0) -> str:
-    """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the report."""
+def render_dashboard(
+    profile: Profile, window: tuple[float, float], last: float | None, stacks: str, refresh: int = 0
+) -> str:
+    """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the
+    report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None."""
+    shown = f"last {last:g} s" if last is not None else f"{when(window[0])} to {when(window[1])}"
     return render(
         "dashboard.html",
-        **_report(profile, f"dask-pyspy: last {last:g} s of the cluster"),
-        last=last,
+        **_report(profile, f"dask-pyspy: {shown} of the cluster"),
+        shown=f"the last {last:g} seconds" if last is not None else f"{shown} ({window[1] - window[0]:.0f} s)",
         stacks=stacks,
         refresh=refresh,
         refresh_choices=REFRESH_CHOICES,

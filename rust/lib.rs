@@ -25,6 +25,7 @@ use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, spee
 use profile::model::{Metadata, ProfileData, Span, Tag};
 use profile::spans::SpanFilter;
 use profile::summary;
+use profile::timeline::{self, SeriesBy};
 use profile::views::{By, Shown};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -412,6 +413,21 @@ impl PyProfile {
     fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let summary = detached(py, || summary::summarize(&self.data))?;
         values::to_py(py, &summary)
+    }
+
+    /// Seconds per time step by process kind and series (see `timeline.rs`), the steps
+    /// covering at least `bounds` (Unix seconds) where given.
+    #[pyo3(signature = (step=None, by="prefix", bounds=None))]
+    fn timeline<'py>(
+        &self,
+        py: Python<'py>,
+        step: Option<f64>,
+        by: &str,
+        bounds: Option<(f64, f64)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let by: SeriesBy = by.parse()?;
+        let timeline = detached(py, || timeline::timeline(&self.data, step, by, bounds))??;
+        values::to_py(py, &timeline)
     }
 
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -17,6 +17,7 @@ from typing import Callable
 
 import pytest
 from dask.utils import key_split
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.support.ui import WebDriverWait
 
 import dask_pyspy
@@ -299,6 +300,62 @@ def test_dashboard_page(client, chromium):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/pyspy/?refresh=7")
     assert err.value.code == 400 and "refresh must be one of 0, 5, 30" in err.value.reason
+
+
+def _timed(client, work: Callable[..., int], seconds: float) -> tuple[float, float]:
+    """Runs `work` tasks for about `seconds`; their (start, stop) in Unix seconds."""
+    start = time.time()
+    client.gather(client.map(work, range(int(seconds / 0.05) * 4), [0.05] * (int(seconds / 0.05) * 4)))
+    return start, time.time()
+
+
+def _steps_with_time(driver, name: str) -> list[tuple[float, float]]:
+    """The (start, stop) of each step where the worker wall chart's series `name` has time."""
+    chart = driver.find_element("css selector", ".timeline")
+    t0, step = (float(chart.get_attribute(f"data-{k}") or "nan") for k in ("start", "step"))
+    values = driver.execute_script(
+        "var p = document.querySelector('.tl-kind[data-kind=worker] .tl-wall .tl-series[data-name=\"' + arguments[0]"
+        " + '\"]'); return p ? p.dataset.values.split(',').map(Number) : [];",
+        name,
+    )
+    return [(t0 + i * step, t0 + (i + 1) * step) for i, v in enumerate(values) if v > 0]
+
+
+def test_dashboard_timeline_and_a_chosen_range(client, chromium):
+    first, second = _timed(client, alpha, 2.0), _timed(client, beta, 2.0)
+    port = client.scheduler_info()["services"]["dashboard"]
+    page = f"http://127.0.0.1:{port}/pyspy/"
+    chromium.get(f"{page}?start={first[0] - 1}&stop={second[1] + 1}")
+    assert " to " in chromium.title and "s). Show the last" in chromium.find_element("tag name", "p").text
+    screenshot(chromium, "dashboard-range")
+    for name, (lo, hi) in (("alpha", first), ("beta", second)):
+        steps = _steps_with_time(chromium, name)
+        assert steps and all(a < hi + 0.5 and b > lo - 0.5 for a, b in steps), (name, steps, lo, hi)
+    chart = chromium.find_element("css selector", ".tl-kind[data-kind=worker] .tl-wall")
+    chromium.execute_script("arguments[0].scrollIntoView();", chart)
+    screenshot(chromium, "dashboard-timeline")
+    assert console_errors(chromium) == []
+    chromium.get(f"{page}?start={first[0]}&stop={first[1]}")
+    assert _steps_with_time(chromium, "alpha") and not _steps_with_time(chromium, "beta"), "only the range is shown"
+    # Dragging across the chart's left half reloads with that range.
+    chart = chromium.find_element("css selector", ".tl-kind[data-kind=worker] .tl-wall")
+    width = chart.size["width"]
+    ActionChains(chromium).move_to_element_with_offset(chart, -width // 2 + 60, 0).click_and_hold().move_by_offset(
+        width // 3, 0
+    ).release().perform()
+    WebDriverWait(chromium, 30).until(lambda d: "start=" in d.current_url and f"{first[0]}" not in d.current_url)
+    query = dict(p.split("=") for p in chromium.current_url.split("?", 1)[1].split("&"))
+    # Steps start at whole seconds, so the chart may begin up to one before the range asked for.
+    assert first[0] - 1 <= float(query["start"]) < float(query["stop"]) <= first[1] + 1 and query["refresh"] == "0"
+    for bad, why in (
+        ("start=abc", "start must be a time in Unix seconds"),
+        ("stop=5", "stop= needs start="),
+        (f"start={first[1]}&stop={first[0]}", "stop must be after start"),
+        (f"start=0&stop={first[0]}", "at most 86400 s after it"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{page}?{bad}")
+        assert err.value.code == 400 and why in err.value.reason, (bad, err.value.reason)
 
 
 def test_notebook_view(client):
