@@ -113,7 +113,9 @@ def run(quick: bool) -> Section:
         f"Target: collecting the day from {WORKERS} workers (aggregated) < 2 s: one worker's export "
         f"{export_s:.2f} s (workers export in parallel) + merge {merge_s:.2f} s = "
         f"{export_s + merge_s:.2f} s: {verdict(export_s + merge_s < 2)}.",
-        f"Target: the report < 4 s: {report_s:.2f} s: {verdict(report_s < 4)}.",
+        f"Target: the report with its timeline < 4 s: NOT met as asked. The report of the aggregated merge "
+        f"took {report_s:.2f} s, but an aggregated profile keeps no sample times, so it has no timeline; "
+        f"a timeline of a day across workers needs aggregation per history step (not built yet).",
     ]
     header = ["a day in one worker's store", "value"]
     return Section("Retention: a day of history (issue 21)", __doc__ or "", [table(header, rows)], notes)
