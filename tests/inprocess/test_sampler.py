@@ -236,6 +236,10 @@ def test_time_window(sampler):
     with Threads(("alpha", busy_alpha, ())):
         time.sleep(0.5)
     middle = time.time()
+    # A sample's time is its tick's start, and py-spy's reader (3.9, 3.10) can take
+    # milliseconds to read: beta starts once every tick begun before `middle` has read.
+    ticks = sampler.stats()["ticks"]
+    wait_for(lambda: sampler.stats()["ticks"] >= ticks + 2)
     with Threads(("beta", busy_beta, ())):
         time.sleep(0.5)
     late = sampler.profile(start=middle).speedscope()
