@@ -5,6 +5,7 @@
 //! it reads aggregated samples. When memory is tight, the oldest pairs of buckets
 //! merge into buckets twice as long before anything is dropped.
 
+use crate::profile::build::{sum_into, Summed};
 use crate::profile::model::Sample;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -35,6 +36,12 @@ struct Folded {
     count: u32,
     activity: u16,
     flags: u8,
+}
+
+impl Summed for Folded {
+    fn sums(&mut self) -> [&mut u32; 3] {
+        [&mut self.weight_us, &mut self.cpu_us, &mut self.count]
+    }
 }
 
 impl Folded {
@@ -85,21 +92,7 @@ impl Bucket {
 
     /// Sums `s` into the sample of its key, or a new one when that one is full.
     fn add(&mut self, index: &mut FxHashMap<Key, usize>, s: Folded) {
-        let slot = index.entry(s.key()).or_insert(usize::MAX);
-        let into = self.samples.get_mut(*slot).filter(|into| {
-            into.weight_us.checked_add(s.weight_us).is_some() && into.count.checked_add(s.count).is_some()
-        });
-        match into {
-            Some(into) => {
-                into.weight_us += s.weight_us;
-                into.cpu_us = into.cpu_us.saturating_add(s.cpu_us);
-                into.count += s.count;
-            }
-            None => {
-                *slot = self.samples.len();
-                self.samples.push(s);
-            }
-        }
+        sum_into(&mut self.samples, index.entry(s.key()).or_insert(usize::MAX), s);
     }
 
     fn samples(&self) -> impl Iterator<Item = Sample> + Clone + '_ {

@@ -190,8 +190,11 @@ impl Store {
     }
 
     /// Moves the `n` oldest raw samples into the history, their task keys made prefixes.
+    /// Popped one by one: most calls fold none or one, and a drain would need a copy to
+    /// let the history and the tables be borrowed meanwhile.
     fn fold_oldest(&mut self, n: usize) {
-        for s in self.ring.drain(..n.min(self.ring.len())).collect::<Vec<_>>() {
+        for _ in 0..n {
+            let Some(s) = self.ring.pop_front() else { break };
             let tag = s.tag.map(|t| self.prefix_tag(t));
             if let Some((from, to)) = self.history.fold(Sample { tag, ..s }, self.retention.step_ns) {
                 self.calls.coarsen(from, to);
