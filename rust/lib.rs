@@ -470,7 +470,9 @@ impl PyProfile {
     }
 }
 
-#[pymodule(name = "_native")]
+// Declared safe without the GIL: on a free-threaded build, a module that is not turns
+// the GIL back on for the whole process when imported.
+#[pymodule(name = "_native", gil_used = false)]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
     m.add_class::<PyProfile>()?;
