@@ -121,7 +121,8 @@ class SamplerOptions:
     rate: samples per second, in (0, 10000].
     idle: also keep samples of threads that are waiting (off CPU, not holding the GIL)
         and run no task (a task's waits are always kept).
-    gil_only: only sample the thread that holds the GIL.
+    gil_only: only sample threads running Python: the one holding the GIL, or on a
+        free-threaded build every thread attached to the interpreter.
     cpu_budget: largest fraction of one core the sampler may use, in (0, 1]; past it
         the interval stretches and samples are weighted by the time they stand for.
     max_memory: cap on the sample store in bytes (at least 1 MiB), raw and folded samples

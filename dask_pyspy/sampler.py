@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sysconfig
 import threading
 import time
 import weakref
@@ -96,11 +95,6 @@ class Sampler:
         if os.environ.get("DASK_PYSPY_TESTING") == "unreadable":
             # Test switch: fail as a process whose memory py-spy cannot read would.
             raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TESTING=unreadable")
-        if sysconfig.get_config_var("Py_GIL_DISABLED"):
-            raise RuntimeError(
-                "dask-pyspy cannot sample a free-threaded (no-GIL) CPython build: "
-                "neither its reader nor py-spy's reads one; use a standard CPython 3.9-3.15"
-            )
         self._native.start()
         _running.add(self)
         _watch_thread_starts()
