@@ -250,6 +250,7 @@ impl StackReader for FastReader {
                 frames,
                 active: r.state.working(),
                 holds_gil: r.state.holds_gil,
+                runs_python: r.state.runs_python(),
                 cpu_ns: r.state.cpu_ns,
                 ran: r.state.ran,
                 native_tid: Some(r.state.native_tid).filter(|&t| t != 0),

@@ -57,6 +57,8 @@ pub struct ThreadStack {
     /// On a CPU or holding the GIL.
     pub active: bool,
     pub holds_gil: bool,
+    /// Holds the GIL, or on a free-threaded build is attached to the interpreter.
+    pub runs_python: bool,
     /// CPU time the thread used since the previous tick.
     pub cpu_ns: u64,
     /// The share of the wall time since the previous tick the thread was on a CPU;

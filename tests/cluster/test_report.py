@@ -25,6 +25,7 @@ from dask_pyspy import Sampler
 from dask_pyspy.report import STATES
 from tests.cluster.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
 from tests.cluster.workload import alpha, beta, gamma, recurse, spin
+from tests.conftest import FREE_THREADED
 
 HOSTILE = "<script>alert(1)</script>"
 
@@ -98,7 +99,10 @@ def test_task_views_lead_with_task_code(client, chromium, tmp_path):
     # a sample caught the worker between tasks' calls.
     machinery = ("threading.py", "worker.py", "_task_spec.py", "threadpoolexecutor.py")
     share = sum(float(re.search(r"([0-9.]+)%\)$", t).group(1)) for t in lead if any(m in t for m in machinery))
-    assert share < 2, [t for t in lead if any(m in t for m in machinery)]
+    # Free-threaded, every thread is runnable at once: on 2 cores a woken task thread waits
+    # for a CPU wherever it was preempted, the worker's tagging lines too. With a GIL it
+    # waits in the GIL's acquisition, inside the task's own call.
+    assert share < (20 if FREE_THREADED else 2), [t for t in lead if any(m in t for m in machinery)]
     assert any(t.startswith("alpha (workload.py") for t in lead)
     raw = frame_labels(graphs[by_prefix.processes[0]["name"]])
     assert any("threading.py" in t for t in raw), "per-process graphs keep the raw stacks"
@@ -175,6 +179,7 @@ def test_time_outside_tasks_has_its_split_and_top_functions():
     )
 
 
+@pytest.mark.skipif(FREE_THREADED, reason="free-threaded builds have no fallback reader (test_reader checks it)")
 def test_a_reader_fallback_is_an_error(chromium, tmp_path, monkeypatch):
     monkeypatch.setenv("DASK_PYSPY_TESTING", "break-self-check")
     html = sampled_report(Sampler(reader="auto"), until=lambda st: st["ticks"])
