@@ -24,6 +24,7 @@ SECTIONS = [
     "collection",
     "activities",
     "retention",
+    "free_threaded",
 ]
 
 

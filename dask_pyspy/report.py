@@ -94,25 +94,42 @@ STATES = {
     "native": "native threads",
     "blocked": "blocked",
 }
-SPLIT_HEADER = ["CPU s", *STATES.values()]
+# Free-threaded processes run Python without a GIL: running Python or C is one state
+# there, and nothing waits for a GIL.
+FREE_THREADED_STATES = {"on_cpu": "on CPU", **{k: STATES[k] for k in ("cpu_wait", "native", "blocked")}}
+SUMMED = {"on_cpu": ("gil", "no_gil")}
+
+
+def _free_threaded(profile: Profile) -> bool:
+    """Every process ran on a free-threaded build with its GIL off."""
+    readers = [p["stats"].get("reader_stats") or {} for p in profile.processes]
+    return bool(readers) and all(r.get("free_threaded") and not r.get("gil_enabled") for r in readers)
+
+
+def _columns(profile: Profile) -> dict[str, str]:
+    return FREE_THREADED_STATES if _free_threaded(profile) else STATES
+
+
 OVERSUBSCRIBED = 0.2  # a process waiting this share of its time for a CPU is told so,
 OVERSUBSCRIBED_SAMPLES = 50  # once it has this many samples
 
 
-def _split(row: dict[str, Any]) -> list[Any]:
-    """CPU seconds, then the share of wall time in each state."""
+def _split(row: dict[str, Any], columns: dict[str, str]) -> list[Any]:
+    """CPU seconds, then the share of wall time in each state of `columns`."""
     wall = row["seconds"] or 1.0
-    return [float(row["cpu"]), *(f"{100 * row.get(k, 0.0) / wall:.0f}%" for k in STATES)]
+    seconds = [sum(row.get(s, 0.0) for s in SUMMED.get(k, (k,))) for k in columns]
+    return [float(row["cpu"]), *(f"{100 * s / wall:.0f}%" for s in seconds)]
 
 
 def _states(profile: Profile, summary: dict[str, Any]) -> Iterator[list[Any]]:
     """Each process's time by thread state, and the CPU of its native threads."""
+    columns = _columns(profile)
     for proc, totals in zip(profile.processes, summary["processes"]):
         cpu = proc["stats"].get("window_cpu") or {}
         yield [
             proc["name"],
             float(totals["seconds"]),
-            *_split(totals),
+            *_split(totals, columns),
             float(cpu.get("process_cpu_s", 0.0)),
             float(cpu.get("native_cpu_s", 0.0)),
         ]
@@ -144,7 +161,9 @@ def _top(functions: list[dict[str, Any]]) -> dict[str, Any]:
     return {"top": functions}
 
 
-def _prefixes(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, float]]]) -> Iterator[list[Any]]:
+def _prefixes(
+    summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, float]]], columns: dict[str, str]
+) -> Iterator[list[Any]]:
     """A row per task prefix with its tasks' own wall time, then the time outside tasks."""
     wall: dict[str, list[float]] = {}
     for per_worker in tasks.values():
@@ -159,7 +178,7 @@ def _prefixes(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, floa
             p["prefix"],
             float(p["seconds"]),
             float(100 * p["seconds"] / total),
-            *_split(p),
+            *_split(p, columns),
             int(count),
             float(secs),
             _top(p["top"]),
@@ -169,7 +188,7 @@ def _prefixes(summary: dict[str, Any], tasks: dict[str, dict[str, dict[str, floa
         "(no task)",
         float(untagged["seconds"]),
         float(100 * untagged["seconds"] / total),
-        *_split(untagged),
+        *_split(untagged, columns),
         "",
         "",
         _top(untagged["top"]),
@@ -181,6 +200,7 @@ MAX_ACTIVITY_GRAPHS = 6
 ACTIVITY_GRAPH_SHARE = 0.01  # of all sampled time: smaller activities get no graph of their own
 NO_CALLS = "\u2014"  # calls are counted for dispatched work, not for a loop's reads or base
 ACTIVITY_HEADER = ["activity", "process kind", "sampled s", "CPU s", "GIL share", "calls"]
+GIL_SHARE = ACTIVITY_HEADER.index("GIL share")
 
 
 def _activity_row(a: dict[str, Any]) -> list[Any]:
@@ -195,15 +215,16 @@ def _activity_row(a: dict[str, Any]) -> list[Any]:
     ]
 
 
-def _activities(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """The largest activities (the summary lists them largest first), then the rest as one row."""
+def _activities(rows: list[dict[str, Any]], gil: bool) -> list[list[Any]]:
+    """The largest activities (the summary lists them largest first), then the rest as one
+    row; without the GIL share where there is no GIL."""
     shown, rest = rows[:MAX_ACTIVITY_ROWS], rows[MAX_ACTIVITY_ROWS:]
     table = [_activity_row(a) for a in shown]
     if rest:
         summed = ("seconds", "cpu", "gil", *(("calls",) if all("calls" in a for a in rest) else ()))
         other = {k: sum(a[k] for a in rest) for k in summed}
         table.append(_activity_row({"activity": f"other activities ({len(rest)})", "kind": "", **other}))
-    return table
+    return table if gil else [row[:GIL_SHARE] + row[GIL_SHARE + 1 :] for row in table]
 
 
 def _activity_graphs(profile: Profile, summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -223,7 +244,7 @@ def _activity_graphs(profile: Profile, summary: dict[str, Any]) -> list[dict[str
 SCHEDULER_KIND = "scheduler"  # the activities of the scheduler's event loop, and the name its process starts with
 
 
-def _scheduler(summary: dict[str, Any]) -> dict[str, Any] | None:
+def _scheduler(summary: dict[str, Any], gil: bool) -> dict[str, Any] | None:
     """The scheduler's activities, and their share of its process's sampled time; None
     if no sample is in one."""
     rows = [a for a in summary["activities"] if a["kind"] == SCHEDULER_KIND]
@@ -232,7 +253,7 @@ def _scheduler(summary: dict[str, Any]) -> dict[str, Any] | None:
     busy = sum(a["seconds"] for a in rows)
     own = sum(p["seconds"] for p in summary["processes"] if p["name"].startswith(SCHEDULER_KIND))
     return {
-        "activities": _activities(rows),
+        "activities": _activities(rows, gil),
         "seconds": float(busy),
         "process_seconds": float(own),
         # A profile without the scheduler's process (scheduler=False) has no share to show.
@@ -258,16 +279,18 @@ def _graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
     by = _lead_by(profile)
     what = "CPU time" if profile.weight == "cpu" else "time"
     spans = [(" / ".join(s["path"]), s) for s in summary["spans"]]
+    columns = _columns(profile)
+    gil = columns is STATES
     return {
         "what": what,
         "group": GROUPS[by],
         "lead": profile.flamegraph_svg(f"Task {what} by {GROUPS[by]}", by=by, tasks=True),
         "outside": profile.flamegraph_svg("Outside tasks", tasks=False),
         "untagged": 100 * summary["untagged"]["seconds"] / (summary["seconds"] or 1.0),
-        "activity_header": ACTIVITY_HEADER,
-        "activities": _activities(summary["activities"]),
+        "activity_header": [h for h in ACTIVITY_HEADER if gil or h != "GIL share"],
+        "activities": _activities(summary["activities"], gil),
         "activity_graphs": _activity_graphs(profile, summary),
-        "scheduler": _scheduler(summary),
+        "scheduler": _scheduler(summary, gil),
         "threads": profile.flamegraph_svg("All processes by thread"),
         "prefix_graphs": [
             _graph(
@@ -277,7 +300,7 @@ def _graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
             )
             for p in summary["prefixes"]
         ],
-        "spans": [[name, float(s["seconds"]), *_split(s), _top(s["top"])] for name, s in spans],
+        "spans": [[name, float(s["seconds"]), *_split(s, columns), _top(s["top"])] for name, s in spans],
         "span_graphs": [
             _graph(
                 profile.flamegraph_svg(f"Span {name}", by="prefix", span=s["path"]),
@@ -316,6 +339,7 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
     """What the report template shows."""
     raw, profile = profile, _for_views(profile)
     summary = profile.summary()
+    columns = _columns(profile)
     return {
         "title": title,
         # From the raw samples: an aggregated copy keeps no sample times.
@@ -326,16 +350,17 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
         "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
         "overview": _overview(profile, summary),
         "processes": list(_processes(profile, summary)),
-        "split_header": SPLIT_HEADER,
+        "split_header": ["CPU s", *columns.values()],
+        "free_threaded": columns is FREE_THREADED_STATES,
         "states": list(_states(profile, summary)),
         "oversubscribed": list(_oversubscribed(profile, summary)),
         "missing": [[k, v] for k, v in (profile.metadata.get("missing") or {}).items()],
-        "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {})),
+        "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
         **_graphs(profile, summary),
         "functions": [
-            [f["name"], os.path.basename(f["file"]), float(f["seconds"]), *_split(f)] for f in summary["top"]
+            [f["name"], os.path.basename(f["file"]), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]
         ],
-        "everything": ["every sample", float(summary["seconds"]), *_split(summary)],
+        "everything": ["every sample", float(summary["seconds"]), *_split(summary, columns)],
         "idle_sampled": any(p["stats"]["config"]["idle"] for p in profile.processes),
     }
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from dask_pyspy import Sampler
+from dask_pyspy.report import render_html
 from tests.conftest import FREE_THREADED, frame_names
 
 pytestmark = pytest.mark.skipif(not FREE_THREADED, reason="needs a free-threaded CPython (ci/matrix.sh runs 3.13t)")
@@ -68,6 +69,7 @@ def test_importing_and_sampling_keep_the_gil_off():
 import json, sys, time
 before = sys._is_gil_enabled()
 from dask_pyspy import Sampler
+from dask_pyspy.report import render_html
 s = Sampler(rate=100)
 s.start()
 deadline = time.monotonic() + 60
@@ -115,3 +117,24 @@ def test_parallel_tasks_keep_their_own_tags():
     assert len(untagged) <= 0.02 * len(samples), f"{len(untagged)} of {len(samples)} samples lost their tag"
     sampled = {thread for _, _, thread in samples}
     assert all(any(f" t{i} (" in thread for thread in sampled) for i in range(THREADS)), sampled
+
+
+def test_the_report_has_no_gil_columns_and_says_why():
+    sampler = Sampler(rate=200, cpu_budget=0.5)
+    sampler.start()
+    stop = threading.Event()
+    worker = threading.Thread(target=run_tasks, args=(sampler, 0, stop))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sampler.profile().n_samples < 50:
+            assert time.monotonic() < deadline, "timed out waiting for samples"
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        worker.join()
+        sampler.stop()
+    html = render_html(sampler.profile(by="prefix"))
+    assert "free-threaded (no-GIL) CPython with its GIL off" in html
+    assert "<th>on CPU</th>" in html
+    assert not any(h in html for h in ("on CPU, GIL", "waiting for the GIL", "<th>GIL share</th>"))
