@@ -22,7 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 import dask_pyspy
 from dask_pyspy import Sampler
-from dask_pyspy.report import STATES
+from dask_pyspy.report import FREE_THREADED_STATES, STATES
 from tests.cluster.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
 from tests.cluster.workload import alpha, beta, gamma, recurse, spin
 from tests.conftest import FREE_THREADED
@@ -170,7 +170,8 @@ def test_time_outside_tasks_has_its_split_and_top_functions():
     html = sampled_report(Sampler(rate=200, cpu_budget=0.5), until=lambda st: st["ticks"])  # busy threads, no tasks
     row = re.search(r"<tr><td>\(no task\)</td>(.*?)</tr>", html).group(1)
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
-    cpu, shares, top = cells[2], cells[3 : 3 + len(STATES)], cells[-1]
+    states = FREE_THREADED_STATES if FREE_THREADED else STATES
+    cpu, shares, top = cells[2], cells[3 : 3 + len(states)], cells[-1]
     assert float(cpu) >= 0 and sum(float(c.rstrip("%")) for c in shares) == pytest.approx(100, abs=2), cells
     assert "busy" in top or "spin" in top, top
     assert (

@@ -135,6 +135,6 @@ def test_the_report_has_no_gil_columns_and_says_why():
         worker.join()
         sampler.stop()
     html = render_html(sampler.profile(by="prefix"))
-    assert "free-threaded (no-GIL) CPython with its GIL off" in html
+    assert "free-threaded (no-GIL) CPython with its GIL off" in html, "the report says why"
     assert "<th>on CPU</th>" in html
     assert not any(h in html for h in ("on CPU, GIL", "waiting for the GIL", "<th>GIL share</th>"))
