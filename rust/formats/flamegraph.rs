@@ -28,26 +28,63 @@ fn label(f: &Frame, lines: bool) -> String {
     })
 }
 
+/// Each tag's and activity's roots as `by` shows them, as ids that equal roots share:
+/// samples fold by what the graph shows, so a thousand processes' keys of one prefix
+/// make one line per stack, not a thousand to be joined and merged as strings.
+struct RootIds {
+    of_tag: Vec<u32>,
+    of_activity: Vec<u32>,
+    of_none: u32,
+    roots: Vec<Vec<String>>,
+}
+
+impl RootIds {
+    fn new<'a>(data: &'a ProfileData, view: &View<'a>, by: By) -> RootIds {
+        let mut ids: HashMap<Vec<&'a str>, u32> = HashMap::new();
+        let mut id = |roots: Vec<&'a str>| -> u32 {
+            let next = ids.len() as u32;
+            *ids.entry(roots).or_insert(next)
+        };
+        let of_tag = (0..data.tags.len() as u32).map(|t| id(view.roots(Some(t), None, by))).collect();
+        let of_activity = (0..data.activities.len() as u32).map(|a| id(view.roots(None, Some(a), by))).collect();
+        let of_none = id(view.roots(None, None, by));
+        let mut roots = vec![Vec::new(); ids.len()];
+        for (names, i) in ids {
+            roots[i as usize] = names.into_iter().map(clean).collect();
+        }
+        RootIds { of_tag, of_activity, of_none, roots }
+    }
+
+    fn of(&self, s: &Sample) -> u32 {
+        match (s.tag, s.activity) {
+            (Some(t), _) => self.of_tag[t as usize],
+            (None, Some(a)) => self.of_activity[a as usize],
+            (None, None) => self.of_none,
+        }
+    }
+}
+
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
 /// `view` shows it: grouped `by` task, prefix or span (tagged stacks then cut to the
 /// task's own code), recursion folded; frames by function alone without `lines`.
 pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, lines: bool) -> Vec<String> {
     let view = View::new(data);
     let by = shown.by;
-    // Keyed by tag and activity only where the roots depend on them.
-    let mut weights: HashMap<(Option<u32>, Option<u32>, u32, bool), u64> = HashMap::new();
+    let roots = RootIds::new(data, &view, by);
+    let mut weights: HashMap<(u32, u32, bool), u64> = HashMap::new();
     for s in data.samples.iter().filter(|s| keep(s)) {
         let cut = by != By::Thread && s.tag.is_some();
-        let (tag, activity) = if by == By::Thread { (None, None) } else { (s.tag, s.activity) };
-        *weights.entry((tag, activity, s.stack, cut)).or_default() += shown.weight.of(s) as u64;
+        *weights.entry((roots.of(s), s.stack, cut)).or_default() += shown.weight.of(s) as u64;
     }
     let labels: Vec<String> = data.frames.iter().map(|f| label(f, lines)).collect();
     let mut lines: HashMap<String, u64> = HashMap::new();
-    for ((tag, activity, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
+    for ((root, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
         let frames = view.folded(view.frames(stack, cut));
-        let roots: Vec<String> = view.roots(tag, activity, by).into_iter().map(clean).collect();
-        let names: Vec<&str> =
-            roots.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
+        let names: Vec<&str> = roots.roots[root as usize]
+            .iter()
+            .map(String::as_str)
+            .chain(frames.iter().map(|&f| labels[f as usize].as_str()))
+            .collect();
         *lines.entry(names.join(";")).or_default() += w;
     }
     let mut lines: Vec<String> = lines.into_iter().map(|(stack, w)| format!("{stack} {w}")).collect();
