@@ -19,7 +19,6 @@ mod values;
 mod hostile_tests;
 
 use error::Error;
-use flate2::Compression;
 use formats::flamegraph::Only;
 use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
 use profile::model::{Metadata, ProfileData, Span, Tag};
@@ -358,7 +357,7 @@ impl PyProfile {
         let bytes = detached(py, || {
             let doc = speedscope::write(&self.data, shown, name);
             if compress {
-                compress::gzip(&doc, Compression::default())
+                compress::kept(&doc)
             } else {
                 doc
             }
