@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from dask_pyspy import timeline
@@ -309,20 +310,36 @@ AGGREGATE_ABOVE = 200_000  # samples; a report of more reads an aggregated copy:
 
 
 def _for_views(profile: Profile) -> Profile:
-    return profile.aggregated(keys=True) if profile.n_samples > AGGREGATE_ABOVE else profile
+    # Collected with aggregate=True, its samples are already at most one per aggregate.
+    large = profile.n_samples > AGGREGATE_ABOVE and not profile.metadata.get("aggregate")
+    return profile.aggregated(keys=True) if large else profile
+
+
+def _speedscope(profile: Profile) -> str:
+    """The speedscope file to download, in base64; none for an empty profile."""
+    return base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else ""
 
 
 def _report(profile: Profile, title: str) -> dict[str, Any]:
     """What the report template shows."""
     raw, profile = profile, _for_views(profile)
+    with ThreadPoolExecutor(1) as pool:
+        # The slowest part of a large cluster's report, written in Rust without the GIL
+        # while the rest is drawn.
+        speedscope = pool.submit(_speedscope, profile)
+        return {**_figures(raw, profile, title), "speedscope": speedscope.result()}
+
+
+def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
+    """What the report template shows but the speedscope file; `profile` is `raw` or
+    its aggregated copy."""
     summary = profile.summary()
     return {
         "title": title,
         # From the raw samples: an aggregated copy keeps no sample times.
         "timeline": timeline.charts(raw),
         "summary": summary,
-        # The speedscope file to download (none for an empty profile), and whether its samples are aggregated.
-        "speedscope": base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else "",
+        # Whether the speedscope file's samples are aggregated.
         "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
         "overview": _overview(profile, summary),
         "processes": list(_processes(profile, summary)),
