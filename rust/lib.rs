@@ -20,7 +20,7 @@ mod hostile_tests;
 
 use error::Error;
 use formats::flamegraph::Only;
-use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
+use formats::{diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
 use profile::model::{Metadata, ProfileData, Span, Tag};
 use profile::spans::SpanFilter;
 use profile::summary;
@@ -355,11 +355,10 @@ impl PyProfile {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let shown = shown(by, weight)?;
         let bytes = detached(py, || {
-            let doc = speedscope::write(&self.data, shown, name);
             if compress {
-                compress::kept(&doc)
+                speedscope::gzipped(&self.data, shown, name)
             } else {
-                doc
+                speedscope::write(&self.data, shown, name)
             }
         })?;
         Ok(PyBytes::new(py, &bytes))

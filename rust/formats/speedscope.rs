@@ -5,10 +5,12 @@
 //! profile per thread with its raw stacks under their task's or activity's root frames,
 //! which is what `speedscope_read.rs` loads back.
 
+use crate::formats::compress::Kept;
 use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
 use crate::profile::views::{By, Shown, View, Weight, NO_TASK};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};
+use std::io::{BufWriter, Write};
 
 #[derive(Serialize)]
 struct File<'a> {
@@ -275,6 +277,20 @@ fn active(profiles: &[Profile], merged: usize) -> usize {
 /// The document; it holds no profile when `data` holds no samples (or, weighted by
 /// CPU, none with CPU time).
 pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_to(data, shown, name, &mut out).expect("writing to a Vec cannot fail");
+    out
+}
+
+/// The document gzipped as it is written (see `compress::Kept`): a 1000-worker one
+/// (~570 MB of JSON) never sits whole in memory.
+pub fn gzipped(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
+    let mut out = BufWriter::new(Kept::default());
+    write_to(data, shown, name, &mut out).expect("writing to a Vec cannot fail");
+    out.into_inner().map_err(|e| e.into_error()).expect("writing to a Vec cannot fail").finish()
+}
+
+fn write_to(data: &ProfileData, shown: Shown, name: &str, out: impl Write) -> serde_json::Result<()> {
     let mut frames: Vec<SFrame> = data
         .frames
         .iter()
@@ -314,7 +330,7 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
             prefixes,
         },
     };
-    serde_json::to_vec(&file).expect("speedscope documents always serialise")
+    serde_json::to_writer(out, &file)
 }
 
 #[cfg(test)]
