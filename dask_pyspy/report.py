@@ -362,13 +362,10 @@ MAX_PROCESS_GRAPHS = 32  # a 1000-worker report stays a page, not a thousand gra
 
 def _process_graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
     """A graph per process, the busiest first, at most MAX_PROCESS_GRAPHS."""
-    busiest = _busiest(summary)
-    graphs = []
-    for i in busiest[:MAX_PROCESS_GRAPHS]:
-        name = profile.processes[i]["name"]
-        graphs.append(
-            _graph(profile.flamegraph_svg(f"Process {name}", process=i), name, f"Flame graph of {name}, raw stacks")
-        )
+    busiest, processes = _busiest(summary), profile.processes
+    names = {i: processes[i]["name"] for i in busiest[:MAX_PROCESS_GRAPHS]}
+    svgs = profile.process_flamegraph_svgs({i: f"Process {name}" for i, name in names.items()})
+    graphs = [_graph(svgs[i], name, f"Flame graph of {name}, raw stacks") for i, name in names.items()]
     return {"process_graphs": graphs, "more_processes": max(len(busiest) - MAX_PROCESS_GRAPHS, 0)}
 
 

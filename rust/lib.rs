@@ -386,6 +386,20 @@ impl PyProfile {
         detached(py, || flamegraph::svg_of(&self.data, title, shown, &only))
     }
 
+    /// `flamegraph_svg(title, by, weight, process=index)` of each (index, title), the
+    /// indices distinct, from one pass over the samples.
+    #[pyo3(signature = (processes, by="thread", weight="wall"))]
+    fn process_flamegraph_svgs(
+        &self,
+        py: Python<'_>,
+        processes: Vec<(u32, String)>,
+        by: &str,
+        weight: &str,
+    ) -> PyResult<Vec<Option<String>>> {
+        let shown = shown(by, weight)?;
+        detached(py, || flamegraph::process_svgs(&self.data, shown, &processes))
+    }
+
     /// The same totals in fewer samples, one per thread, stack, tag and thread state,
     /// without their order; `keys` False merges task keys into their prefix.
     fn aggregated(&self, py: Python<'_>, keys: bool) -> PyResult<Self> {

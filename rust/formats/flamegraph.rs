@@ -67,12 +67,17 @@ impl RootIds {
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
 /// `view` shows it: grouped `by` task, prefix or span (tagged stacks then cut to the
 /// task's own code), recursion folded; frames by function alone without `lines`.
-pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, lines: bool) -> Vec<String> {
+pub fn folded<'s>(
+    data: &ProfileData,
+    shown: Shown,
+    samples: impl Iterator<Item = &'s Sample>,
+    lines: bool,
+) -> Vec<String> {
     let view = View::new(data);
     let by = shown.by;
     let roots = RootIds::new(data, &view, by);
     let mut weights: HashMap<(u32, u32, bool), u64> = HashMap::new();
-    for s in data.samples.iter().filter(|s| keep(s)) {
+    for s in samples {
         let cut = by != By::Thread && s.tag.is_some();
         *weights.entry((roots.of(s), s.stack, cut)).or_default() += shown.weight.of(s) as u64;
     }
@@ -140,7 +145,31 @@ pub fn svg_of(data: &ProfileData, title: &str, shown: Shown, only: &Only) -> Opt
 
 /// An interactive SVG (click to zoom, search); None when no sample matches.
 pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
-    render(folded(data, shown, keep, true).iter().map(String::as_str), title, false)
+    render(folded(data, shown, data.samples.iter().filter(|s| keep(s)), true).iter().map(String::as_str), title, false)
+}
+
+/// The graphs of `processes` (distinct indices, with titles), each as `svg_of` draws one
+/// process, from one pass over the samples: a graph each read every sample once per process.
+pub fn process_svgs(data: &ProfileData, shown: Shown, processes: &[(u32, String)]) -> Vec<Option<String>> {
+    let mut slot = vec![None; data.processes.len()];
+    for (i, &(p, _)) in processes.iter().enumerate() {
+        if let Some(s) = slot.get_mut(p as usize) {
+            *s = Some(i);
+        }
+    }
+    let mut samples: Vec<Vec<&Sample>> = vec![Vec::new(); processes.len()];
+    for s in &data.samples {
+        if let Some(&Some(i)) = slot.get(data.threads[s.thread as usize].process as usize) {
+            samples[i].push(s);
+        }
+    }
+    processes
+        .iter()
+        .zip(samples)
+        .map(|((_, title), samples)| {
+            render(folded(data, shown, samples.into_iter(), true).iter().map(String::as_str), title, false)
+        })
+        .collect()
 }
 
 /// The SVG of folded lines, with a second count per line for a differential graph
@@ -173,11 +202,22 @@ mod tests {
     const WALL: Shown = Shown { by: By::Thread, weight: Weight::Wall };
 
     #[test]
+    fn process_graphs_in_one_pass_match_one_at_a_time() {
+        let a = profile("a", &[(1, &["main", "f"], None), (2, &["main", "g"], Some("g-1"))]);
+        let b = profile("b", &[(1, &["main", "h"], None)]);
+        let data = ProfileData::merge(&[&a, &b], Default::default());
+        let one = |p: u32| svg_of(&data, &format!("p{p}"), WALL, &Only { process: Some(p), ..Only::default() });
+        let both = process_svgs(&data, WALL, &[(1, "p1".into()), (0, "p0".into())]);
+        assert_eq!(both, vec![one(1), one(0)]);
+        assert!(both.iter().all(Option::is_some));
+    }
+
+    #[test]
     fn folds_and_renders() {
         let mut data =
             profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
         data.frames[0].name = "<script>alert(1)</script>".into();
-        let lines = folded(&data, WALL, &|_| true, true);
+        let lines = folded(&data, WALL, data.samples.iter(), true);
         assert_eq!(lines.len(), 2);
         assert!(lines.iter().any(|l| l.ends_with("(f.py:1) 20000")));
         assert!(lines.iter().any(|l| l.ends_with(";g x (g x.py:1) 10000")), "{lines:?}");
@@ -187,7 +227,7 @@ mod tests {
         assert!(svg.contains("&lt;script&gt;alert(1)"));
         assert!(super::svg(&data, "t", WALL, &|_| false).is_none());
         data.frames[1].line = 7;
-        let by_function = folded(&data, WALL, &|_| true, false);
+        let by_function = folded(&data, WALL, data.samples.iter(), false);
         assert!(by_function.iter().any(|l| l.ends_with(";f (f.py) 20000")), "{by_function:?}");
     }
 }
