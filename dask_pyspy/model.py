@@ -223,6 +223,12 @@ class Profile:
             activity=activity,
         )
 
+    def process_flamegraph_svgs(self, titles: dict[int, str]) -> dict[int, str | None]:
+        """`flamegraph_svg(title, process=i)` of each process index `i` in `titles`, from
+        one pass over the samples (a graph each reads them all once per process)."""
+        svgs = self._native.process_flamegraph_svgs(list(titles.items()), weight=self.weight)
+        return dict(zip(titles, svgs))
+
     def aggregated(self, keys: bool = False) -> Profile:
         """The same totals in fewer samples: one per thread, stack, task, span and
         thread state, with the time and count of the samples it stands for (as

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from dask_pyspy import timeline
@@ -20,14 +21,18 @@ if TYPE_CHECKING:  # the model imports this module to render itself
     from dask_pyspy.model import Profile
 
 
-def _lost(stats: dict[str, Any]) -> dict[str, str]:
+def _lost_reads(stats: dict[str, Any]) -> tuple[int, int]:
     """Thread-reads left out (stacks that kept changing through every re-read, or a whole
-    failed tick), as a rate; the last whole-tick error as its tooltip."""
+    failed tick), and reads."""
     reader = stats.get("reader_stats") or {}
-    reads = reader.get("thread_reads") or stats["ticks"]
     # Profiles saved before re-reads were counted dropped reads as "torn_reads".
     lost = reader.get("lost_reads", reader.get("torn_reads", 0)) + stats["failed_ticks"]
-    return {"text": f"{100 * lost / max(reads, 1):.1f}%", "title": stats.get("last_error") or ""}
+    return lost, reader.get("thread_reads") or stats["ticks"]
+
+
+def _lost(lost: int, reads: int, title: str = "") -> dict[str, str]:
+    """Reads left out as a rate, with `title` (the last whole-tick error) as its tooltip."""
+    return {"text": f"{100 * lost / max(reads, 1):.1f}%", "title": title}
 
 
 def _errors(stats: dict[str, Any]) -> str:
@@ -64,9 +69,35 @@ def _overview(profile: Profile, summary: dict[str, Any]) -> list[Any]:
     ]
 
 
+MAX_PROCESS_ROWS = 20  # per-process tables show the busiest; one line sums the rest
+Pair = tuple[dict[str, Any], dict[str, Any]]  # a process and its totals in the summary
+
+
+def _busiest(summary: dict[str, Any]) -> list[int]:
+    """Indices of the summary's processes, the most sampled seconds first."""
+    return sorted(range(len(summary["processes"])), key=lambda i: -summary["processes"][i]["seconds"])
+
+
+def _table_processes(profile: Profile, summary: dict[str, Any]) -> tuple[list[Pair], list[Pair]]:
+    """The processes a table lists, with their totals, and the rest: all, in the profile's
+    order, up to MAX_PROCESS_ROWS; else the busiest MAX_PROCESS_ROWS, busiest first."""
+    pairs = list(zip(profile.processes, summary["processes"]))
+    if len(pairs) <= MAX_PROCESS_ROWS:
+        return pairs, []
+    order = _busiest(summary)
+    shown = set(order[:MAX_PROCESS_ROWS])
+    return [pairs[i] for i in order[:MAX_PROCESS_ROWS]], [p for i, p in enumerate(pairs) if i not in shown]
+
+
+def _more(rest: list[Pair]) -> str:
+    return f"+ {len(rest):,} more processes"
+
+
 def _processes(profile: Profile, summary: dict[str, Any]) -> Iterator[list[Any]]:
-    """A row per process: its sampler's rate, cost, losses and errors."""
-    for proc, totals in zip(profile.processes, summary["processes"]):
+    """A row per process: its sampler's rate, cost, losses and errors; then the rest
+    summed, if there are more than MAX_PROCESS_ROWS."""
+    shown, rest = _table_processes(profile, summary)
+    for proc, totals in shown:
         s = proc["stats"]
         errors = _errors(s)
         yield [
@@ -79,10 +110,33 @@ def _processes(profile: Profile, summary: dict[str, Any]) -> Iterator[list[Any]]
             float(s["achieved_rate"]),
             _rate_note(s),
             float(100 * s["cpu_fraction"]),
-            _lost(s),
+            _lost(*_lost_reads(s), s.get("last_error") or ""),
             s["store"]["samples_evicted"],
             {"text": errors, "class": "warn"} if errors else "",
         ]
+    if rest:
+        yield _processes_rest(rest)
+
+
+def _processes_rest(rest: list[Pair]) -> list[Any]:
+    """The rest's sums; rates and costs per process do not sum, so they are left out."""
+    stats = [p["stats"] for p, _ in rest]
+    lost, reads = (sum(column) for column in zip(*map(_lost_reads, stats)))
+    failing = sum(bool(_errors(s)) for s in stats)
+    return [
+        _more(rest),
+        "",
+        "",
+        sum(t["threads"] for _, t in rest),
+        sum(t["samples"] for _, t in rest),
+        "",
+        "",
+        "",
+        "",
+        _lost(lost, reads),
+        sum(s["store"]["samples_evicted"] for s in stats),
+        {"text": f"{failing:,} with errors", "class": "warn"} if failing else "",
+    ]
 
 
 # Thread states, as the summary names them, and their column headings.
@@ -121,18 +175,31 @@ def _split(row: dict[str, Any], columns: dict[str, str]) -> list[Any]:
     return [float(row["cpu"]), *(f"{100 * s / wall:.0f}%" for s in seconds)]
 
 
+def _window_cpu(proc: dict[str, Any], key: str) -> float:
+    return float((proc["stats"].get("window_cpu") or {}).get(key, 0.0))
+
+
+def _states_row(name: str, pairs: list[Pair], columns: dict[str, str]) -> list[Any]:
+    """The time by thread state of `pairs` together, and the CPU of their native threads."""
+    totals = {k: sum(t.get(k, 0.0) for _, t in pairs) for k in ("seconds", "cpu", *STATES)}
+    return [
+        name,
+        float(totals["seconds"]),
+        *_split(totals, columns),
+        sum(_window_cpu(p, "process_cpu_s") for p, _ in pairs),
+        sum(_window_cpu(p, "native_cpu_s") for p, _ in pairs),
+    ]
+
+
 def _states(profile: Profile, summary: dict[str, Any]) -> Iterator[list[Any]]:
-    """Each process's time by thread state, and the CPU of its native threads."""
+    """Each process's time by thread state, and the CPU of its native threads; then
+    the rest together, if there are more than MAX_PROCESS_ROWS."""
     columns = _columns(profile)
-    for proc, totals in zip(profile.processes, summary["processes"]):
-        cpu = proc["stats"].get("window_cpu") or {}
-        yield [
-            proc["name"],
-            float(totals["seconds"]),
-            *_split(totals, columns),
-            float(cpu.get("process_cpu_s", 0.0)),
-            float(cpu.get("native_cpu_s", 0.0)),
-        ]
+    shown, rest = _table_processes(profile, summary)
+    for pair in shown:
+        yield _states_row(pair[0]["name"], [pair], columns)
+    if rest:
+        yield _states_row(_more(rest), rest, columns)
 
 
 def _oversubscribed(profile: Profile, summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -318,13 +385,10 @@ MAX_PROCESS_GRAPHS = 32  # a 1000-worker report stays a page, not a thousand gra
 
 def _process_graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
     """A graph per process, the busiest first, at most MAX_PROCESS_GRAPHS."""
-    busiest = sorted(range(len(profile.processes)), key=lambda i: -summary["processes"][i]["seconds"])
-    graphs = []
-    for i in busiest[:MAX_PROCESS_GRAPHS]:
-        name = profile.processes[i]["name"]
-        graphs.append(
-            _graph(profile.flamegraph_svg(f"Process {name}", process=i), name, f"Flame graph of {name}, raw stacks")
-        )
+    busiest, processes = _busiest(summary), profile.processes
+    names = {i: processes[i]["name"] for i in busiest[:MAX_PROCESS_GRAPHS]}
+    svgs = profile.process_flamegraph_svgs({i: f"Process {name}" for i, name in names.items()})
+    graphs = [_graph(svgs[i], name, f"Flame graph of {name}, raw stacks") for i, name in names.items()]
     return {"process_graphs": graphs, "more_processes": max(len(busiest) - MAX_PROCESS_GRAPHS, 0)}
 
 
@@ -332,12 +396,29 @@ AGGREGATE_ABOVE = 200_000  # samples; a report of more reads an aggregated copy:
 
 
 def _for_views(profile: Profile) -> Profile:
-    return profile.aggregated(keys=True) if profile.n_samples > AGGREGATE_ABOVE else profile
+    # Collected with aggregate=True, its samples are already at most one per aggregate.
+    large = profile.n_samples > AGGREGATE_ABOVE and not profile.metadata.get("aggregate")
+    return profile.aggregated(keys=True) if large else profile
+
+
+def _speedscope(profile: Profile) -> str:
+    """The speedscope file to download, in base64; none for an empty profile."""
+    return base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else ""
 
 
 def _report(profile: Profile, title: str) -> dict[str, Any]:
     """What the report template shows."""
     raw, profile = profile, _for_views(profile)
+    with ThreadPoolExecutor(1) as pool:
+        # The slowest part of a large cluster's report, written in Rust without the GIL
+        # while the rest is drawn.
+        speedscope = pool.submit(_speedscope, profile)
+        return {**_figures(raw, profile, title), "speedscope": speedscope.result()}
+
+
+def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
+    """What the report template shows but the speedscope file; `profile` is `raw` or
+    its aggregated copy."""
     summary = profile.summary()
     columns = _columns(profile)
     return {
@@ -345,8 +426,7 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
         # From the raw samples: an aggregated copy keeps no sample times.
         "timeline": timeline.charts(raw),
         "summary": summary,
-        # The speedscope file to download (none for an empty profile), and whether its samples are aggregated.
-        "speedscope": base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else "",
+        # Whether the speedscope file's samples are aggregated.
         "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
         "overview": _overview(profile, summary),
         "processes": list(_processes(profile, summary)),

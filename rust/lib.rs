@@ -19,9 +19,8 @@ mod values;
 mod hostile_tests;
 
 use error::Error;
-use flate2::Compression;
 use formats::flamegraph::Only;
-use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
+use formats::{diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
 use profile::model::{Metadata, ProfileData, Span, Tag};
 use profile::spans::SpanFilter;
 use profile::summary;
@@ -356,11 +355,10 @@ impl PyProfile {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let shown = shown(by, weight)?;
         let bytes = detached(py, || {
-            let doc = speedscope::write(&self.data, shown, name);
             if compress {
-                compress::gzip(&doc, Compression::default())
+                speedscope::gzipped(&self.data, shown, name)
             } else {
-                doc
+                speedscope::write(&self.data, shown, name)
             }
         })?;
         Ok(PyBytes::new(py, &bytes))
@@ -386,6 +384,20 @@ impl PyProfile {
         let shown = shown(by, weight)?;
         let only = only_arg(only)?;
         detached(py, || flamegraph::svg_of(&self.data, title, shown, &only))
+    }
+
+    /// `flamegraph_svg(title, by, weight, process=index)` of each (index, title), the
+    /// indices distinct, from one pass over the samples.
+    #[pyo3(signature = (processes, by="thread", weight="wall"))]
+    fn process_flamegraph_svgs(
+        &self,
+        py: Python<'_>,
+        processes: Vec<(u32, String)>,
+        by: &str,
+        weight: &str,
+    ) -> PyResult<Vec<Option<String>>> {
+        let shown = shown(by, weight)?;
+        detached(py, || flamegraph::process_svgs(&self.data, shown, &processes))
     }
 
     /// The same totals in fewer samples, one per thread, stack, tag and thread state,

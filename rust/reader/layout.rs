@@ -110,10 +110,13 @@ impl Layout {
 
     /// Bytes of a code object to copy to have every field the reader uses.
     pub fn code_header_len(&self) -> u64 {
-        [self.ob_size, self.code_filename, self.code_name, self.code_qualname, self.code_linetable, self.code_firstlineno]
-            .into_iter()
-            .max()
-            .unwrap()
+        [
+            self.ob_size, self.code_filename, self.code_name, self.code_qualname, self.code_linetable,
+            self.code_firstlineno,
+        ]
+        .into_iter()
+        .max()
+        .unwrap()
             + 8
     }
 
@@ -124,8 +127,13 @@ impl Layout {
             CurrentFrame::ViaCFrame { cframe, .. } => cframe,
         };
         [
-            self.tstate_next, cf, self.tstate_thread_id, self.tstate_native_thread_id, self.tstate_datastack_chunk,
-            self.tstate_datastack_top, self.tstate_state.unwrap_or(0),
+            self.tstate_next,
+            cf,
+            self.tstate_thread_id,
+            self.tstate_native_thread_id,
+            self.tstate_datastack_chunk,
+            self.tstate_datastack_top,
+            self.tstate_state.unwrap_or(0),
         ]
         .into_iter()
         .max()
