@@ -5,7 +5,7 @@
 //! parsed with one field list per version. 3.11 and 3.12 publish nothing: their
 //! offsets come from tables, measured by compiling against each version's headers.
 //! Free-threaded builds (3.13t) are read from the same published offsets: their
-//! bigger object header, string state and unused GIL are all said there.
+//! bigger object header and their GIL's `enabled` flag are said there.
 
 use super::memory::{u64_at, Batch, Memory};
 
@@ -438,5 +438,43 @@ mod tests {
         let p = Published { sections: V313, bytes: &bytes };
         assert_eq!(p.get("thread_state", "native_thread_id"), Ok(160));
         assert!(p.get("thread_state", "holds_gil").is_err());
+    }
+
+    /// A free-threaded 3.13 `_Py_DebugOffsets` in this process's memory, each field of
+    /// `fields` set; every other field reads as its index, so all differ.
+    fn debug_offsets(version: u8, free_threaded: bool, fields: &[(&str, &str, u64)]) -> Vec<u8> {
+        let sections = if version == 13 { V313 } else { V314 };
+        let mut bytes = vec![0u8; Published::len(sections) as usize];
+        bytes[..8].copy_from_slice(COOKIE);
+        bytes[8..16].copy_from_slice(&(0x0300_00f0u64 | (version as u64) << 16).to_le_bytes());
+        bytes[16] = free_threaded as u8;
+        let mut index = 0;
+        for (section, names) in sections {
+            for name in names.iter() {
+                let value = fields.iter().find(|f| (f.0, f.1) == (*section, *name)).map_or(1000 + index, |f| f.2);
+                let at = (HEADER + 8 * index) as usize;
+                bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+                index += 1;
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_free_threaded_build_is_read_from_its_published_header_and_thread_state() {
+        let set = [("pyobject", "ob_type", 24), ("tuple_object", "ob_size", 32), ("thread_state", "status", 40)];
+        let bytes = debug_offsets(13, true, &set);
+        let layout = published((3, 13), bytes.as_ptr() as u64, &mut Memory::new()).unwrap();
+        assert!(layout.free_threaded);
+        assert_eq!((layout.ob_type, layout.ob_size), (24, 32));
+        assert_eq!(layout.tstate_state, Some(48), "the int after _whence, after _status");
+        assert!(layout.tstate_len() > 48);
+        let GilAt::Interp { enabled, .. } = layout.gil else { panic!("3.13 keeps its GIL state in the interpreter") };
+        assert!(enabled.is_some());
+
+        let with_gil = published((3, 13), debug_offsets(13, false, &set).as_ptr() as u64, &mut Memory::new()).unwrap();
+        assert_eq!((with_gil.free_threaded, with_gil.tstate_state), (false, None));
+        let later = published((3, 14), debug_offsets(14, true, &[]).as_ptr() as u64, &mut Memory::new());
+        assert!(later.is_err_and(|e| e.contains("thread-local bytecode")));
     }
 }
