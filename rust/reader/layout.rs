@@ -24,8 +24,8 @@ pub enum GilAt {
     /// Offsets inside `_PyRuntime` (3.11).
     Runtime { locked: u64, holder: u64 },
     /// `interp->ceval.gil` points at the GIL state; offsets inside it (3.12+), and of
-    /// its `enabled` flag where published (3.13+: a free-threaded build can turn it on
-    /// at run time, e.g. on importing a module not declared free-threading safe).
+    /// its `enabled` flag on free-threaded builds (which can turn it on at run time, e.g.
+    /// on importing a module not declared free-threading safe).
     Interp { pointer: u64, locked: u64, holder: u64, enabled: Option<u64> },
 }
 
@@ -382,7 +382,11 @@ fn published(version: (u8, u8), runtime: u64, mem: &mut Memory) -> Result<Layout
             pointer: p.get("interpreter_state", "ceval_gil")?,
             locked: p.get("interpreter_state", "gil_runtime_state_locked")? - gil_base,
             holder: p.get("interpreter_state", "gil_runtime_state_holder")? - gil_base,
-            enabled: Some(p.get("interpreter_state", "gil_runtime_state_enabled")? - gil_base),
+            // Only free-threaded builds have the field: others publish 0 for it.
+            enabled: match free_threaded {
+                true => Some(p.get("interpreter_state", "gil_runtime_state_enabled")? - gil_base),
+                false => None,
+            },
         },
         tstate_next: p.get("thread_state", "next")?,
         current_frame: CurrentFrame::Direct(p.get("thread_state", "current_frame")?),
@@ -474,6 +478,8 @@ mod tests {
 
         let with_gil = published((3, 13), debug_offsets(13, false, &set).as_ptr() as u64, &mut Memory::new()).unwrap();
         assert_eq!((with_gil.free_threaded, with_gil.tstate_state), (false, None));
+        let GilAt::Interp { enabled, .. } = with_gil.gil else { panic!("3.13 keeps its GIL state in the interpreter") };
+        assert_eq!(enabled, None, "a build with the GIL has no enabled flag (it publishes 0)");
         let later = published((3, 14), debug_offsets(14, true, &[]).as_ptr() as u64, &mut Memory::new());
         assert!(later.is_err_and(|e| e.contains("thread-local bytecode")));
     }
