@@ -191,10 +191,9 @@ def _states_row(name: str, pairs: list[Pair], columns: dict[str, str]) -> list[A
     ]
 
 
-def _states(profile: Profile, summary: dict[str, Any]) -> Iterator[list[Any]]:
+def _states(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) -> Iterator[list[Any]]:
     """Each process's time by thread state, and the CPU of its native threads; then
     the rest together, if there are more than MAX_PROCESS_ROWS."""
-    columns = _columns(profile)
     shown, rest = _table_processes(profile, summary)
     for pair in shown:
         yield _states_row(pair[0]["name"], [pair], columns)
@@ -340,14 +339,13 @@ def _graph(svg: str | None, title: str, summary: str) -> dict[str, Any]:
     return {"svg": svg, "title": title, "summary": summary}
 
 
-def _graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
+def _graphs(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
     """The whole cluster by task (or prefix), outside tasks and by thread; one graph per
     prefix, per span, per busy activity and per process; the activities' tables."""
     by = _lead_by(profile)
     what = "CPU time" if profile.weight == "cpu" else "time"
     spans = [(" / ".join(s["path"]), s) for s in summary["spans"]]
-    columns = _columns(profile)
-    gil = columns is STATES
+    gil = "gil" in columns
     return {
         "what": what,
         "group": GROUPS[by],
@@ -431,12 +429,12 @@ def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
         "overview": _overview(profile, summary),
         "processes": list(_processes(profile, summary)),
         "split_header": ["CPU s", *columns.values()],
-        "free_threaded": columns is FREE_THREADED_STATES,
-        "states": list(_states(profile, summary)),
+        "free_threaded": "gil" not in columns,
+        "states": list(_states(profile, summary, columns)),
         "oversubscribed": list(_oversubscribed(profile, summary)),
         "missing": [[k, v] for k, v in (profile.metadata.get("missing") or {}).items()],
         "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
-        **_graphs(profile, summary),
+        **_graphs(profile, summary, columns),
         "functions": [
             [f["name"], os.path.basename(f["file"]), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]
         ],
