@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.common import Section, table, verdict
+from benchmarks.common import Section, run_for, table, verdict
 
 ROOT = os.path.join(os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots"), "sid")
 VENV = "/opt/venv-3.13t"
@@ -63,12 +63,7 @@ def sampled_run(target: Any, seconds: float) -> dict[str, Any]:
     s.start()
     gil_while_sampling = sys._is_gil_enabled()  # type: ignore[attr-defined]
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
+    run_for(threads, stop, seconds)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     s.stop()
     stats = s.stats()
@@ -103,30 +98,20 @@ def parallel(seconds: float) -> dict[str, Any]:
 
 def oracle(rounds: int) -> dict[str, int]:
     """Parked stacks (depths 1-300, a generator, a coroutine) dumped and compared with Python's."""
-    from benchmarks.oracle import dumped_stacks, parked_targets, python_stacks
+    from benchmarks.oracle import dumped_stacks, parked
     from dask_pyspy import Sampler
 
-    ready, release = threading.Semaphore(0), threading.Event()
-    threads = [threading.Thread(target=t, args=(ready, release)) for t in parked_targets()]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        ready.acquire()
-    idents = {t.ident for t in threads if t.ident is not None}
-    truth = python_stacks(idents)
-    s = Sampler(rate=10, idle=True, cpu_budget=1.0, reader="fast")
-    s.start()
     equal = total = 0
-    try:
-        for _ in range(rounds):
-            dumped = dumped_stacks(s, idents)
-            total += len(idents)
-            equal += sum(dumped.get(i) == truth[i] for i in idents)
-    finally:
-        s.stop()
-        release.set()
-        for t in threads:
-            t.join()
+    with parked() as (idents, truth):
+        s = Sampler(rate=10, idle=True, cpu_budget=1.0, reader="fast")
+        s.start()
+        try:
+            for _ in range(rounds):
+                dumped = dumped_stacks(s, idents)
+                total += len(idents)
+                equal += sum(dumped.get(i) == truth[i] for i in idents)
+        finally:
+            s.stop()
     return {"equal": equal, "total": total, "deepest": max(len(v) for v in truth.values())}
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.common import Section, table, verdict
+from benchmarks.common import Section, run_for, table, verdict
 from benchmarks.stacks import PREFIXES, TASKS, VARIANTS
 from dask_pyspy import Profile, Sampler, _native
 
@@ -44,12 +44,7 @@ def record_source(seconds: float) -> Profile:
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
     began = time.time()
     sampler.start()
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
+    run_for(threads, stop, seconds)
     profile = sampler.profile(began, time.time())
     sampler.stop()
     return profile
