@@ -272,7 +272,8 @@ for e in $PYTHONS; do
     printf '  %-22s %6s %6s %6s  %s\n' "CPython $py (${e#*:})" "${secs[root ${e#*:}]:--}" \
         "${secs[venv $py]:--}" "${secs[tests $py]:--}" "${status[tests $py]:-not run}"
 done
-for step in wheel "python 3.13t" "wheel 3.13t"; do
+for step in wheel $(for e in $PYTHONS; do if free_threaded "${e%:*}"; then echo "python:${e%:*} wheel:${e%:*}"; fi; done); do
+    step=${step/:/ }
     if [[ -n ${secs[$step]:-} ]]; then echo "  $step: ${secs[$step]} s"; fi
 done
 if ((${#failed[@]})); then
