@@ -140,12 +140,17 @@ pub fn svg_of(data: &ProfileData, title: &str, shown: Shown, only: &Only) -> Opt
                 }
             }
     };
-    svg(data, title, shown, &keep)
+    svg(data, title, shown, data.samples.iter().filter(|s| keep(s)))
 }
 
-/// An interactive SVG (click to zoom, search); None when no sample matches.
-pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
-    render(folded(data, shown, data.samples.iter().filter(|s| keep(s)), true).iter().map(String::as_str), title, false)
+/// An interactive SVG (click to zoom, search) of `samples`; None when there are none.
+pub fn svg<'s>(
+    data: &ProfileData,
+    title: &str,
+    shown: Shown,
+    samples: impl Iterator<Item = &'s Sample>,
+) -> Option<String> {
+    render(folded(data, shown, samples, true).iter().map(String::as_str), title, false)
 }
 
 /// The graphs of `processes` (distinct indices, with titles), each as `svg_of` draws one
@@ -163,13 +168,7 @@ pub fn process_svgs(data: &ProfileData, shown: Shown, processes: &[(u32, String)
             samples[i].push(s);
         }
     }
-    processes
-        .iter()
-        .zip(samples)
-        .map(|((_, title), samples)| {
-            render(folded(data, shown, samples.into_iter(), true).iter().map(String::as_str), title, false)
-        })
-        .collect()
+    processes.iter().zip(samples).map(|((_, title), samples)| svg(data, title, shown, samples.into_iter())).collect()
 }
 
 /// The SVG of folded lines, with a second count per line for a differential graph
@@ -221,11 +220,11 @@ mod tests {
         assert_eq!(lines.len(), 2);
         assert!(lines.iter().any(|l| l.ends_with("(f.py:1) 20000")));
         assert!(lines.iter().any(|l| l.ends_with(";g x (g x.py:1) 10000")), "{lines:?}");
-        let svg = svg(&data, "t", WALL, &|_| true).unwrap();
+        let svg = svg(&data, "t", WALL, data.samples.iter()).unwrap();
         assert!(svg.starts_with("<?xml"));
         assert!(!svg.contains("<script>alert(1)"), "names are escaped");
         assert!(svg.contains("&lt;script&gt;alert(1)"));
-        assert!(super::svg(&data, "t", WALL, &|_| false).is_none());
+        assert!(super::svg(&data, "t", WALL, std::iter::empty()).is_none());
         data.frames[1].line = 7;
         let by_function = folded(&data, WALL, data.samples.iter(), false);
         assert!(by_function.iter().any(|l| l.ends_with(";f (f.py) 20000")), "{by_function:?}");
