@@ -87,8 +87,9 @@ def test_functions_on_the_right_threads(sampler):
     # The two threads share the GIL; a thread waiting for it counts as idle, as in py-spy.
     assert a.get("busy_alpha", 0) > 0.4 and "busy_beta" not in a
     assert b.get("busy_beta", 0) > 0.4 and "busy_alpha" not in b
-    # Weights are wall time: the busy threads together stand for about the time they ran.
-    assert 1.0 < sum(alpha["weights"]) + sum(beta["weights"]) < 3.5
+    # Weights are wall time: the busy threads together stand for about the time they ran,
+    # one at a time with a GIL, both at once without one (each attached throughout).
+    assert 1.0 < sum(alpha["weights"]) + sum(beta["weights"]) < (7.0 if FREE_THREADED else 3.5)
 
 
 def test_tags_mark_the_right_samples(sampler):
