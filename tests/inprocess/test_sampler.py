@@ -217,7 +217,10 @@ def test_gil_only_keeps_threads_running_python():
     ticks = s.stats()["ticks"]
     # One thread holds the GIL at a time; free-threaded, both busy threads run Python at once.
     assert 0 < s.profile().n_samples <= ticks * (2 if FREE_THREADED else 1)
-    assert not profiles_named(s.profile().speedscope(), "MainThread"), "the sleeping main thread runs no Python"
+    # The main thread runs Python only around start() and stop(); kept while it sleeps, it
+    # would stand for the whole run.
+    main = sum(sum(p["weights"]) for p in profiles_named(s.profile().speedscope(), "MainThread"))
+    assert main < 0.5, f"the sleeping main thread was kept for {main:.2f} s"
 
 
 def test_lines_off_gives_function_level_frames(sampler):
