@@ -23,6 +23,8 @@ SECTIONS = [
     "memory",
     "collection",
     "activities",
+    "retention",
+    "free_threaded",
 ]
 
 

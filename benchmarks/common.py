@@ -8,6 +8,8 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +31,16 @@ class Section:
     def markdown(self) -> str:
         parts = [f"## {self.title}", self.intro, *self.tables, *(f"- {n}" for n in self.notes)]
         return "\n\n".join(p for p in parts if p)
+
+
+def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:
+    """Starts `threads`, lets them run `seconds`, then stops them (`stop`) and joins them."""
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
 
 
 def interleave(contenders: dict[str, Callable[[], dict[str, float]]], rounds: int) -> dict[str, dict[str, list[float]]]:

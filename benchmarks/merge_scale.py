@@ -2,14 +2,16 @@
 parts, raw and aggregated, in one process. The parts are copies of a real worker's
 part, each as its own process with task keys of its own.
 
-Run as `python -m benchmarks.merge_scale PART N`: one merge in a fresh process, so its
-peak memory is its own; prints one JSON line.
+Run as `python -m benchmarks.merge_scale PART N [aggregate]`: one merge in a fresh
+process, so its peak memory is its own; prints one JSON line. `aggregate`: PART is an
+aggregated part, and the merged profile says so as the scheduler's collection does.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -26,19 +28,26 @@ def _status_mib(field: str) -> float:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
 
 
-def _merge_once(part_path: str, n: int) -> dict[str, float]:
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _merge_once(part_path: str, n: int, aggregate: bool) -> dict[str, float]:
     part = Profile.from_wire(open(part_path, "rb").read())._native
     parts = {f"w{i}": _native._testing.as_process(part, f"w{i}", f"-w{i}").to_wire() for i in range(n)}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak, so it is the merge's alone
     before = _status_mib("VmRSS")
     began = time.perf_counter()
-    merged = Profile.merge_wire(parts)
+    merged = Profile.merge_wire(parts, aggregate=aggregate)
     merge_s = time.perf_counter() - began
     peak = _status_mib("VmHWM") - before
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), _cpu_s()
     render_html(merged)
     return {
+        # Its threads' CPU too: on a shared machine, the wall time is partly the others'.
+        "report_cpu_s": _cpu_s() - cpu,
         "merge_s": merge_s,
         "peak_mib": peak,
         "report_s": time.perf_counter() - began,
@@ -83,7 +92,14 @@ def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
                     continue
                 print(f"  merge {kind} x {n}", flush=True)
                 done = subprocess.run(
-                    [sys.executable, "-m", "benchmarks.merge_scale", path, str(n)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.merge_scale",
+                        path,
+                        str(n),
+                        *(["aggregate"] if kind == "aggregated" else []),
+                    ],
                     capture_output=True,
                     text=True,
                     check=True,
@@ -97,11 +113,11 @@ def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
                         f"{r['wire_mib']:.1f}",
                         f"{r['merge_s']:.2f}",
                         f"{r['peak_mib']:.0f}",
-                        f"report {r['report_s']:.1f} s",
+                        f"report {r['report_s']:.1f} s, CPU {r['report_cpu_s']:.1f} s",
                     ]
                 )
     return rows
 
 
 if __name__ == "__main__":
-    print(json.dumps(_merge_once(sys.argv[1], int(sys.argv[2]))))
+    print(json.dumps(_merge_once(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["aggregate"])))

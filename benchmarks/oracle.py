@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from benchmarks.common import READERS, Section, table, verdict
@@ -55,34 +57,43 @@ def dumped_stacks(sampler: Sampler, idents: set[int]) -> dict[int, Stack]:
     }
 
 
-def stable(rounds: int) -> dict[str, int]:
-    """Dump parked threads with both readers `rounds` times; count agreeing thread-stacks."""
+@contextlib.contextmanager
+def parked() -> Iterator[tuple[set[int], dict[int, Stack]]]:
+    """Threads parked at known stacks for the block: their idents, and their stacks as
+    Python itself reports them."""
     ready, release = threading.Semaphore(0), threading.Event()
     threads = [threading.Thread(target=t, args=(ready, release)) for t in parked_targets()]
     for t in threads:
         t.start()
     for _ in threads:
         ready.acquire()
-    idents = {t.ident for t in threads}
-    truth = python_stacks(idents)
-    samplers = {reader: Sampler(rate=10, idle=True, cpu_budget=1.0, reader=reader) for reader in READERS}
-    for s in samplers.values():
-        s.start()
-    counts = {"thread-stacks": 0, "fast = pyspy": 0, "fast = Python": 0, "pyspy = Python": 0}
+    idents = {t.ident for t in threads if t.ident is not None}
     try:
-        for _ in range(rounds):
-            fast, spy = (dumped_stacks(samplers[r], idents) for r in READERS)
-            for ident in idents:
-                counts["thread-stacks"] += 1
-                counts["fast = pyspy"] += ident in fast and fast[ident] == spy.get(ident)
-                counts["fast = Python"] += fast.get(ident) == truth[ident]
-                counts["pyspy = Python"] += spy.get(ident) == truth[ident]
+        yield idents, python_stacks(idents)
     finally:
-        for s in samplers.values():
-            s.stop()
         release.set()
         for t in threads:
             t.join()
+
+
+def stable(rounds: int) -> dict[str, int]:
+    """Dump parked threads with both readers `rounds` times; count agreeing thread-stacks."""
+    counts = {"thread-stacks": 0, "fast = pyspy": 0, "fast = Python": 0, "pyspy = Python": 0}
+    with parked() as (idents, truth):
+        samplers = {reader: Sampler(rate=10, idle=True, cpu_budget=1.0, reader=reader) for reader in READERS}
+        for s in samplers.values():
+            s.start()
+        try:
+            for _ in range(rounds):
+                fast, spy = (dumped_stacks(samplers[r], idents) for r in READERS)
+                for ident in idents:
+                    counts["thread-stacks"] += 1
+                    counts["fast = pyspy"] += ident in fast and fast[ident] == spy.get(ident)
+                    counts["fast = Python"] += fast.get(ident) == truth[ident]
+                    counts["pyspy = Python"] += spy.get(ident) == truth[ident]
+        finally:
+            for s in samplers.values():
+                s.stop()
     return counts
 
 

@@ -108,8 +108,11 @@ def shares(work: Callable[..., int], threads: int, *args: Any, samples: int = 15
     """`threads` tasks of `work` at once, again until its prefix has `samples` samples:
     each state's share of the prefix's wall time, and the profile."""
     prefix = work.__name__
+    deadline = time.monotonic() + 240
     with PySpyProfiler() as prof:
-        for _ in range(60):
+        # A loaded machine throttles the sampler (py-spy's reader on 3.9/3.10 most): go on
+        # until the samples are there, under a generous deadline.
+        while time.monotonic() < deadline:
             tasks = [dask.delayed(work, pure=False)(i, *args, dask_key_name=f"{prefix}-{i}") for i in range(threads)]
             dask.compute(tasks, scheduler="threads", num_workers=threads)
             rows = {p["prefix"]: p for p in prof.profile.summary()["prefixes"]}

@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
 # Runs a subset of the suite against the installed wheel on other CPythons, each in a
 # Debian root: 3.13, 3.14, 3.15 from sid; 3.9 from bullseye (glibc 2.31) with the
-# oldest dask/distributed pyproject.toml allows.
+# oldest dask/distributed pyproject.toml allows; free-threaded 3.13t, built in the sid
+# root from Debian stable's source package, with its own cp313t wheel.
 #   bash ci/matrix.sh [WHEEL]     # as root; without WHEEL it runs ci/wheel.sh
 # Roots and venvs stay in $DASK_PYSPY_ROOTS (default below) for the next run; logs in its logs/.
 set -euo pipefail
 
 MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py
     tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py"
-PYTHONS="3.13:sid 3.14:sid 3.15:sid 3.9:bullseye"
+# What runs without pandas and pyarrow, which have no cp313t wheels: the sampler and
+# reader, the local threaded scheduler, a LocalCluster with the plugin, the report.
+MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py
+    tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py
+    tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py"
+# distributed serves its dashboard (and our page in it) only with bokeh, which needs pandas.
+MATRIX_DESELECT_FREE_THREADED="tests/cluster/test_report.py::test_dashboard_page
+    tests/cluster/test_report.py::test_dashboard_timeline_and_a_chosen_range"
+PYTHONS=${MATRIX_PYTHONS:-"3.13:sid 3.14:sid 3.15:sid 3.9:bullseye 3.13t:sid"} # MATRIX_PYTHONS: a few only
+# Debian ships no free-threaded CPython; sid's 3.14 and 3.15 sources cannot be fetched.
+FREE_THREADED_SOURCE=python3.13/trixie
+FREE_THREADED_BUILD_DEPS="build-essential libssl-dev zlib1g-dev libffi-dev libbz2-dev liblzma-dev libsqlite3-dev
+    uuid-dev"
+# The test extra without dask[dataframe] and bokeh (pandas, pyarrow) and hypothesis (its
+# newest release builds from source with Rust there), none of which these tests import;
+# numpy, which the dataframe extra brought; msgpack as pure Python (no cp313t wheel).
+# Wheels only for numpy and psutil: their newest releases may have no cp313t wheel.
+FREE_THREADED_TEST_DEPS="--only-binary=numpy,psutil pytest>=8 pytest-timeout selenium psutil numpy"
 EXTRA_PACKAGES_sid="chromium chromium-driver" # bullseye runs only the report tests without a browser
 OLDEST_DASK_ON=3.9
 ROOTS=${DASK_PYSPY_ROOTS:-/var/cache/dask-pyspy-roots}
@@ -68,29 +86,66 @@ build_root() { # SUITE PACKAGE...
     echo "$want" >"$root.ok"
 }
 
-make_venv() { # ROOT PYTHON [REQUIREMENT...]: reused while the wheel's requirements are unchanged
-    local root=$1 py=$2; shift 2
-    local venv=/opt/venv-$py whl=/opt/wheels/${WHEEL##*/}
+free_threaded() { [[ $1 == *t ]]; } # PYTHON
+python_in_root() { if free_threaded "$1"; then echo "/opt/python$1/bin/python$1"; else echo "python$1"; fi; }
+
+build_free_threaded() { # ROOT PYTHON: built once into /opt/pythonPYTHON, kept in the root for the next run
+    local root=$1 py=$2 src=/opt/src-$2
+    if [[ $(cat "$root/opt/python$py/.source" 2>/dev/null) == "$FREE_THREADED_SOURCE" ]]; then
+        echo "reusing $root/opt/python$py"; return
+    fi
+    echo "deb-src $MIRROR ${FREE_THREADED_SOURCE#*/} main" >"$root/etc/apt/sources.list.d/free-threaded-src.list"
+    in_root "$root" apt-get -qq -o Acquire::Check-Valid-Until=false update
+    rm -rf --one-file-system "${root:?}$src" "$root/opt/python$py" && mkdir -p "$root$src"
+    in_root "$root" /usr/bin/env -C "$src" apt-get source -qq --download-only "$FREE_THREADED_SOURCE"
+    # Upstream's tarball, without Debian's patches: they turn ensurepip (pip in a venv) off.
+    tar -xJf "$root$src"/*.orig.tar.xz -C "$root$src" --strip-components=1
+    in_root "$root" /usr/bin/env -C "$src" sh -c "./configure -q --disable-gil --prefix=/opt/python$py &&
+        make -s -j$(nproc) && make -s altinstall" >/dev/null
+    in_root "$root" "$(python_in_root "$py")" -c 'import sys; assert not sys._is_gil_enabled(), "the GIL is on"'
+    echo "$FREE_THREADED_SOURCE" >"$root/opt/python$py/.source"
+}
+
+build_free_threaded_wheel() { # ROOT PYTHON: its path in $LOGS/wheel PYTHON.path
+    WHEEL_ROOT=$1 WHEEL_PYTHON=$(python_in_root "$2") bash ci/wheel.sh >"$LOGS/wheel $2.path"
+}
+
+make_venv() { # ROOT PYTHON WHEEL [REQUIREMENT...]: reused while the wheel's requirements are unchanged
+    local root=$1 py=$2 wheel=$3; shift 3
+    local venv=/opt/venv-$py whl=/opt/wheels/${wheel##*/} sha
+    sha=$(sha256sum "$wheel" | cut -d' ' -f1)
     local deps; deps=$(printf '%s\n' "$REQUIRES" "$@" | sha256sum)
     if [[ $(cat "$root$venv/.deps" 2>/dev/null) != "$deps" ]]; then
         rm -rf --one-file-system "${root:?}$venv"
-        in_root "$root" "python$py" -m venv "$venv"
-        in_root "$root" "$venv/bin/pip" install -q "$whl[test]" "$@"
+        in_root "$root" "$(python_in_root "$py")" -m venv "$venv"
+        if free_threaded "$py"; then
+            in_root "$root" /usr/bin/env MSGPACK_PUREPYTHON=1 "$venv/bin/pip" install -q "$whl" $FREE_THREADED_TEST_DEPS "$@"
+        else
+            in_root "$root" "$venv/bin/pip" install -q "$whl[test]" "$@"
+        fi
         echo "$deps" >"$root$venv/.deps"
-    elif [[ $(cat "$root$venv/.wheel" 2>/dev/null) != "$WHEEL_SHA" ]]; then
+    elif [[ $(cat "$root$venv/.wheel" 2>/dev/null) != "$sha" ]]; then
         in_root "$root" "$venv/bin/pip" install -q --no-deps --force-reinstall "$whl"
     fi
-    echo "$WHEEL_SHA" >"$root$venv/.wheel"
+    echo "$sha" >"$root$venv/.wheel"
     in_root "$root" "$venv/bin/pip" list 2>/dev/null | grep -E '^(dask|distributed|pandas|numpy) '
 }
 
 run_tests() { # ROOT PYTHON
-    local root=$1 py=$2
+    local root=$1 py=$2 tests=$MATRIX_TESTS t
+    local selected=()
+    if free_threaded "$py"; then
+        tests=$MATRIX_TESTS_FREE_THREADED
+        for t in $MATRIX_DESELECT_FREE_THREADED; do selected+=(--deselect "$t"); done
+    fi
+    for t in $tests; do
+        if [[ -e ${t%%::*} ]]; then selected+=("$t"); else echo "matrix: skipping $t: ${t%%::*} does not exist yet"; fi
+    done
     # Run from /opt/t, where no dask_pyspy/ lies: prove the installed one is what is tested.
     in_root "$root" /usr/bin/env -C /opt/t "/opt/venv-$py/bin/python" -c \
         'import dask_pyspy, sys; f = dask_pyspy.__file__; print(sys.version, f); assert "/opt/venv-" in f' &&
     in_root "$root" /usr/bin/env -C /opt/t "/opt/venv-$py/bin/python" -m pytest -q -rfEs -p no:cacheprovider \
-        -p matrix_plugin "${TESTS[@]}"
+        -p matrix_plugin "${selected[@]}"
 }
 
 build_wheel() { bash ci/wheel.sh >"$LOGS/wheel.path"; }
@@ -132,25 +187,31 @@ if ! command -v debootstrap >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
 
-TESTS=()
-for t in $MATRIX_TESTS; do
-    if [[ -e ${t%%::*} ]]; then TESTS+=("$t"); else echo "matrix: skipping $t: ${t%%::*} does not exist yet"; fi
-done
-
 echo "matrix: wheel and roots"
 WHEEL=${1:-}
 [[ -n $WHEEL ]] || job wheel build_wheel
 SUITES=$(for e in $PYTHONS; do echo "${e#*:}"; done | sort -u)
 for suite in $SUITES; do
-    pkgs=$(for e in $PYTHONS; do if [[ ${e#*:} == "$suite" ]]; then echo "python${e%:*} python${e%:*}-venv"; fi; done)
+    pkgs=$(for e in $PYTHONS; do
+        if [[ ${e#*:} != "$suite" ]]; then continue; fi
+        if free_threaded "${e%:*}"; then echo "$FREE_THREADED_BUILD_DEPS"; else echo "python${e%:*} python${e%:*}-venv"; fi
+    done | tr ' ' '\n' | sort -u)
     extra=EXTRA_PACKAGES_$suite
     job "root $suite" build_root "$suite" $pkgs ${!extra:-}
 done
 wait_jobs
+# Free-threaded interpreters, then their wheels: built in their roots, one after the other.
+for e in $PYTHONS; do
+    py=${e%:*}
+    if ! free_threaded "$py" || [[ ${status[root ${e#*:}]:-} != ok ]]; then continue; fi
+    job "python $py" build_free_threaded "$ROOTS/${e#*:}" "$py"
+    wait_jobs
+    if [[ ${status[python $py]:-} == ok ]]; then job "wheel $py" build_free_threaded_wheel "$ROOTS/${e#*:}" "$py"; fi
+    wait_jobs
+done
 [[ -n $WHEEL ]] || WHEEL=$(cat "$LOGS/wheel.path")
 [[ -f $WHEEL ]] || { echo "matrix: no wheel; FAILED on every interpreter" >&2; exit 1; }
 WHEEL=$(realpath "$WHEEL")
-WHEEL_SHA=$(sha256sum "$WHEEL" | cut -d' ' -f1)
 REQUIRES=$(python3 -c 'import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1]); meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
 print("\n".join(l[15:] for l in z.read(meta).decode().splitlines() if l.startswith("Requires-Dist: ")))' "$WHEEL")
@@ -162,6 +223,9 @@ for suite in $SUITES; do
     [[ ${status[root $suite]} == ok ]] || continue
     root=$ROOTS/$suite
     mkdir -p "$root/opt/wheels" && cp "$WHEEL" "$root/opt/wheels/"
+    for e in $PYTHONS; do
+        if [[ ${e#*:} == "$suite" && ${status[wheel ${e%:*}]:-} == ok ]]; then cp "$(cat "$LOGS/wheel ${e%:*}.path")" "$root/opt/wheels/"; fi
+    done
     rm -rf --one-file-system "$root/opt/t" && mkdir -p "$root/opt/t"
     tar -c --exclude=__pycache__ tests benchmarks pyproject.toml .cache/speedscope | tar -x -C "$root/opt/t"
     cat >"$root/opt/t/matrix_plugin.py" <<'EOF'
@@ -177,8 +241,13 @@ def pytest_collection_modifyitems(config, items):
 EOF
     for e in $PYTHONS; do
         [[ ${e#*:} == "$suite" ]] || continue
-        pins=(); if [[ ${e%:*} == "$OLDEST_DASK_ON" ]]; then pins=($OLDEST); fi
-        job "venv ${e%:*}" make_venv "$root" "${e%:*}" "${pins[@]}"
+        py=${e%:*} wheel=$WHEEL
+        if free_threaded "$py"; then
+            [[ ${status[wheel $py]:-} == ok ]] || continue
+            wheel=$(cat "$LOGS/wheel $py.path")
+        fi
+        pins=(); if [[ $py == "$OLDEST_DASK_ON" ]]; then pins=($OLDEST); fi
+        job "venv $py" make_venv "$root" "$py" "$wheel" "${pins[@]}"
     done
 done
 wait_jobs
@@ -187,7 +256,7 @@ wait_jobs
 failed=()
 for e in $PYTHONS; do
     py=${e%:*} suite=${e#*:} name="CPython ${e%:*} (${e#*:})"
-    if [[ ${status[venv $py]:-} != ok ]]; then failed+=("$name: no root or venv"); continue; fi
+    if [[ ${status[venv $py]:-} != ok ]]; then failed+=("$name: no root, interpreter, wheel or venv"); continue; fi
     echo "matrix: tests on $name"
     s=$SECONDS
     if run_tests "$ROOTS/$suite" "$py" 2>&1 | tee "$LOGS/tests $py.log"; then status[tests $py]=ok
@@ -203,7 +272,10 @@ for e in $PYTHONS; do
     printf '  %-22s %6s %6s %6s  %s\n' "CPython $py (${e#*:})" "${secs[root ${e#*:}]:--}" \
         "${secs[venv $py]:--}" "${secs[tests $py]:--}" "${status[tests $py]:-not run}"
 done
-if [[ -n ${secs[wheel]:-} ]]; then echo "  wheel: ${secs[wheel]} s"; fi
+for step in wheel $(for e in $PYTHONS; do if free_threaded "${e%:*}"; then echo "python:${e%:*} wheel:${e%:*}"; fi; done); do
+    step=${step/:/ }
+    if [[ -n ${secs[$step]:-} ]]; then echo "  $step: ${secs[$step]} s"; fi
+done
 if ((${#failed[@]})); then
     printf 'FAILED on %s\n' "${failed[@]}" >&2
     exit 1

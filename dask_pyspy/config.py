@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import dask.config
 import yaml
@@ -27,13 +27,30 @@ def get(name: str) -> Any:
 
 def sampler_options(**given: Any) -> SamplerOptions:
     """Sampler options: the given ones (None: not given), the rest from dask config
-    (`DASK_PYSPY__RATE` etc.); `max_memory` may be a size such as "64MiB"."""
+    (`DASK_PYSPY__RATE` etc.); `max_memory` may be a size such as "64MiB", `recent`
+    and `history_step` durations such as "10 minutes"."""
     names = SamplerOptions.names()
     options.known("sampler options", given, names)
     out = {name: get(name) if given.get(name) is None else given[name] for name in names}
-    if isinstance(out["max_memory"], str):
-        out["max_memory"] = parse_bytes(out["max_memory"])
+    for name, parse, example in PARSED:
+        if isinstance(out[name], str):
+            out[name] = _parsed(name, out[name], parse, example)
     return SamplerOptions(**out)
+
+
+# Options that dask config may give as strings: how to read them, and an example.
+PARSED = (
+    ("max_memory", parse_bytes, "'64MiB'"),
+    ("recent", parse_timedelta, "'10 minutes'"),
+    ("history_step", parse_timedelta, "'1 minute'"),
+)
+
+
+def _parsed(name: str, value: str, parse: Callable[[str], Any], example: str) -> Any:
+    try:
+        return parse(value)
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{name} must be a number or a string such as {example}, got {value!r}") from None
 
 
 def timeout(given: Any = None) -> float:

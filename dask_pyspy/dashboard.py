@@ -1,7 +1,9 @@
-"""The `/pyspy/` pages on the scheduler's dashboard: flame graph of the last N seconds and live stacks."""
+"""The `/pyspy/` pages on the scheduler's dashboard: timeline and flame graphs of the last N
+seconds (or of a chosen `start=` to `stop=`), and live stacks."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Protocol
 
@@ -19,7 +21,7 @@ class Handlers(Protocol):
     """The scheduler's handlers the pages call (`dask_pyspy.scheduler.ClusterProfiler`'s),
     named here so the pages need no import of the scheduler's code."""
 
-    async def profile(self, *, start: float) -> dict[str, Any]: ...
+    async def profile(self, *, start: float, stop: float) -> dict[str, Any]: ...
 
     async def dump(self) -> dict[str, Any]: ...
 
@@ -32,24 +34,52 @@ class _Page(web.RequestHandler):
         return str(StackDump(await self.plugin.dump()))
 
 
+def _unix(name: str, given: str) -> float:
+    try:
+        value = float(given)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise web.HTTPError(400, reason=f"{name} must be a time in Unix seconds, got {given!r}")
+    return value
+
+
 class ProfilePage(_Page):
+    def _window(self) -> tuple[float, float, float | None]:
+        """`(start, stop, last)`: `start=` and `stop=` (Unix seconds; stop defaults to
+        now), else the `last=` seconds, which is None for a chosen range."""
+        now = time.time()
+        start, stop = self.get_argument("start", None), self.get_argument("stop", None)
+        if start is None and stop is None:
+            try:
+                last = float(self.get_argument("last", str(DEFAULT_LAST)))
+            except ValueError:
+                last = -1.0
+            if not 0 < last <= MAX_LAST:
+                raise web.HTTPError(400, reason=f"last must be a number of seconds in (0, {MAX_LAST:g}]")
+            return now - last, now, last
+        if start is None:
+            raise web.HTTPError(400, reason="stop= needs start= (Unix seconds) too")
+        first, until = _unix("start", start), now if stop is None else _unix("stop", stop)
+        if not first < until <= first + MAX_LAST:
+            raise web.HTTPError(
+                400,
+                reason=f"stop must be after start and at most {MAX_LAST:g} s after it, got start={start} stop={stop}",
+            )
+        return first, until, None
+
     async def get(self) -> None:
-        try:
-            last = float(self.get_argument("last", str(DEFAULT_LAST)))
-        except ValueError:
-            last = -1.0
-        if not 0 < last <= MAX_LAST:
-            raise web.HTTPError(400, reason=f"last must be a number of seconds in (0, {MAX_LAST:g}]")
+        start, stop, last = self._window()
         refresh = self.get_argument("refresh", "0")
         if refresh not in {str(r) for r in REFRESH_CHOICES}:
             raise web.HTTPError(
                 400, reason=f"refresh must be one of {', '.join(map(str, REFRESH_CHOICES))} seconds (0: off)"
             )
-        reply = await self.plugin.profile(start=time.time() - last)
+        reply = await self.plugin.profile(start=start, stop=stop)
         if "error" in reply:
             raise web.HTTPError(400, reason=reply["error"])
         stacks = await self._stacks()
-        html = await off_loop(lambda: render_dashboard(assemble(reply), last, stacks, int(refresh)))
+        html = await off_loop(lambda: render_dashboard(assemble(reply), (start, stop), last, stacks, int(refresh)))
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.write(html)
 

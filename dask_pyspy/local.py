@@ -69,6 +69,9 @@ class PySpyProfiler(Callback):
         self._result: Profile | None = None
         self._lock = threading.Lock()
         self._runs: deque[tuple[str, float]] = deque(maxlen=config.get("task-history"))
+        # Pool threads append while a profile copies: without a GIL (free-threaded
+        # builds) the copy is not atomic and raises "deque mutated during iteration".
+        self._runs_lock = threading.Lock()
         self._tagged_types: dict[type, type] = {}
         self.start: float | None = None
         self.stop: float | None = None
@@ -114,7 +117,8 @@ class PySpyProfiler(Callback):
         try:
             return func(*args)
         finally:
-            self._runs.append((prefix, time.perf_counter() - began))
+            with self._runs_lock:
+                self._runs.append((prefix, time.perf_counter() - began))
             sampler.clear_thread_tag(ident)
 
     def _finish(self, dsk: Any, state: Any, errored: bool) -> None:
@@ -134,7 +138,9 @@ class PySpyProfiler(Callback):
 
     def _collect(self, sampler: Sampler) -> Profile:
         profile = sampler.profile(self.start, self.stop or time.time(), by="prefix")
-        tasks = task_totals(list(self._runs))  # one C-level copy: safe from the pool threads
+        with self._runs_lock:
+            runs = list(self._runs)
+        tasks = task_totals(runs)
         return profile.with_metadata(tasks={profile.processes[0]["name"]: tasks})
 
     @property

@@ -72,6 +72,8 @@ STATS = {
                 "lost_reads": Omittable(NUMBER),
                 "torn_reads": Omittable(NUMBER),
                 "fallback_reason": Omittable(OrNull(TEXT)),
+                "free_threaded": Omittable(FLAG),
+                "gil_enabled": Omittable(FLAG),
             }
         )
     ),

@@ -13,6 +13,8 @@ from dask_pyspy.diff import ProfileDiff
 from dask_pyspy.files import check_writable, file_kind, read_regular, write_atomic
 from dask_pyspy.report import render_html, render_notebook
 
+TIMELINE_MAX_WINDOW = 7 * 86400.0  # seconds; a longer collection window is not drawn whole
+
 
 def task_totals(runs: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
     """One process's `tasks` metadata from (prefix, wall seconds) runs: per prefix, the
@@ -151,6 +153,39 @@ class Profile:
         """Totals: per process, per task prefix (with top functions), per thread state."""
         return self._native.summary()
 
+    def timeline(self, step: float | None = None, by: str = "prefix") -> dict[str, Any]:
+        """What ran when: wall and CPU seconds per time step, per process kind.
+
+        `step`: seconds per step; None picks 1, 2, 5, 10, 15, 30 s, 1, 2, 5, 10, 15,
+        30 min, 1, 2, 3, 6, 12 or 24 h, the first giving at most 300 steps over the
+        profile (and its collection window where known, up to a week). Steps start at
+        multiples of the step in Unix time. `by`: "prefix" splits task time by task
+        prefix, "span" by span path ("(no span)" outside any). Time outside tasks is split by event-loop
+        activity, "(no task)" where in none.
+
+        Returns `{"step": s, "start": unix s, "steps": n, "kinds": {kind: {"processes",
+        "wall": [..], "cpu": [..]}}, "series": [{"name", "kind", "group", "seconds",
+        "wall": [..], "cpu": [..]}]}`: kinds are "scheduler" (processes whose name
+        starts with it) and "worker" (every other), each with its totals per step;
+        series, largest total wall `seconds` first, are one per kind and name, with
+        `group` "prefix" or "span" (task time) or "activity" (outside tasks).
+
+        A thread's samples at one instant cover [time, time + their summed weight], each
+        spread over the steps that overlap it: raw samples fall in the step of their
+        time, and a coarse sample standing for a longer bucket spreads over the bucket.
+        Every step's series add up to its kind's totals, and the steps to the profile's.
+        An aggregated profile (`aggregated()`, `aggregate=True`) keeps no sample times.
+        """
+        if step is not None:
+            step = options.seconds("step", step)
+        window = self._native.metadata().get("window")
+        # The steps cover the window asked for, so quiet ends show as quiet; not an open
+        # end (None), nor a window like start=0 whose steps would be mostly before any sample.
+        bounds = None
+        if window and None not in window and window[1] - window[0] <= TIMELINE_MAX_WINDOW:
+            bounds = (float(window[0]), float(window[1]))
+        return self._native.timeline(step=step, by=options.choice("by", by, ("prefix", "span")), bounds=bounds)
+
     def flamegraph_svg(
         self,
         title: str,
@@ -187,6 +222,12 @@ class Profile:
             span=options.span(span),
             activity=activity,
         )
+
+    def process_flamegraph_svgs(self, titles: dict[int, str]) -> dict[int, str | None]:
+        """`flamegraph_svg(title, process=i)` of each process index `i` in `titles`, from
+        one pass over the samples (a graph each reads them all once per process)."""
+        svgs = self._native.process_flamegraph_svgs(list(titles.items()), weight=self.weight)
+        return dict(zip(titles, svgs))
 
     def aggregated(self, keys: bool = False) -> Profile:
         """The same totals in fewer samples: one per thread, stack, task, span and

@@ -121,10 +121,16 @@ class SamplerOptions:
     rate: samples per second, in (0, 10000].
     idle: also keep samples of threads that are waiting (off CPU, not holding the GIL)
         and run no task (a task's waits are always kept).
-    gil_only: only sample the thread that holds the GIL.
+    gil_only: only sample threads running Python: the one holding the GIL, or on a
+        free-threaded build every thread attached to the interpreter.
     cpu_budget: largest fraction of one core the sampler may use, in (0, 1]; past it
         the interval stretches and samples are weighted by the time they stand for.
-    max_memory: cap on the sample store in bytes (at least 1 MiB); the oldest samples go first.
+    max_memory: cap on the sample store in bytes (at least 1 MiB), raw and folded samples
+        alike. Past it the oldest history buckets merge into coarser ones (up to an
+        hour), then the raw window shrinks, then the oldest buckets go.
+    recent: seconds samples stay raw, in [0, 604800]; older ones are folded into the
+        history: summed per thread, stack, task prefix, span, activity and state.
+    history_step: seconds per history bucket, in [1, 3600].
     lines: record line numbers; off gives function-level profiles at ~25% less cost.
     function: aggregate by each function's first line (``py-spy record --function``).
     reader: ``"auto"`` (the fast reader where its self-check at start passes, else
@@ -138,6 +144,8 @@ class SamplerOptions:
     gil_only: bool = _checked_by(flag)
     cpu_budget: float = _checked_by(number)
     max_memory: int = _checked_by(integer)
+    recent: float = _checked_by(number)
+    history_step: float = _checked_by(number)
     lines: bool = _checked_by(flag)
     function: bool = _checked_by(flag)
     reader: str = _checked_by(functools.partial(choice, choices=READER_CHOICES))

@@ -7,6 +7,7 @@ Each page is one self-contained file: the templates inline their CSS and JS.
 from __future__ import annotations
 
 import base64
+import datetime
 import os
 import re
 from typing import Any
@@ -27,6 +28,13 @@ def flame_frame(svg: str | None) -> dict[str, Any] | None:
         "height": min(int(height.group(1)) + 20, MAX_FRAME_HEIGHT) if height else MAX_FRAME_HEIGHT,
         "src": "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode(),
     }
+
+
+def when(t: float | None) -> str:
+    """A Unix time as local date and time to the second; "-" for none."""
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
 
 
 def number(v: float) -> str:

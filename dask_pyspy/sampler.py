@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sysconfig
 import threading
 import time
 import weakref
@@ -58,8 +57,14 @@ class Sampler:
     """Samples every Python thread of this process from a background Rust thread.
 
     `options` are `SamplerOptions`' fields by name (rate, idle, gil_only, cpu_budget,
-    max_memory, lines, function, reader: see there); those not given (or None) come
-    from dask config `pyspy.*`. A bad one raises ValueError, an unknown name TypeError.
+    max_memory, recent, history_step, lines, function, reader: see there); those not
+    given (or None) come from dask config `pyspy.*`. A bad one raises ValueError, an
+    unknown name TypeError.
+
+    Samples older than `recent` are folded into a history of `history_step` buckets:
+    a profile over them has each task prefix's, span's and activity's time per stack,
+    with the prefix as the task key. `Profile.processes[i]["stats"]["resolution"]`
+    lists the stretches of the window at each step (0: raw).
     """
 
     def __init__(self, **options: Any) -> None:
@@ -70,8 +75,8 @@ class Sampler:
     def configure(self, **changes: Any) -> None:
         """Apply new options (the constructor's arguments; others keep their value).
 
-        The samples taken so far stay (the oldest go if `max_memory` shrinks below
-        them); a running sampler restarts with the new options.
+        The samples taken so far stay (the oldest fold or go if `max_memory` or
+        `recent` shrinks below them); a running sampler restarts with the new options.
         """
         new = self.options.replace(**changes)
         if new == self.options:
@@ -90,11 +95,6 @@ class Sampler:
         if os.environ.get("DASK_PYSPY_TESTING") == "unreadable":
             # Test switch: fail as a process whose memory py-spy cannot read would.
             raise RuntimeError("py-spy cannot read this Python process: simulated by DASK_PYSPY_TESTING=unreadable")
-        if sysconfig.get_config_var("Py_GIL_DISABLED"):
-            raise RuntimeError(
-                "dask-pyspy cannot sample a free-threaded (no-GIL) CPython build: "
-                "neither its reader nor py-spy's reads one; use a standard CPython 3.9-3.15"
-            )
         self._native.start()
         _running.add(self)
         _watch_thread_starts()

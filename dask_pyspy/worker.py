@@ -105,6 +105,9 @@ class TaskLog:
     def __init__(self, maxlen: int) -> None:
         self._started: dict[Any, float] = {}
         self._done: deque[tuple[str, float, float]] = deque(maxlen=maxlen)
+        # Copying the log while the loop appends: a free-threaded build has no GIL to make
+        # the copy atomic (it raised "deque mutated during iteration").
+        self._lock = threading.Lock()
 
     def transition(self, key: Any, start: str, finish: str) -> None:
         if finish in RUNNING:
@@ -112,12 +115,14 @@ class TaskLog:
         elif start in RUNNING:
             began = self._started.pop(key, None)
             if began is not None:
-                self._done.append((key_split(key), began, time.time()))
+                with self._lock:
+                    self._done.append((key_split(key), began, time.time()))
 
     def summary(self, start: float | None, stop: float | None) -> dict[str, dict[str, float]]:
         """Per task prefix: tasks that overlap the window, and their wall seconds inside it."""
         lo, hi = start or 0.0, stop or time.time()
-        done = list(self._done)  # one C-level copy: safe from another thread
+        with self._lock:
+            done = list(self._done)
         inside = ((prefix, min(ended, hi) - max(began, lo)) for prefix, began, ended in done)
         return task_totals(run for run in inside if run[1] >= 0)
 

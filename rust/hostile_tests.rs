@@ -41,7 +41,7 @@ proptest! {
             let (back, _) = speedscope_read::read(&speedscope::write(&data, shown, "t"), LOOSE).unwrap();
             prop_assert!(back.frames.contains(&data.frames[1]) && back.threads.contains(&data.threads[0]));
             prop_assert_eq!(files::read(&files::write(&data, by), LOOSE).unwrap(), (data.clone(), by));
-            let svg = flamegraph::svg(&data, &key, shown, &|_| true).unwrap();
+            let svg = flamegraph::svg(&data, &key, shown, data.samples.iter()).unwrap();
             let diffed = diff::diff(&data, &data).svg.unwrap();
             for svg in [svg, diffed] {
                 prop_assert_eq!(svg.matches("<script").count(), 2, "only the graph's own scripts");

@@ -19,12 +19,12 @@ mod values;
 mod hostile_tests;
 
 use error::Error;
-use flate2::Compression;
 use formats::flamegraph::Only;
-use formats::{compress, diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
+use formats::{diff, files, flamegraph, limits, pprof, speedscope, speedscope_read, wire};
 use profile::model::{Metadata, ProfileData, Span, Tag};
 use profile::spans::SpanFilter;
 use profile::summary;
+use profile::timeline::{self, SeriesBy};
 use profile::views::{By, Shown};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -369,11 +369,10 @@ impl PyProfile {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let shown = shown(by, weight)?;
         let bytes = detached(py, || {
-            let doc = speedscope::write(&self.data, shown, name);
             if compress {
-                compress::gzip(&doc, Compression::default())
+                speedscope::gzipped(&self.data, shown, name)
             } else {
-                doc
+                speedscope::write(&self.data, shown, name)
             }
         })?;
         Ok(PyBytes::new(py, &bytes))
@@ -401,6 +400,20 @@ impl PyProfile {
         detached(py, || flamegraph::svg_of(&self.data, title, shown, &only))
     }
 
+    /// `flamegraph_svg(title, by, weight, process=index)` of each (index, title), the
+    /// indices distinct, from one pass over the samples.
+    #[pyo3(signature = (processes, by="thread", weight="wall"))]
+    fn process_flamegraph_svgs(
+        &self,
+        py: Python<'_>,
+        processes: Vec<(u32, String)>,
+        by: &str,
+        weight: &str,
+    ) -> PyResult<Vec<Option<String>>> {
+        let shown = shown(by, weight)?;
+        detached(py, || flamegraph::process_svgs(&self.data, shown, &processes))
+    }
+
     /// The same totals in fewer samples, one per thread, stack, tag and thread state,
     /// without their order; `keys` False merges task keys into their prefix.
     fn aggregated(&self, py: Python<'_>, keys: bool) -> PyResult<Self> {
@@ -426,6 +439,21 @@ impl PyProfile {
     fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let summary = detached(py, || summary::summarize(&self.data))?;
         values::to_py(py, &summary)
+    }
+
+    /// Seconds per time step by process kind and series (see `timeline.rs`), the steps
+    /// covering at least `bounds` (Unix seconds) where given.
+    #[pyo3(signature = (step=None, by="prefix", bounds=None))]
+    fn timeline<'py>(
+        &self,
+        py: Python<'py>,
+        step: Option<f64>,
+        by: &str,
+        bounds: Option<(f64, f64)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let by: SeriesBy = by.parse()?;
+        let timeline = detached(py, || timeline::timeline(&self.data, step, by, bounds))??;
+        values::to_py(py, &timeline)
     }
 
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -468,7 +496,9 @@ impl PyProfile {
     }
 }
 
-#[pymodule(name = "_native")]
+// Declared safe without the GIL: on a free-threaded build, a module that is not turns
+// the GIL back on for the whole process when imported.
+#[pymodule(name = "_native", gil_used = false)]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
     m.add_class::<PyProfile>()?;

@@ -1,7 +1,10 @@
 //! `_native._testing`: hooks for dask-pyspy's own tests and benchmarks, not an API.
 
+use crate::profile::model::{ProfileData, Tag};
+use crate::sampling::store::{Recorded, Store};
 use crate::{detached, no_panic, PyProfile, PySampler};
 use pyo3::prelude::*;
+use std::collections::HashMap;
 
 /// A panic inside a call, to prove it reaches Python as a RuntimeError.
 #[pyfunction]
@@ -30,11 +33,91 @@ fn as_process(py: Python<'_>, profile: PyRef<'_, PyProfile>, name: &str, key_suf
     Ok(PyProfile::new(detached(py, || data.as_process(name, key_suffix))?))
 }
 
+/// Records `profile`'s samples into `sampler`'s store, round and round, as if sampled
+/// at `rate` per thread for `seconds` from `start` (Unix seconds): a day of history in
+/// a minute, for the retention benchmark. Task keys get the minute as a suffix, as new
+/// tasks would. Returns the seconds recorded per task prefix ("" outside tasks).
+#[pyfunction]
+fn replay(
+    py: Python<'_>,
+    sampler: PyRef<'_, PySampler>,
+    profile: PyRef<'_, PyProfile>,
+    start: f64,
+    seconds: f64,
+    rate: f64,
+) -> PyResult<HashMap<String, f64>> {
+    let data = profile.data.clone();
+    let sampler = &sampler.inner;
+    let ticks = (seconds * rate) as u64;
+    let interval_ns = 1e9 / rate;
+    let mut replay = Replay { data: &data, next: 0, frames: Vec::new(), generation: u64::MAX, seconds: HashMap::new() };
+    detached(py, || {
+        const CHUNK: u64 = 1_000; // ticks per hold of the store's lock
+        for first in (0..ticks).step_by(CHUNK as usize) {
+            sampler.with_store(|store| {
+                for tick in first..(first + CHUNK).min(ticks) {
+                    replay.tick(store, (start * 1e9 + tick as f64 * interval_ns) as u64, (1e6 / rate) as u32);
+                }
+            });
+        }
+        replay.seconds
+    })
+}
+
+struct Replay<'a> {
+    data: &'a ProfileData,
+    next: usize,
+    /// The store's id of each of the profile's frames, while its generation holds.
+    frames: Vec<Option<u32>>,
+    generation: u64,
+    seconds: HashMap<String, f64>,
+}
+
+impl Replay<'_> {
+    /// One sample per thread of the profile at `time_ns`, its next ones in turn.
+    fn tick(&mut self, store: &mut Store, time_ns: u64, weight_us: u32) {
+        if store.generation() != self.generation {
+            self.frames = vec![None; self.data.frames.len()];
+            self.generation = store.generation();
+        }
+        let minute = time_ns / 60_000_000_000;
+        for _ in 0..self.data.threads.len() {
+            let s = &self.data.samples[self.next % self.data.samples.len()];
+            self.next += 1;
+            let ids: Vec<u32> = self.data.stacks[s.stack as usize]
+                .iter()
+                .map(|&f| {
+                    *self.frames[f as usize].get_or_insert_with(|| store.frame_id(self.data.frames[f as usize].clone()))
+                })
+                .collect();
+            let tag = s
+                .tag
+                .map(|t| &self.data.tags[t as usize])
+                .map(|t| Tag { key: format!("{}-{minute}", t.key), ..t.clone() });
+            *self.seconds.entry(tag.as_ref().map_or(String::new(), |t| t.prefix.clone())).or_default() +=
+                f64::from(weight_us) / 1e6;
+            store.record_ids(Recorded {
+                time_ns,
+                ident: self.data.threads[s.thread as usize].ident,
+                name: None,
+                frames: &ids,
+                tag: tag.as_ref(),
+                activity: s.activity.map(|a| self.data.activities[a as usize].as_str()),
+                weight_us,
+                cpu_us: (u64::from(weight_us) * u64::from(s.cpu_us.min(s.weight_us)) / u64::from(s.weight_us.max(1)))
+                    as u32,
+                flags: s.flags,
+            });
+        }
+    }
+}
+
 pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     let m = PyModule::new(py, "_testing")?;
     m.add_function(wrap_pyfunction!(panic_in_call, &m)?)?;
     m.add_function(wrap_pyfunction!(inject_panic, &m)?)?;
     m.add_function(wrap_pyfunction!(digest, &m)?)?;
     m.add_function(wrap_pyfunction!(as_process, &m)?)?;
+    m.add_function(wrap_pyfunction!(replay, &m)?)?;
     Ok(m)
 }

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sysconfig
 from typing import Any
+
+# A free-threaded build (3.13t): no GIL, and py-spy's reader does not read it.
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 def frame_names(doc: dict[str, Any], sample: list[int]) -> list[str]:

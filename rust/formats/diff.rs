@@ -122,7 +122,7 @@ fn rank<K: Eq + Hash + Copy + Ord>(
 /// scaled to its total; `negate` when `second` is the base, so red still means grew.
 fn graph(first: &ProfileData, second: &ProfileData, by: By, title: &str, negate: bool) -> Option<String> {
     let shown = Shown { by, weight: Weight::Wall };
-    let fold = |data: &ProfileData| folded(data, shown, &|_| true, false).join("\n");
+    let fold = |data: &ProfileData| folded(data, shown, data.samples.iter(), false).join("\n");
     let opts = differential::Options { normalize: true, strip_hex: false };
     let mut lines = Vec::new();
     differential::from_readers(opts, fold(first).as_bytes(), fold(second).as_bytes(), &mut lines).ok()?;

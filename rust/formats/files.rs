@@ -10,7 +10,6 @@ use crate::formats::compress;
 use crate::formats::limits::{raw_field, Limits};
 use crate::profile::model::ProfileData;
 use crate::profile::views::By;
-use flate2::Compression;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -38,7 +37,7 @@ struct Read<'a> {
 
 pub fn write(data: &ProfileData, by: By) -> Vec<u8> {
     let file = Written { format: FORMAT, version: VERSION, by: by.as_str(), profile: data };
-    compress::gzip(&serde_json::to_vec(&file).expect("profiles serialise"), Compression::default())
+    compress::kept(&serde_json::to_vec(&file).expect("profiles serialise"))
 }
 
 /// The profile and the grouping it was saved with; the version is checked before
@@ -80,6 +79,7 @@ pub mod tests {
     use crate::formats::limits::tests::LOOSE;
     use crate::profile::model::tests::profile;
     use crate::profile::model::Span;
+    use flate2::Compression;
     use proptest::prelude::*;
     use serde_json::json;
 

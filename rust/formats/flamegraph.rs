@@ -28,26 +28,68 @@ fn label(f: &Frame, lines: bool) -> String {
     })
 }
 
+/// Each tag's and activity's roots as `by` shows them, as ids that equal roots share:
+/// samples fold by what the graph shows, so a thousand processes' keys of one prefix
+/// make one line per stack, not a thousand to be joined and merged as strings.
+struct RootIds {
+    of_tag: Vec<u32>,
+    of_activity: Vec<u32>,
+    of_none: u32,
+    roots: Vec<Vec<String>>,
+}
+
+impl RootIds {
+    fn new<'a>(data: &'a ProfileData, view: &View<'a>, by: By) -> RootIds {
+        let mut ids: HashMap<Vec<&'a str>, u32> = HashMap::new();
+        let mut id = |roots: Vec<&'a str>| -> u32 {
+            let next = ids.len() as u32;
+            *ids.entry(roots).or_insert(next)
+        };
+        let of_tag = (0..data.tags.len() as u32).map(|t| id(view.roots(Some(t), None, by))).collect();
+        let of_activity = (0..data.activities.len() as u32).map(|a| id(view.roots(None, Some(a), by))).collect();
+        let of_none = id(view.roots(None, None, by));
+        let mut roots = vec![Vec::new(); ids.len()];
+        for (names, i) in ids {
+            roots[i as usize] = names.into_iter().map(clean).collect();
+        }
+        RootIds { of_tag, of_activity, of_none, roots }
+    }
+
+    fn of(&self, s: &Sample) -> u32 {
+        match (s.tag, s.activity) {
+            (Some(t), _) => self.of_tag[t as usize],
+            (None, Some(a)) => self.of_activity[a as usize],
+            (None, None) => self.of_none,
+        }
+    }
+}
+
 /// Folded stacks (`root;...;leaf microseconds`), one line per distinct stack as
 /// `view` shows it: grouped `by` task, prefix or span (tagged stacks then cut to the
 /// task's own code), recursion folded; frames by function alone without `lines`.
-pub fn folded(data: &ProfileData, shown: Shown, keep: &dyn Fn(&Sample) -> bool, lines: bool) -> Vec<String> {
+pub fn folded<'s>(
+    data: &ProfileData,
+    shown: Shown,
+    samples: impl Iterator<Item = &'s Sample>,
+    lines: bool,
+) -> Vec<String> {
     let view = View::new(data);
     let by = shown.by;
-    // Keyed by tag and activity only where the roots depend on them.
-    let mut weights: HashMap<(Option<u32>, Option<u32>, u32, bool), u64> = HashMap::new();
-    for s in data.samples.iter().filter(|s| keep(s)) {
+    let roots = RootIds::new(data, &view, by);
+    let mut weights: HashMap<(u32, u32, bool), u64> = HashMap::new();
+    for s in samples {
         let cut = by != By::Thread && s.tag.is_some();
-        let (tag, activity) = if by == By::Thread { (None, None) } else { (s.tag, s.activity) };
-        *weights.entry((tag, activity, s.stack, cut)).or_default() += shown.weight.of(s) as u64;
+        *weights.entry((roots.of(s), s.stack, cut)).or_default() += shown.weight.of(s) as u64;
     }
     let labels: Vec<String> = data.frames.iter().map(|f| label(f, lines)).collect();
     let mut lines: HashMap<String, u64> = HashMap::new();
-    for ((tag, activity, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
+    for ((root, stack, cut), w) in weights.into_iter().filter(|&(_, w)| w > 0) {
         let frames = view.folded(view.frames(stack, cut));
-        let roots: Vec<String> = view.roots(tag, activity, by).into_iter().map(clean).collect();
-        let names: Vec<&str> =
-            roots.iter().map(String::as_str).chain(frames.iter().map(|&f| labels[f as usize].as_str())).collect();
+        let names: Vec<&str> = roots.roots[root as usize]
+            .iter()
+            .map(String::as_str)
+            .chain(frames.iter().map(|&f| labels[f as usize].as_str()))
+            .collect();
         *lines.entry(names.join(";")).or_default() += w;
     }
     let mut lines: Vec<String> = lines.into_iter().map(|(stack, w)| format!("{stack} {w}")).collect();
@@ -74,24 +116,59 @@ pub struct Only {
 
 /// The flame graph of the samples `only` keeps.
 pub fn svg_of(data: &ProfileData, title: &str, shown: Shown, only: &Only) -> Option<String> {
-    let in_span: Vec<bool> = data.tags.iter().map(|t| only.span.as_ref().is_none_or(|f| f.keeps(data, t))).collect();
-    let in_activity: Vec<bool> =
+    // Decided once per tag, thread and activity, so a sample costs a few lookups: a
+    // report draws dozens of graphs, each over every sample of a 1000-worker profile.
+    let tag_ok: Vec<bool> = data
+        .tags
+        .iter()
+        .map(|t| {
+            only.prefix.as_ref().is_none_or(|p| t.prefix == *p) && only.span.as_ref().is_none_or(|f| f.keeps(data, t))
+        })
+        .collect();
+    let thread_ok: Vec<bool> = data.threads.iter().map(|t| only.process.is_none_or(|p| t.process == p)).collect();
+    let activity_ok: Vec<bool> =
         data.activities.iter().map(|a| only.activity.as_ref().is_none_or(|want| want == a)).collect();
     let keep = |s: &Sample| {
-        let activity_ok =
-            only.activity.is_none() || (s.tag.is_none() && s.activity.is_some_and(|a| in_activity[a as usize]));
-        let tag = s.tag.map(|t| &data.tags[t as usize]);
-        let prefix_ok = only.prefix.as_ref().is_none_or(|p| tag.is_some_and(|t| t.prefix == *p));
-        let process_ok = only.process.is_none_or(|p| data.threads[s.thread as usize].process == p);
-        let span_ok = only.span.is_none() || s.tag.is_some_and(|t| in_span[t as usize]);
-        activity_ok && prefix_ok && process_ok && span_ok && only.tasks.is_none_or(|t| t == s.tag.is_some())
+        thread_ok[s.thread as usize]
+            && match s.tag {
+                Some(t) => only.tasks != Some(false) && only.activity.is_none() && tag_ok[t as usize],
+                None => {
+                    only.tasks != Some(true)
+                        && only.prefix.is_none()
+                        && only.span.is_none()
+                        && (only.activity.is_none() || s.activity.is_some_and(|a| activity_ok[a as usize]))
+                }
+            }
     };
-    svg(data, title, shown, &keep)
+    svg(data, title, shown, data.samples.iter().filter(|s| keep(s)))
 }
 
-/// An interactive SVG (click to zoom, search); None when no sample matches.
-pub fn svg(data: &ProfileData, title: &str, shown: Shown, keep: &dyn Fn(&Sample) -> bool) -> Option<String> {
-    render(folded(data, shown, keep, true).iter().map(String::as_str), title, false)
+/// An interactive SVG (click to zoom, search) of `samples`; None when there are none.
+pub fn svg<'s>(
+    data: &ProfileData,
+    title: &str,
+    shown: Shown,
+    samples: impl Iterator<Item = &'s Sample>,
+) -> Option<String> {
+    render(folded(data, shown, samples, true).iter().map(String::as_str), title, false)
+}
+
+/// The graphs of `processes` (distinct indices, with titles), each as `svg_of` draws one
+/// process, from one pass over the samples: a graph each read every sample once per process.
+pub fn process_svgs(data: &ProfileData, shown: Shown, processes: &[(u32, String)]) -> Vec<Option<String>> {
+    let mut slot = vec![None; data.processes.len()];
+    for (i, &(p, _)) in processes.iter().enumerate() {
+        if let Some(s) = slot.get_mut(p as usize) {
+            *s = Some(i);
+        }
+    }
+    let mut samples: Vec<Vec<&Sample>> = vec![Vec::new(); processes.len()];
+    for s in &data.samples {
+        if let Some(&Some(i)) = slot.get(data.threads[s.thread as usize].process as usize) {
+            samples[i].push(s);
+        }
+    }
+    processes.iter().zip(samples).map(|((_, title), samples)| svg(data, title, shown, samples.into_iter())).collect()
 }
 
 /// The SVG of folded lines, with a second count per line for a differential graph
@@ -124,21 +201,32 @@ mod tests {
     const WALL: Shown = Shown { by: By::Thread, weight: Weight::Wall };
 
     #[test]
+    fn process_graphs_in_one_pass_match_one_at_a_time() {
+        let a = profile("a", &[(1, &["main", "f"], None), (2, &["main", "g"], Some("g-1"))]);
+        let b = profile("b", &[(1, &["main", "h"], None)]);
+        let data = ProfileData::merge(&[&a, &b], Default::default());
+        let one = |p: u32| svg_of(&data, &format!("p{p}"), WALL, &Only { process: Some(p), ..Only::default() });
+        let both = process_svgs(&data, WALL, &[(1, "p1".into()), (0, "p0".into())]);
+        assert_eq!(both, vec![one(1), one(0)]);
+        assert!(both.iter().all(Option::is_some));
+    }
+
+    #[test]
     fn folds_and_renders() {
         let mut data =
             profile("w", &[(1, &["main", "f"], None), (1, &["main", "f"], None), (1, &["main", "g;x"], None)]);
         data.frames[0].name = "<script>alert(1)</script>".into();
-        let lines = folded(&data, WALL, &|_| true, true);
+        let lines = folded(&data, WALL, data.samples.iter(), true);
         assert_eq!(lines.len(), 2);
         assert!(lines.iter().any(|l| l.ends_with("(f.py:1) 20000")));
         assert!(lines.iter().any(|l| l.ends_with(";g x (g x.py:1) 10000")), "{lines:?}");
-        let svg = svg(&data, "t", WALL, &|_| true).unwrap();
+        let svg = svg(&data, "t", WALL, data.samples.iter()).unwrap();
         assert!(svg.starts_with("<?xml"));
         assert!(!svg.contains("<script>alert(1)"), "names are escaped");
         assert!(svg.contains("&lt;script&gt;alert(1)"));
-        assert!(super::svg(&data, "t", WALL, &|_| false).is_none());
+        assert!(super::svg(&data, "t", WALL, std::iter::empty()).is_none());
         data.frames[1].line = 7;
-        let by_function = folded(&data, WALL, &|_| true, false);
+        let by_function = folded(&data, WALL, data.samples.iter(), false);
         assert!(by_function.iter().any(|l| l.ends_with(";f (f.py) 20000")), "{by_function:?}");
     }
 }

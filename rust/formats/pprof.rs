@@ -7,7 +7,6 @@
 use crate::formats::compress;
 use crate::profile::model::{ProfileData, State, Tag};
 use crate::profile::views::Weight;
-use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
 
@@ -245,7 +244,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
 
 /// The gzipped protobuf, as `go tool pprof` and other pprof readers open it.
 pub fn write(data: &ProfileData) -> Vec<u8> {
-    compress::gzip(&build(data).encode_to_vec(), Compression::default())
+    compress::kept(&build(data).encode_to_vec())
 }
 
 #[cfg(test)]

@@ -5,17 +5,19 @@
 //! profile per thread with its raw stacks under their task's or activity's root frames,
 //! which is what `speedscope_read.rs` loads back.
 
+use crate::formats::compress::Kept;
 use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
 use crate::profile::views::{By, Shown, View, Weight, NO_TASK};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};
+use std::io::{BufWriter, Write};
 
 #[derive(Serialize)]
 struct File<'a> {
     #[serde(rename = "$schema")]
     schema: &'static str,
     shared: Shared<'a>,
-    profiles: Vec<Profile>,
+    profiles: Vec<Profile<'a>>,
     name: &'a str,
     #[serde(rename = "activeProfileIndex")]
     active_profile_index: usize,
@@ -61,8 +63,21 @@ struct SFrame<'a> {
     line: Option<i32>,
 }
 
+/// A sample's stack, root first: its synthetic roots, then its frames; joined as it is
+/// written rather than copied per sample (a 1000-worker profile has millions).
+struct Stack<'a> {
+    roots: &'a [u32],
+    frames: &'a [u32],
+}
+
+impl Serialize for Stack<'_> {
+    fn serialize<S: Serializer>(&self, out: S) -> Result<S::Ok, S::Error> {
+        out.collect_seq(self.roots.iter().chain(self.frames))
+    }
+}
+
 #[derive(Serialize)]
-struct Profile {
+struct Profile<'a> {
     #[serde(rename = "type")]
     kind: &'static str,
     name: String,
@@ -71,7 +86,7 @@ struct Profile {
     start_value: f64,
     #[serde(rename = "endValue")]
     end_value: f64,
-    samples: Vec<Vec<u32>>,
+    samples: Vec<Stack<'a>>,
     weights: Vec<f64>,
     /// Seconds of tagged samples: the file opens on the profile with the most.
     #[serde(skip)]
@@ -142,15 +157,15 @@ impl Roots {
 /// Builds one sampled profile; consecutive identical samples merge into one longer
 /// one (same picture, smaller file).
 #[derive(Default)]
-struct Sampled {
-    samples: Vec<Vec<u32>>,
+struct Sampled<'a> {
+    samples: Vec<Stack<'a>>,
     weights: Vec<f64>,
-    last: Option<(Vec<u32>, u32)>,
+    last: Option<(&'a [u32], u32)>,
     task_seconds: f64,
 }
 
-impl Sampled {
-    fn add(&mut self, s: &Sample, weight: Weight, roots: &[u32], frames: &[u32]) {
+impl<'a> Sampled<'a> {
+    fn add(&mut self, s: &Sample, weight: Weight, roots: &'a [u32], frames: &'a [u32]) {
         let weight = weight.of(s) as f64 / 1e6;
         if weight == 0.0 {
             return;
@@ -158,16 +173,16 @@ impl Sampled {
         if s.tag.is_some() {
             self.task_seconds += weight;
         }
-        if matches!(&self.last, Some((r, stack)) if r == roots && *stack == s.stack) {
+        if matches!(self.last, Some((r, stack)) if r == roots && stack == s.stack) {
             *self.weights.last_mut().unwrap() += weight;
             return;
         }
-        self.last = Some((roots.to_vec(), s.stack));
-        self.samples.push(roots.iter().chain(frames).copied().collect());
+        self.last = Some((roots, s.stack));
+        self.samples.push(Stack { roots, frames });
         self.weights.push(weight);
     }
 
-    fn finish(self, name: String) -> Profile {
+    fn finish(self, name: String) -> Profile<'a> {
         let total: f64 = self.weights.iter().sum();
         Profile {
             kind: "sampled",
@@ -190,7 +205,7 @@ fn time_order(data: &ProfileData) -> Vec<&Sample> {
 }
 
 /// The merged profiles `shown.by` asks for, largest first: samples of every thread in time order.
-fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<Profile> {
+fn merged<'a>(data: &'a ProfileData, view: &View<'a>, shown: Shown, roots: &'a Roots) -> Vec<Profile<'a>> {
     let weight = shown.weight;
     let mut out: Vec<Profile> = match shown.by {
         By::Thread => return Vec::new(),
@@ -230,7 +245,13 @@ fn merged(data: &ProfileData, view: &View, shown: Shown, roots: &Roots) -> Vec<P
     out
 }
 
-fn thread_profile(data: &ProfileData, thread: u32, samples: &[&Sample], weight: Weight, roots: &Roots) -> Profile {
+fn thread_profile<'a>(
+    data: &'a ProfileData,
+    thread: u32,
+    samples: &[&Sample],
+    weight: Weight,
+    roots: &'a Roots,
+) -> Profile<'a> {
     let mut p = Sampled::default();
     for s in samples {
         p.add(s, weight, roots.of(s, false), &data.stacks[s.stack as usize]);
@@ -256,6 +277,20 @@ fn active(profiles: &[Profile], merged: usize) -> usize {
 /// The document; it holds no profile when `data` holds no samples (or, weighted by
 /// CPU, none with CPU time).
 pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_to(data, shown, name, &mut out).expect("writing to a Vec cannot fail");
+    out
+}
+
+/// The document gzipped as it is written (see `compress::Kept`): a 1000-worker one
+/// (~570 MB of JSON) never sits whole in memory.
+pub fn gzipped(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
+    let mut out = BufWriter::new(Kept::default());
+    write_to(data, shown, name, &mut out).expect("writing to a Vec cannot fail");
+    out.into_inner().map_err(|e| e.into_error()).expect("writing to a Vec cannot fail").finish()
+}
+
+fn write_to(data: &ProfileData, shown: Shown, name: &str, out: impl Write) -> serde_json::Result<()> {
     let mut frames: Vec<SFrame> = data
         .frames
         .iter()
@@ -266,7 +301,7 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
     let mut profiles = merged(data, &view, shown, &roots);
     let n_merged = profiles.len();
     let mut threads: Vec<u32> = (0..data.threads.len() as u32).collect();
-    threads.sort_by_key(|&t| data.thread_label(t));
+    threads.sort_by_cached_key(|&t| data.thread_label(t));
     let samples = per_thread(data);
     let mut thread_profiles = Vec::new();
     for t in threads {
@@ -295,7 +330,7 @@ pub fn write(data: &ProfileData, shown: Shown, name: &str) -> Vec<u8> {
             prefixes,
         },
     };
-    serde_json::to_vec(&file).expect("speedscope documents always serialise")
+    serde_json::to_writer(out, &file)
 }
 
 #[cfg(test)]

@@ -44,6 +44,32 @@ impl Aggregator {
     }
 }
 
+/// The time and count a sample stands for, which aggregating sums: wall and CPU
+/// microseconds, and samples.
+pub trait Summed {
+    fn sums(&mut self) -> [&mut u32; 3];
+}
+
+impl Summed for Sample {
+    fn sums(&mut self) -> [&mut u32; 3] {
+        [&mut self.weight_us, &mut self.cpu_us, &mut self.count]
+    }
+}
+
+/// Sums `s` into `samples[*slot]`; when that is none or full, pushes it and points
+/// `slot` at it, so a long window's time goes on in a fresh sample.
+pub fn sum_into<T: Summed>(samples: &mut Vec<T>, slot: &mut usize, mut s: T) {
+    if let Some(into) = samples.get_mut(*slot) {
+        let ([weight, cpu, count], [add_weight, add_cpu, add_count]) = (into.sums(), s.sums());
+        if let (Some(w), Some(n)) = (weight.checked_add(*add_weight), count.checked_add(*add_count)) {
+            (*weight, *cpu, *count) = (w, cpu.saturating_add(*add_cpu), n);
+            return;
+        }
+    }
+    *slot = samples.len();
+    samples.push(s);
+}
+
 /// Maps ids of one source's tables to the builder's, filled lazily.
 pub struct Remap {
     frames: Vec<Option<u32>>,
@@ -103,22 +129,7 @@ impl Builder {
         // another's gap.
         s.cpu_us = s.cpu_us.min(s.weight_us);
         let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
-        let into = self
-            .samples
-            .get_mut(*slot)
-            .filter(|into| into.weight_us.checked_add(s.weight_us).is_some() && into.count < u32::MAX);
-        match into {
-            Some(into) => {
-                into.weight_us += s.weight_us;
-                into.cpu_us = into.cpu_us.saturating_add(s.cpu_us);
-                into.count += s.count;
-            }
-            None => {
-                // New, or full: a long window's time goes on in a fresh sample.
-                *slot = self.samples.len();
-                self.samples.push(s);
-            }
-        }
+        sum_into(&mut self.samples, slot, s);
     }
 
     /// `sample` with its ids in this builder's tables, interning what it uses; `tag`

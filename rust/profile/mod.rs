@@ -1,9 +1,10 @@
-//! The profile model and what is computed from it: grouped views, summaries and
-//! span selections.
+//! The profile model and what is computed from it: grouped views, summaries,
+//! span selections and timelines.
 
 pub mod build;
 pub mod intern;
 pub mod model;
 pub mod spans;
 pub mod summary;
+pub mod timeline;
 pub mod views;

@@ -214,10 +214,51 @@ fn sampled_threads(data: &ProfileData) -> Vec<(usize, usize)> {
     out
 }
 
+/// Each tag's prefix and span paths (the span and every span around it) as indices into
+/// `prefixes` and `spans`: found once per tag, not per sample, for profiles of millions.
+struct TagGroups<'a> {
+    prefixes: Vec<&'a str>,
+    spans: Vec<Vec<&'a str>>,
+    prefix_of: Vec<usize>,
+    spans_of: Vec<Vec<usize>>,
+}
+
+impl<'a> TagGroups<'a> {
+    fn new(data: &'a ProfileData) -> TagGroups<'a> {
+        let mut prefixes: HashMap<&str, usize> = HashMap::new();
+        let mut spans: HashMap<Vec<&str>, usize> = HashMap::new();
+        let mut prefix_of = Vec::with_capacity(data.tags.len());
+        let mut spans_of = Vec::with_capacity(data.tags.len());
+        for tag in &data.tags {
+            let next = prefixes.len();
+            prefix_of.push(*prefixes.entry(&tag.prefix).or_insert(next));
+            let path = data.span_names(tag);
+            let paths = (1..=path.len()).map(|depth| {
+                let next = spans.len();
+                *spans.entry(path[..depth].to_vec()).or_insert(next)
+            });
+            spans_of.push(paths.collect());
+        }
+        TagGroups { prefixes: by_index(prefixes), spans: by_index(spans), prefix_of, spans_of }
+    }
+}
+
+/// The keys of a map to indices, in index order.
+fn by_index<K>(map: HashMap<K, usize>) -> Vec<K> {
+    let mut keys: Vec<(K, usize)> = map.into_iter().collect();
+    keys.sort_unstable_by_key(|&(_, i)| i);
+    keys.into_iter().map(|(k, _)| k).collect()
+}
+
+fn tallies(n: usize) -> Vec<Tally> {
+    (0..n).map(|_| Tally::default()).collect()
+}
+
 pub fn summarize(data: &ProfileData) -> Summary {
     let mut per_process: Vec<(usize, f64, Split)> = vec![(0, 0.0, Split::default()); data.processes.len()];
-    let mut per_prefix: HashMap<&str, Tally> = HashMap::new();
-    let mut per_span: HashMap<Vec<&str>, Tally> = HashMap::new();
+    let groups = TagGroups::new(data);
+    let mut per_prefix = tallies(groups.prefixes.len());
+    let mut per_span = tallies(groups.spans.len());
     let mut all = Tally::default();
     let mut untagged = Tally::default();
     let mut per_activity: HashMap<Option<u32>, Tally> = HashMap::new();
@@ -229,12 +270,11 @@ pub fn summarize(data: &ProfileData) -> Summary {
             p.1 += secs;
             p.2.add(s);
         }
-        match s.tag.map(|t| &data.tags[t as usize]) {
-            Some(tag) => {
-                per_prefix.entry(&tag.prefix).or_default().add(data, s);
-                let path = data.span_names(tag);
-                for depth in 1..=path.len() {
-                    per_span.entry(path[..depth].to_vec()).or_default().add(data, s);
+        match s.tag {
+            Some(t) => {
+                per_prefix[groups.prefix_of[t as usize]].add(data, s);
+                for &span in &groups.spans_of[t as usize] {
+                    per_span[span].add(data, s);
                 }
             }
             None => {
@@ -258,11 +298,20 @@ pub fn summarize(data: &ProfileData) -> Summary {
             split,
         })
         .collect();
-    let mut prefixes: Vec<PrefixTime> =
-        per_prefix.into_iter().map(|(prefix, t)| PrefixTime { prefix: prefix.into(), group: t.finish(data) }).collect();
-    prefixes.sort_by(|a, b| b.group.seconds.total_cmp(&a.group.seconds).then_with(|| a.prefix.cmp(&b.prefix)));
-    let mut spans: Vec<SpanTime> = per_span
+    // A prefix or span no sample is in (a tag only kept for its key) gets no row.
+    let mut prefixes: Vec<PrefixTime> = groups
+        .prefixes
         .into_iter()
+        .zip(per_prefix)
+        .filter(|(_, t)| t.samples > 0)
+        .map(|(prefix, t)| PrefixTime { prefix: prefix.into(), group: t.finish(data) })
+        .collect();
+    prefixes.sort_by(|a, b| b.group.seconds.total_cmp(&a.group.seconds).then_with(|| a.prefix.cmp(&b.prefix)));
+    let mut spans: Vec<SpanTime> = groups
+        .spans
+        .into_iter()
+        .zip(per_span)
+        .filter(|(_, t)| t.samples > 0)
         .map(|(path, t)| SpanTime { path: path.into_iter().map(String::from).collect(), group: t.finish(data) })
         .collect();
     // Outermost spans first, each followed by its nested ones.

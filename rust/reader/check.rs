@@ -61,8 +61,11 @@ fn self_check(py: Python<'_>, reader: &mut FastReader, mode: LineMode) -> Result
         py.import("threading").and_then(|t| t.call_method0("get_ident")?.extract()).map_err(|e| e.to_string())?;
     let mut found = reader.read_where(|t| t.ident == ident, &ThreadTags::default())?;
     let this = found.pop().ok_or("this thread is not in the interpreter's thread list")?;
-    if !this.state.holds_gil {
+    if reader.gil_enabled() && !this.state.holds_gil {
         return Err("the GIL state does not name this thread, which holds the GIL".into());
+    }
+    if reader.layout().tstate_state.is_some() && !this.state.attached {
+        return Err("this thread, running Python, does not read as attached".into());
     }
     check_datastack(reader, this.state.chunk, this.state.top)?;
     let ids = this.frames.map_err(|()| "this thread's frames do not hold together".to_string())?;

@@ -8,7 +8,7 @@
 //! (its hash and first bytes).
 
 use super::frees::FreeLog;
-use super::layout::{Layout, OB_SIZE, OB_TYPE};
+use super::layout::Layout;
 use super::linetable::line_at;
 use super::memory::{u32_at, u64_at, Batch, Memory};
 use crate::profile::model::Frame;
@@ -28,9 +28,9 @@ const MAX_CODE_UNITS: u64 = 1 << 20;
 const TABLE_BYTES_PER_UNIT: usize = 16;
 /// Heap the cache may hold (strings, tables) before it starts over.
 const MAX_BYTES: usize = 64 << 20;
-/// Bytes of the qualified name compared each tick: hash, state and first characters.
-const NAME_PROBE_FROM: u64 = 24;
-const NAME_PROBE_LEN: usize = 40;
+/// Bytes of the qualified name compared each tick, from its length on: length, hash,
+/// state and first characters (not the header: reference counts change).
+const NAME_PROBE_LEN: usize = 48;
 /// Tables are emptied past these sizes (many short-lived code objects).
 const MAX_CODES: usize = 50_000;
 const MAX_FRAMES: usize = 500_000;
@@ -169,7 +169,7 @@ impl CodeCache {
         let mut pending = Vec::new();
         for (addr, i) in fetches {
             match batch.get(i) {
-                Some(h) if self.plausible(h) => pending.push(Fetch { addr, header: h.to_vec() }),
+                Some(h) if self.plausible(h, layout) => pending.push(Fetch { addr, header: h.to_vec() }),
                 Some(_) => {
                     self.not_code.insert(addr);
                 }
@@ -214,7 +214,7 @@ impl CodeCache {
             mem.read(batch)?;
             for (f, i) in pending.iter_mut().zip(idx) {
                 match batch.get(i) {
-                    Some(h) if self.plausible(h) => f.header = h.to_vec(),
+                    Some(h) if self.plausible(h, layout) => f.header = h.to_vec(),
                     Some(_) => drop(self.not_code.insert(f.addr)),
                     None => {}
                 }
@@ -234,7 +234,7 @@ impl CodeCache {
                         None if pass == 0 => GUESSES[k],
                         None if pass == 1 => OBJECT_HEAD,
                         None => continue,
-                        Some(got) => match needed(got, k, code_units(&f.header), layout) {
+                        Some(got) => match needed(got, k, code_units(&f.header, layout), layout) {
                             Some(need) if need > got.len() => need,
                             _ => continue,
                         },
@@ -272,18 +272,19 @@ impl CodeCache {
         let (span_at, span_len) = layout.code_identity_span();
         let identity = f.header.get(span_at as usize..(span_at + span_len) as usize)?.to_vec();
         // Only bytes of the string itself: what lies past it may change at any time.
-        let probe_end = needed(name, 0, 0, layout)?.min(NAME_PROBE_FROM as usize + NAME_PROBE_LEN);
-        let name_probe = name.get(NAME_PROBE_FROM as usize..probe_end)?.to_vec();
+        let probe_from = layout.unicode_length as usize;
+        let probe_end = needed(name, 0, 0, layout)?.min(probe_from + NAME_PROBE_LEN);
+        let name_probe = name.get(probe_from..probe_end)?.to_vec();
         self.serial += 1;
         Some(Code {
             serial: self.serial,
             name: decode_string(name, layout)?.into(),
             file: decode_string(file, layout)?.into(),
             first_line: u32_at(&f.header, layout.code_firstlineno) as i32,
-            bytecode_len: 2 * u64_at(&f.header, OB_SIZE) as i64,
+            bytecode_len: 2 * code_units(&f.header, layout) as i64,
             linetable,
             identity,
-            name_probe_at: u64_at(&f.header, layout.code_qualname) + NAME_PROBE_FROM,
+            name_probe_at: u64_at(&f.header, layout.code_qualname) + probe_from as u64,
             name_probe,
             lines: FxHashMap::default(),
             last_seen: self.tick,
@@ -291,8 +292,8 @@ impl CodeCache {
     }
 
     /// A code object's header, with a size a real one can have.
-    fn plausible(&self, header: &[u8]) -> bool {
-        u64_at(header, OB_TYPE) == self.code_type && code_units(header) <= MAX_CODE_UNITS
+    fn plausible(&self, header: &[u8], layout: &Layout) -> bool {
+        u64_at(header, layout.ob_type) == self.code_type && code_units(header, layout) <= MAX_CODE_UNITS
     }
 
     /// The frame id of `code` at byte offset `offset` into its bytecode.
@@ -344,8 +345,8 @@ impl CodeCache {
     }
 }
 
-fn code_units(header: &[u8]) -> u64 {
-    u64_at(header, OB_SIZE)
+fn code_units(header: &[u8], layout: &Layout) -> u64 {
+    u64_at(header, layout.ob_size)
 }
 
 /// Bytes a string (k 0, 1) or line table (k 2, of a code of `units` code units)

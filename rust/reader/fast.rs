@@ -94,6 +94,12 @@ impl FastReader {
         &self.layout
     }
 
+    /// Whether the GIL was in use at the last read (not on a free-threaded build, unless
+    /// something turned it on).
+    pub fn gil_enabled(&self) -> bool {
+        self.threads.gil_enabled
+    }
+
     pub fn memory(&mut self) -> &mut Memory {
         &mut self.mem
     }
@@ -235,15 +241,16 @@ impl StackReader for FastReader {
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
         out.clear();
         let in_task = tags.tagged();
-        let select = |t: &ThreadState| want.keeps(t.on_cpu || t.holds_gil, t.holds_gil, in_task.contains(&t.ident));
+        let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
         for r in self.read_where(select, tags)? {
             let Ok(frames) = r.frames else { continue };
             out.push(ThreadStack {
                 ident: r.state.ident,
                 name: None,
                 frames,
-                active: r.state.on_cpu || r.state.holds_gil,
+                active: r.state.working(),
                 holds_gil: r.state.holds_gil,
+                runs_python: r.state.runs_python(),
                 cpu_ns: r.state.cpu_ns,
                 ran: r.state.ran,
                 native_tid: Some(r.state.native_tid).filter(|&t| t != 0),
@@ -272,6 +279,8 @@ impl StackReader for FastReader {
     fn stats(&self) -> Value {
         json!({
             "python": format!("{}.{}", self.layout.version.0, self.layout.version.1),
+            "free_threaded": self.layout.free_threaded,
+            "gil_enabled": self.threads.gil_enabled,
             "thread_reads": self.thread_reads,
             "retried_reads": self.retried_reads,
             "retried_marks": self.retried_marks,

@@ -4,6 +4,8 @@
 //! start of `_PyRuntime`; that struct itself grows between minor versions, so it is
 //! parsed with one field list per version. 3.11 and 3.12 publish nothing: their
 //! offsets come from tables, measured by compiling against each version's headers.
+//! Free-threaded builds (3.13t) are read from the same published offsets: their
+//! bigger object header and their GIL's `enabled` flag are said there.
 
 use super::memory::{u64_at, Batch, Memory};
 
@@ -21,18 +23,30 @@ pub enum CurrentFrame {
 pub enum GilAt {
     /// Offsets inside `_PyRuntime` (3.11).
     Runtime { locked: u64, holder: u64 },
-    /// `interp->ceval.gil` points at the GIL state; offsets inside it (3.12+).
-    Interp { pointer: u64, locked: u64, holder: u64 },
+    /// `interp->ceval.gil` points at the GIL state; offsets inside it (3.12+), and of
+    /// its `enabled` flag on free-threaded builds (which can turn it on at run time, e.g.
+    /// on importing a module not declared free-threading safe).
+    Interp { pointer: u64, locked: u64, holder: u64, enabled: Option<u64> },
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Layout {
     pub version: (u8, u8),
+    /// A free-threaded build (`Py_GIL_DISABLED`).
+    pub free_threaded: bool,
+    /// `ob_type`, and a variable-size object's `ob_size`: further in on free-threaded
+    /// builds, whose header also holds the owning thread and two reference counts.
+    pub ob_type: u64,
+    pub ob_size: u64,
     pub interp_threads_head: u64,
     pub gil: GilAt,
     pub tstate_next: u64,
     pub current_frame: CurrentFrame,
     pub tstate_thread_id: u64,
+    /// Free-threaded builds: the thread state's `state`, attached to the interpreter
+    /// (running Python) or not. 3.13 does not publish it: it is the int after
+    /// `_whence`, itself after the published `_status`; the self-check confirms it.
+    pub tstate_state: Option<u64>,
     pub tstate_native_thread_id: u64,
     pub tstate_datastack_chunk: u64,
     /// `datastack_top`: published in our tables; on 3.13+ the word after
@@ -62,9 +76,11 @@ pub struct Layout {
     pub bytes_data: u64,
 }
 
-/// Fields common to every object.
-pub const OB_TYPE: u64 = 8;
-pub const OB_SIZE: u64 = 16;
+/// `tstate->state` of a thread running Python.
+pub const THREAD_ATTACHED: u32 = 1;
+/// `ob_type` and `ob_size` of builds with the GIL.
+const OB_TYPE: u64 = 8;
+const OB_SIZE: u64 = 16;
 /// `_PyStackChunk`: previous, size, top, then the frames.
 pub const CHUNK_PREVIOUS: u64 = 0;
 pub const CHUNK_SIZE: u64 = 8;
@@ -94,10 +110,13 @@ impl Layout {
 
     /// Bytes of a code object to copy to have every field the reader uses.
     pub fn code_header_len(&self) -> u64 {
-        [OB_SIZE, self.code_filename, self.code_name, self.code_qualname, self.code_linetable, self.code_firstlineno]
-            .into_iter()
-            .max()
-            .unwrap()
+        [
+            self.ob_size, self.code_filename, self.code_name, self.code_qualname, self.code_linetable,
+            self.code_firstlineno,
+        ]
+        .into_iter()
+        .max()
+        .unwrap()
             + 8
     }
 
@@ -108,8 +127,13 @@ impl Layout {
             CurrentFrame::ViaCFrame { cframe, .. } => cframe,
         };
         [
-            self.tstate_next, cf, self.tstate_thread_id, self.tstate_native_thread_id, self.tstate_datastack_chunk,
+            self.tstate_next,
+            cf,
+            self.tstate_thread_id,
+            self.tstate_native_thread_id,
+            self.tstate_datastack_chunk,
             self.tstate_datastack_top,
+            self.tstate_state.unwrap_or(0),
         ]
         .into_iter()
         .max()
@@ -122,11 +146,15 @@ impl Layout {
 fn py311() -> Layout {
     Layout {
         version: (3, 11),
+        free_threaded: false,
+        ob_type: OB_TYPE,
+        ob_size: OB_SIZE,
         interp_threads_head: 16,
         gil: GilAt::Runtime { locked: 376, holder: 368 },
         tstate_next: 8,
         current_frame: CurrentFrame::ViaCFrame { cframe: 56, current_frame: 8 },
         tstate_thread_id: 152,
+        tstate_state: None,
         tstate_native_thread_id: 160,
         tstate_datastack_chunk: 296,
         tstate_datastack_top: 304,
@@ -159,11 +187,15 @@ fn py311() -> Layout {
 fn py312() -> Layout {
     Layout {
         version: (3, 12),
+        free_threaded: false,
+        ob_type: OB_TYPE,
+        ob_size: OB_SIZE,
         interp_threads_head: 72,
-        gil: GilAt::Interp { pointer: 384, locked: 16, holder: 8 },
+        gil: GilAt::Interp { pointer: 384, locked: 16, holder: 8, enabled: None },
         tstate_next: 8,
         current_frame: CurrentFrame::ViaCFrame { cframe: 56, current_frame: 0 },
         tstate_thread_id: 136,
+        tstate_state: None,
         tstate_native_thread_id: 144,
         tstate_datastack_chunk: 232,
         tstate_datastack_top: 240,
@@ -226,6 +258,7 @@ const PYOBJECT: &[&str] = &["size", "ob_type"];
 const TYPE_313: &[&str] = &["size", "tp_name", "tp_repr", "tp_flags"];
 const TYPE_315: &[&str] = &["size", "tp_name", "tp_repr", "tp_flags", "tp_basicsize", "tp_dictoffset"];
 const THREE: &[&str] = &["size", "a", "b"];
+const TUPLE: &[&str] = &["size", "ob_item", "ob_size"];
 const SET: &[&str] = &["size", "used", "table", "mask"];
 const FLOAT: &[&str] = &["size", "ob_fval"];
 const BYTES: &[&str] = &["size", "ob_size", "ob_sval"];
@@ -240,7 +273,7 @@ const V313: Sections = &[
     ("code_object", CODE_313),
     ("pyobject", PYOBJECT),
     ("type_object", TYPE_313),
-    ("tuple_object", THREE),
+    ("tuple_object", TUPLE),
     ("list_object", THREE),
     ("dict_object", THREE),
     ("float_object", FLOAT),
@@ -256,7 +289,7 @@ const V314: Sections = &[
     ("code_object", CODE_314),
     ("pyobject", PYOBJECT),
     ("type_object", TYPE_313),
-    ("tuple_object", THREE),
+    ("tuple_object", TUPLE),
     ("list_object", THREE),
     ("set_object", SET),
     ("dict_object", THREE),
@@ -275,7 +308,7 @@ const V315: Sections = &[
     ("pyobject", PYOBJECT),
     ("type_object", TYPE_315),
     ("heap_type_object", &["size", "ht_cached_keys"]),
-    ("tuple_object", THREE),
+    ("tuple_object", TUPLE),
     ("list_object", THREE),
     ("set_object", SET),
     ("dict_object", THREE),
@@ -328,8 +361,12 @@ fn published(version: (u8, u8), runtime: u64, mem: &mut Memory) -> Result<Layout
     if (hex >> 24, (hex >> 16) & 0xff) != (version.0 as u64, version.1 as u64) {
         return Err(format!("_Py_DebugOffsets says version {hex:#x}"));
     }
-    if u64_at(bytes, 16) != 0 {
-        return Err("free-threaded builds are not read by the fast reader".into());
+    let free_threaded = u64_at(bytes, 16) != 0;
+    if free_threaded && version.1 >= 14 {
+        // Each thread may run its own copy of a code object's bytecode there
+        // (`co_tlbc`), which instruction pointers point into, and a string's `interned`
+        // takes a whole byte of its state: neither is followed yet.
+        return Err("free-threaded 3.14+ runs thread-local bytecode, which the fast reader does not follow yet".into());
     }
     let p = Published { sections, bytes };
     let ascii = p.get("unicode_object", "asciiobject_size")?;
@@ -337,15 +374,24 @@ fn published(version: (u8, u8), runtime: u64, mem: &mut Memory) -> Result<Layout
     let datastack_chunk = p.get("thread_state", "datastack_chunk")?;
     Ok(Layout {
         version,
+        free_threaded,
+        ob_type: p.get("pyobject", "ob_type")?,
+        ob_size: p.get("tuple_object", "ob_size")?,
         interp_threads_head: p.get("interpreter_state", "threads_head")?,
         gil: GilAt::Interp {
             pointer: p.get("interpreter_state", "ceval_gil")?,
             locked: p.get("interpreter_state", "gil_runtime_state_locked")? - gil_base,
             holder: p.get("interpreter_state", "gil_runtime_state_holder")? - gil_base,
+            // Only free-threaded builds have the field: others publish 0 for it.
+            enabled: match free_threaded {
+                true => Some(p.get("interpreter_state", "gil_runtime_state_enabled")? - gil_base),
+                false => None,
+            },
         },
         tstate_next: p.get("thread_state", "next")?,
         current_frame: CurrentFrame::Direct(p.get("thread_state", "current_frame")?),
         tstate_thread_id: p.get("thread_state", "thread_id")?,
+        tstate_state: if free_threaded { Some(p.get("thread_state", "status")? + 8) } else { None },
         tstate_native_thread_id: p.get("thread_state", "native_thread_id")?,
         tstate_datastack_chunk: datastack_chunk,
         tstate_datastack_top: datastack_chunk + 8,
@@ -396,5 +442,45 @@ mod tests {
         let p = Published { sections: V313, bytes: &bytes };
         assert_eq!(p.get("thread_state", "native_thread_id"), Ok(160));
         assert!(p.get("thread_state", "holds_gil").is_err());
+    }
+
+    /// A free-threaded 3.13 `_Py_DebugOffsets` in this process's memory, each field of
+    /// `fields` set; every other field reads as its index, so all differ.
+    fn debug_offsets(version: u8, free_threaded: bool, fields: &[(&str, &str, u64)]) -> Vec<u8> {
+        let sections = if version == 13 { V313 } else { V314 };
+        let mut bytes = vec![0u8; Published::len(sections) as usize];
+        bytes[..8].copy_from_slice(COOKIE);
+        bytes[8..16].copy_from_slice(&(0x0300_00f0u64 | (version as u64) << 16).to_le_bytes());
+        bytes[16] = free_threaded as u8;
+        let mut index = 0;
+        for (section, names) in sections {
+            for name in names.iter() {
+                let value = fields.iter().find(|f| (f.0, f.1) == (*section, *name)).map_or(1000 + index, |f| f.2);
+                let at = (HEADER + 8 * index) as usize;
+                bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+                index += 1;
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_free_threaded_build_is_read_from_its_published_header_and_thread_state() {
+        let set = [("pyobject", "ob_type", 24), ("tuple_object", "ob_size", 32), ("thread_state", "status", 40)];
+        let bytes = debug_offsets(13, true, &set);
+        let layout = published((3, 13), bytes.as_ptr() as u64, &mut Memory::new()).unwrap();
+        assert!(layout.free_threaded);
+        assert_eq!((layout.ob_type, layout.ob_size), (24, 32));
+        assert_eq!(layout.tstate_state, Some(48), "the int after _whence, after _status");
+        assert!(layout.tstate_len() > 48);
+        let GilAt::Interp { enabled, .. } = layout.gil else { panic!("3.13 keeps its GIL state in the interpreter") };
+        assert!(enabled.is_some());
+
+        let with_gil = published((3, 13), debug_offsets(13, false, &set).as_ptr() as u64, &mut Memory::new()).unwrap();
+        assert_eq!((with_gil.free_threaded, with_gil.tstate_state), (false, None));
+        let GilAt::Interp { enabled, .. } = with_gil.gil else { panic!("3.13 keeps its GIL state in the interpreter") };
+        assert_eq!(enabled, None, "a build with the GIL has no enabled flag (it publishes 0)");
+        let later = published((3, 14), debug_offsets(14, true, &[]).as_ptr() as u64, &mut Memory::new());
+        assert!(later.is_err_and(|e| e.contains("thread-local bytecode")));
     }
 }

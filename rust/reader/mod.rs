@@ -33,7 +33,8 @@ use tags::{ReadMarks, ThreadTags};
 pub struct Want {
     /// Waiting threads too (idle samples, live dumps).
     pub idle: bool,
-    /// Only the thread holding the GIL.
+    /// Only threads running Python: the one holding the GIL, or on a free-threaded
+    /// build every thread attached to the interpreter.
     pub gil_only: bool,
 }
 
@@ -41,8 +42,8 @@ impl Want {
     /// A thread working (on a CPU or holding the GIL), or running a task, or else
     /// waiting, as these options ask. A task's waits are its wall time: a task
     /// blocked on I/O is kept, so it shows as wall time without CPU.
-    pub fn keeps(&self, active: bool, holds_gil: bool, in_task: bool) -> bool {
-        (active || in_task || self.idle) && (holds_gil || !self.gil_only)
+    pub fn keeps(&self, active: bool, runs_python: bool, in_task: bool) -> bool {
+        (active || in_task || self.idle) && (runs_python || !self.gil_only)
     }
 }
 
@@ -56,6 +57,8 @@ pub struct ThreadStack {
     /// On a CPU or holding the GIL.
     pub active: bool,
     pub holds_gil: bool,
+    /// Holds the GIL, or on a free-threaded build is attached to the interpreter.
+    pub runs_python: bool,
     /// CPU time the thread used since the previous tick.
     pub cpu_ns: u64,
     /// The share of the wall time since the previous tick the thread was on a CPU;
@@ -115,16 +118,27 @@ pub enum Chosen {
     PySpy { reason: Option<String> },
 }
 
-/// The reader for `choice`, opened (and self-checked) with the GIL held.
+/// The reader for `choice`, opened (and self-checked) with the GIL held. py-spy's
+/// reader does not read free-threaded builds, so there it is no fallback.
 pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Result<Chosen, Error> {
-    match choice {
-        ReaderChoice::Pyspy => Ok(Chosen::PySpy { reason: None }),
-        ReaderChoice::Fast => open_fast(py, mode)
+    let no_pyspy = free_threaded(py).then_some("py-spy's reader does not read free-threaded (no-GIL) builds");
+    match (choice, no_pyspy) {
+        (ReaderChoice::Pyspy, Some(why)) => Err(Error::Broken(format!("reader='pyspy' cannot be used: {why}"))),
+        (ReaderChoice::Pyspy, None) => Ok(Chosen::PySpy { reason: None }),
+        (ReaderChoice::Fast, _) => open_fast(py, mode)
             .map(|r| Chosen::Fast(Box::new(r)))
             .map_err(|e| Error::Broken(format!("reader='fast' cannot be used: {e}"))),
-        ReaderChoice::Auto => Ok(match open_fast(py, mode) {
-            Ok(r) => Chosen::Fast(Box::new(r)),
-            Err(e) => Chosen::PySpy { reason: Some(e) },
-        }),
+        (ReaderChoice::Auto, _) => match (open_fast(py, mode), no_pyspy) {
+            (Ok(r), _) => Ok(Chosen::Fast(Box::new(r))),
+            (Err(e), Some(why)) => Err(Error::Broken(format!("no reader reads this interpreter: {e}; {why}"))),
+            (Err(e), None) => Ok(Chosen::PySpy { reason: Some(e) }),
+        },
     }
+}
+
+/// Whether this interpreter is a free-threaded build (whether or not its GIL is on).
+fn free_threaded(py: pyo3::Python<'_>) -> bool {
+    use pyo3::types::PyAnyMethods;
+    let flag = py.import("sysconfig").and_then(|s| s.call_method1("get_config_var", ("Py_GIL_DISABLED",)));
+    flag.and_then(|f| f.is_truthy()).unwrap_or(false)
 }

@@ -130,6 +130,7 @@ impl StackReader for PySpyReader {
                 // py-spy's `active` means on a CPU; a thread holding the GIL is working too.
                 active: t.active || t.owns_gil,
                 holds_gil: t.owns_gil,
+                runs_python: t.owns_gil,
                 cpu_ns,
                 ran,
                 native_tid,
@@ -137,7 +138,7 @@ impl StackReader for PySpyReader {
             };
             self.cpu_ns += stack.cpu_ns;
             let in_task = before.get(&t.thread_id).is_some_and(|b| b.marks.task.is_some());
-            if want.keeps(stack.active, stack.holds_gil, in_task) && !t.frames.is_empty() {
+            if want.keeps(stack.active, stack.runs_python, in_task) && !t.frames.is_empty() {
                 let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
                 out.push(ThreadStack { frames, ..stack });
             }

@@ -4,7 +4,7 @@
 //! links changed. Whether a thread works comes from the GIL (held now) and its CPU
 //! clock (ran for most of the time since the last tick), never from `/proc`.
 
-use super::layout::{CurrentFrame, GilAt, Layout};
+use super::layout::{CurrentFrame, GilAt, Layout, THREAD_ATTACHED};
 use super::memory::{u32_at, u64_at, Batch, Memory};
 use nix::libc;
 use rustc_hash::FxHashMap;
@@ -24,6 +24,9 @@ pub struct ThreadState {
     pub chunk: u64,
     pub top: u64,
     pub holds_gil: bool,
+    /// Attached to the interpreter (free-threaded builds): running Python, on a CPU or
+    /// waiting for one; there no GIL tells a working thread from a waiting one.
+    pub attached: bool,
     pub on_cpu: bool,
     pub cpu_ns: u64,
     /// The share of the wall time since the last reading it was on a CPU.
@@ -34,6 +37,17 @@ pub struct ThreadState {
 }
 
 impl ThreadState {
+    /// Working for Python: on a CPU, holding the GIL, or attached (free-threaded).
+    pub fn working(&self) -> bool {
+        self.on_cpu || self.runs_python()
+    }
+
+    /// Running Python code: the one thread holding the GIL, or on a free-threaded build
+    /// every attached thread.
+    pub fn runs_python(&self) -> bool {
+        self.holds_gil || self.attached
+    }
+
     /// Where the thread's frames are, from its thread state's bytes.
     fn set_stack(&mut self, bytes: &[u8], layout: &Layout) {
         self.frame_ref = match layout.current_frame {
@@ -48,6 +62,10 @@ pub struct Threads {
     interp: u64,
     gil_locked: u64,
     gil_holder: u64,
+    gil_enabled_at: Option<u64>,
+    /// Whether the GIL was in use at the last reading: a free-threaded build runs
+    /// without it unless something turned it on.
+    pub gil_enabled: bool,
     list: Vec<u64>,
     /// Per native thread: CPU clock and wall time at the last reading.
     clocks: FxHashMap<u64, (u64, Instant)>,
@@ -62,18 +80,20 @@ const GIL_STATE_BYTES: u64 = 4 * 8 + 4 * 48;
 
 impl Threads {
     pub fn new(interp: u64, runtime: u64, layout: &Layout, mem: &mut Memory) -> Result<Threads, String> {
-        let (gil_locked, gil_holder) = match layout.gil {
-            GilAt::Runtime { locked, holder } => (runtime + locked, runtime + holder),
-            GilAt::Interp { pointer, locked, holder } => {
+        let (gil_locked, gil_holder, gil_enabled_at) = match layout.gil {
+            GilAt::Runtime { locked, holder } => (runtime + locked, runtime + holder, None),
+            GilAt::Interp { pointer, locked, holder, enabled } => {
                 let gil = super::memory::read_u64(mem, interp + pointer).filter(|&g| g != 0);
                 let gil = gil.ok_or("the interpreter's GIL state cannot be read")?;
-                (gil + locked, gil + holder)
+                (gil + locked, gil + holder, enabled.map(|e| gil + e))
             }
         };
         Ok(Threads {
             interp,
             gil_locked,
             gil_holder,
+            gil_enabled_at,
+            gil_enabled: true,
             list: Vec::new(),
             clocks: FxHashMap::default(),
             cpu_ns: 0,
@@ -93,17 +113,21 @@ impl Threads {
         let head_at = batch.push(self.interp + layout.interp_threads_head, 8);
         let locked_at = batch.push(self.gil_locked, 4);
         let holder_at = batch.push(self.gil_holder, 8);
+        let enabled_at = self.gil_enabled_at.map(|e| batch.push(e, 4));
+        let first = batch.len();
         let len = layout.tstate_len() as usize;
         for &t in &self.list {
             batch.push(t, len);
         }
         mem.read(batch)?;
         let head = batch.get(head_at).map(|b| u64_at(b, 0)).ok_or("the thread list head cannot be read")?;
+        self.gil_enabled = enabled_at.is_none_or(|i| batch.get(i).is_some_and(|e| u32_at(e, 0) != 0));
         let holder = match (batch.get(locked_at), batch.get(holder_at)) {
-            (Some(l), Some(h)) if u32_at(l, 0) != 0 => u64_at(h, 0),
+            (Some(l), Some(h)) if self.gil_enabled && u32_at(l, 0) != 0 => u64_at(h, 0),
             _ => 0,
         };
-        let cached: Option<Vec<Vec<u8>>> = (0..self.list.len()).map(|i| batch.get(3 + i).map(<[u8]>::to_vec)).collect();
+        let cached: Option<Vec<Vec<u8>>> =
+            (0..self.list.len()).map(|i| batch.get(first + i).map(<[u8]>::to_vec)).collect();
         let states = match cached.filter(|s| self.links_match(head, s, layout)) {
             Some(states) => states,
             None => self.walk(head, layout, mem)?,
@@ -162,6 +186,7 @@ impl Threads {
             chunk: 0,
             top: 0,
             holds_gil: holder == addr,
+            attached: layout.tstate_state.is_some_and(|o| u32_at(bytes, o) == THREAD_ATTACHED),
             on_cpu,
             cpu_ns,
             ran,

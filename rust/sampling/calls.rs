@@ -57,6 +57,18 @@ impl Buckets {
         self.by_second = self.by_second.split_off(&(second, Arc::from("")));
     }
 
+    /// Counts the calls of the seconds in `[from_ns, to_ns)` at the first of them, as
+    /// the store's history sums its samples at the start of their bucket.
+    pub fn coarsen(&mut self, from_ns: u64, to_ns: u64) {
+        let (from, to) = (from_ns / NS_PER_S, to_ns / NS_PER_S);
+        let mut inside = self.by_second.split_off(&(from, Arc::from("")));
+        let mut after = inside.split_off(&(to, Arc::from("")));
+        for ((_, name), calls) in inside {
+            *self.by_second.entry((from, name)).or_default() += calls;
+        }
+        self.by_second.append(&mut after);
+    }
+
     /// Drops the oldest second's buckets; false if there were none.
     pub fn evict_oldest(&mut self) -> bool {
         let Some(&(oldest, _)) = self.by_second.keys().next() else { return false };
@@ -115,6 +127,16 @@ pub mod tests {
         assert_eq!(at(12 * NS_PER_S, 12 * NS_PER_S + 1), (0, 0), "counted activities without calls are 0");
         assert_eq!(at(13 * NS_PER_S, 20 * NS_PER_S), (1, 0));
         assert!(!b.window(0, 1).contains_key("w: reading"), "activities never counted are unknown");
+    }
+
+    #[test]
+    fn coarsened_calls_count_at_the_start_of_their_span() {
+        let get = dispatch("w: get_data");
+        let mut b = buckets(&[(9, &get, 1), (10, &get, 2), (11, &get, 3), (12, &get, 4)]);
+        b.coarsen(10 * NS_PER_S, 12 * NS_PER_S);
+        assert_eq!(b.window(10 * NS_PER_S, 10 * NS_PER_S)["w: get_data"], 5);
+        assert_eq!(b.window(11 * NS_PER_S, 11 * NS_PER_S)["w: get_data"], 0);
+        assert_eq!(b.window(0, u64::MAX)["w: get_data"], 10, "none lost");
     }
 
     #[test]

@@ -2,11 +2,14 @@
 
 use crate::error::{Error, Result};
 use crate::reader::{LineMode, ReaderChoice};
+use crate::sampling::history::MAX_STEP_NS;
+use crate::sampling::store::Retention;
 use pyo3::prelude::*;
 use serde::Serialize;
 
 pub const MAX_RATE: f64 = 10_000.0;
 pub const MIN_MEMORY: usize = 1 << 20;
+pub const MAX_RECENT: f64 = 7.0 * 86_400.0;
 
 #[derive(Clone, Debug, Serialize, FromPyObject)]
 pub struct SamplerConfig {
@@ -20,6 +23,10 @@ pub struct SamplerConfig {
     pub cpu_budget: f64,
     /// Cap on the sample store, bytes.
     pub max_memory: usize,
+    /// Seconds samples stay raw; older ones are folded into the history.
+    pub recent: f64,
+    /// Seconds per history bucket.
+    pub history_step: f64,
     /// Record the current line of each frame (off: function-level, ~25% cheaper).
     pub lines: bool,
     /// Aggregate by the first line of each function, like `py-spy record --function`.
@@ -38,6 +45,8 @@ impl Default for SamplerConfig {
             gil_only: false,
             cpu_budget: 0.01,
             max_memory: 64 << 20,
+            recent: 600.0,
+            history_step: 60.0,
             lines: true,
             function: false,
             reader: "auto".into(),
@@ -66,7 +75,25 @@ impl SamplerConfig {
                 self.max_memory
             )));
         }
+        if !(self.recent >= 0.0 && self.recent <= MAX_RECENT) {
+            return Err(Error::BadInput(format!(
+                "recent must be in [0, {MAX_RECENT}] seconds (a week), got {}",
+                self.recent
+            )));
+        }
+        if !(self.history_step >= 1.0 && self.history_step * 1e9 <= MAX_STEP_NS as f64) {
+            return Err(Error::BadInput(format!(
+                "history_step must be in [1, {}] seconds, got {}",
+                MAX_STEP_NS / 1_000_000_000,
+                self.history_step
+            )));
+        }
         Ok(())
+    }
+
+    /// How long samples stay raw and the step they fold into, in the store's terms.
+    pub fn retention(&self) -> Retention {
+        Retention { recent_ns: (self.recent * 1e9) as u64, step_ns: (self.history_step * 1e9) as u64 }
     }
 
     pub fn reader_choice(&self) -> ReaderChoice {
@@ -100,8 +127,15 @@ mod tests {
             SamplerConfig { cpu_budget: 1.5, ..Default::default() },
             SamplerConfig { max_memory: 1000, ..Default::default() },
             SamplerConfig { reader: "nope".into(), ..Default::default() },
+            SamplerConfig { recent: -1.0, ..Default::default() },
+            SamplerConfig { recent: f64::NAN, ..Default::default() },
+            SamplerConfig { history_step: 0.5, ..Default::default() },
+            SamplerConfig { history_step: 7200.0, ..Default::default() },
         ];
-        let names = ["rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory", "reader"];
+        let names = [
+            "rate", "rate", "rate", "cpu_budget", "cpu_budget", "max_memory", "reader", "recent", "recent",
+            "history_step", "history_step",
+        ];
         for (cfg, name) in bad.iter().zip(names) {
             assert!(cfg.validate().unwrap_err().to_string().starts_with(name));
         }

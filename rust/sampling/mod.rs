@@ -3,6 +3,7 @@
 
 pub mod calls;
 pub mod config;
+pub mod history;
 pub mod sampler;
 pub mod states;
 pub mod store;

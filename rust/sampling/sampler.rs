@@ -45,7 +45,8 @@ fn new_token() -> String {
 impl Sampler {
     pub fn new(config: SamplerConfig) -> Result<Sampler> {
         config.validate()?;
-        let store = Store::new(config.max_memory);
+        let mut store = Store::new(config.max_memory);
+        store.set_retention(config.retention());
         let shared = Shared {
             config: Mutex::new(config),
             tags: Arc::default(),
@@ -88,7 +89,10 @@ impl Sampler {
         if self.is_running() {
             return Err(Error::Broken(CONFIGURE_RUNNING.into()));
         }
-        self.shared.store.lock().set_max_bytes(config.max_memory);
+        let mut store = self.shared.store.lock();
+        store.set_max_bytes(config.max_memory);
+        store.set_retention(config.retention());
+        drop(store);
         *self.shared.config.lock() = config;
         Ok(())
     }
@@ -182,6 +186,12 @@ impl Sampler {
     /// Counts one dispatched call of `activity`: a short lock of its own, never the store's.
     pub fn count_call(&self, activity: &Arc<Activity>) {
         self.shared.calls.lock().count(now_ns() / NS_PER_S, activity);
+    }
+
+    /// `f` on the store, as the sampling thread fills it (tests and benchmarks replay
+    /// recorded samples through it).
+    pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
+        f(&mut self.shared.store.lock())
     }
 
     /// The samples of `window` as a profile of this process.

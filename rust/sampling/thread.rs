@@ -283,7 +283,7 @@ impl<'a> Loop<'a> {
         for (t, state) in self.stacks.iter().zip(&self.states) {
             // Marks that changed during the read (Err) were a task's at selection.
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
-            if !keep.keeps(t.active, t.holds_gil, in_task) || t.frames.is_empty() {
+            if !keep.keeps(t.active, t.runs_python, in_task) || t.frames.is_empty() {
                 continue;
             }
             let marks = t.marks.clone().unwrap_or_else(|()| {

@@ -81,7 +81,8 @@ def test_task_attribution(processes, client):
         for w in workers:
             assert any(w in label and "Dask-Default-Threads" in label for label in labels), (w, labels)
         tasks = prof.metadata["tasks"]
-        assert sum(t["alpha"]["count"] for t in tasks.values()) == 300 * rounds
+        # A worker that ran no alpha task has no row for it.
+        assert sum(t.get("alpha", {}).get("count", 0) for t in tasks.values()) == 300 * rounds
     finally:
         if not processes:
             c.close()

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.bias_child import alternate
 from dask_pyspy import Profile, Sampler, _native
-from tests.conftest import frame_names, profiles_named, weight_by_function
+from tests.conftest import FREE_THREADED, frame_names, profiles_named, weight_by_function
 
 
 def busy_alpha(stop: threading.Event) -> None:
@@ -87,8 +87,9 @@ def test_functions_on_the_right_threads(sampler):
     # The two threads share the GIL; a thread waiting for it counts as idle, as in py-spy.
     assert a.get("busy_alpha", 0) > 0.4 and "busy_beta" not in a
     assert b.get("busy_beta", 0) > 0.4 and "busy_alpha" not in b
-    # Weights are wall time: the busy threads together stand for about the time they ran.
-    assert 1.0 < sum(alpha["weights"]) + sum(beta["weights"]) < 3.5
+    # Weights are wall time: the busy threads together stand for about the time they ran,
+    # one at a time with a GIL, both at once without one (each attached throughout).
+    assert 1.0 < sum(alpha["weights"]) + sum(beta["weights"]) < (7.0 if FREE_THREADED else 3.5)
 
 
 def test_tags_mark_the_right_samples(sampler):
@@ -207,14 +208,19 @@ def test_budget_throttles_costly_ticks():
     assert s.profile().metadata["processes"][0]["stats"]["throttled_ticks"] == stats["throttled_ticks"]
 
 
-def test_gil_only_keeps_one_thread_per_tick():
+def test_gil_only_keeps_threads_running_python():
     s = Sampler(rate=100, gil_only=True, cpu_budget=0.5)
     with Threads(("alpha", busy_alpha, ()), ("beta", busy_beta, ())):
         s.start()
         time.sleep(1.5)
         s.stop()
     ticks = s.stats()["ticks"]
-    assert 0 < s.profile().n_samples <= ticks
+    # One thread holds the GIL at a time; free-threaded, both busy threads run Python at once.
+    assert 0 < s.profile().n_samples <= ticks * (2 if FREE_THREADED else 1)
+    # The main thread runs Python only around start() and stop(); kept while it sleeps, it
+    # would stand for the whole run.
+    main = sum(sum(p["weights"]) for p in profiles_named(s.profile().speedscope(), "MainThread"))
+    assert main < 0.5, f"the sleeping main thread was kept for {main:.2f} s"
 
 
 def test_lines_off_gives_function_level_frames(sampler):
@@ -236,6 +242,10 @@ def test_time_window(sampler):
     with Threads(("alpha", busy_alpha, ())):
         time.sleep(0.5)
     middle = time.time()
+    # A sample's time is its tick's start, and py-spy's reader (3.9, 3.10) can take
+    # milliseconds to read: beta starts once every tick begun before `middle` has read.
+    ticks = sampler.stats()["ticks"]
+    wait_for(lambda: sampler.stats()["ticks"] >= ticks + 2)
     with Threads(("beta", busy_beta, ())):
         time.sleep(0.5)
     late = sampler.profile(start=middle).speedscope()
@@ -301,19 +311,19 @@ def test_export_and_merge_of_wire_parts(sampler):
     assert merged.n_samples == size["samples"] and merged.metadata["tasks"] == {"me": {"alpha": {"count": 1}}}
 
 
-def test_memory_cap_and_dropped_samples_reported():
+def test_memory_cap_folds_the_oldest_samples_and_reports_them():
     s = Sampler(rate=2000, idle=True, max_memory=2**20, cpu_budget=1.0)
     with Threads(*[(f"deep{i}", deep, (i,)) for i in range(16)]):
         s.start()
         # Fill past the cap; how fast depends on how busy the machine is.
         deadline = time.time() + 60
-        while s.stats()["store"]["samples_evicted"] == 0 and time.time() < deadline:
+        while s.stats()["store"]["samples_folded"] == 0 and time.time() < deadline:
             time.sleep(0.5)
         s.stop()
     store = s.stats()["store"]
     assert store["bytes"] <= 2**20
-    assert store["samples_evicted"] > 0
-    assert store["samples_held"] + store["samples_evicted"] == store["samples_recorded"]
+    assert store["samples_folded"] > store["folded_held"] > 0, "past the cap the oldest fold, not go"
+    assert store["samples_held"] + store["samples_folded"] + store["samples_evicted"] == store["samples_recorded"]
 
 
 def test_panic_in_the_sampling_thread_is_contained(sampler):
@@ -424,15 +434,15 @@ def test_sampling_holds_no_gil():
 
 
 def spin_in_a() -> None:
-    hold_gil(20e-6)
+    hold_gil(100e-6)
 
 
 def spin_in_b() -> None:
-    hold_gil(20e-6)
+    hold_gil(100e-6)
 
 
 def switch_activities(native: _native.Sampler, stop: threading.Event) -> None:
-    """An event loop's shape: a new activity every 20 microseconds."""
+    """A busy event loop's shape: a new activity every 100 microseconds."""
     work = [
         (_native.Activity("worker: a", "dispatch"), spin_in_a),
         (_native.Activity("worker: b", "dispatch"), spin_in_b),
@@ -444,14 +454,14 @@ def switch_activities(native: _native.Sampler, stop: threading.Event) -> None:
             native.leave_activity(previous)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="py-spy's reader (3.9, 3.10) reads no thread twice")
 def test_reads_torn_by_an_activity_change_are_read_again(sampler):
     sampler.start()
 
     def roots(function: str) -> dict[str, int]:
         doc = sampler.profile(by="prefix").speedscope()
-        (switching,) = profiles_named(doc, " switching ")
         out: dict[str, int] = {}
-        for stack in switching["samples"]:
+        for stack in (s for p in profiles_named(doc, " switching ") for s in p["samples"]):
             names = frame_names(doc, stack)
             if names[-2:] == [function, "hold_gil"]:
                 out[names[0]] = out.get(names[0], 0) + 1
@@ -461,6 +471,7 @@ def test_reads_torn_by_an_activity_change_are_read_again(sampler):
         wait_for(lambda: sum(roots("spin_in_a").values()) >= 200, timeout=120)
     in_a, in_b = roots("spin_in_a"), roots("spin_in_b")
     assert "worker: b" not in in_a and "worker: a" not in in_b, "no sample carries the other activity"
-    # Without reading again, over half the reads here lost their activity.
-    assert in_a.get("worker: a", 0) >= 0.98 * sum(in_a.values()), in_a
+    # Without reading again, a read that straddles a switch loses its activity; with it,
+    # only a read torn four times running does (a loaded machine can pause the sampler).
+    assert in_a.get("worker: a", 0) >= 0.95 * sum(in_a.values()), in_a
     assert sampler.stats()["reader_stats"]["retried_marks"] > 0

@@ -1,0 +1,166 @@
+"""The timeline chart of reports and the dashboard page: stacked areas of the busiest
+series (task prefixes, activities) over time, per process kind, wall and CPU.
+
+Drawn here as SVG geometry (the template writes the markup, escaping every name), so
+the report stays one file with no chart library. Heights are seconds per second of the
+step: how many threads were busy on average, so a 10-minute and a 24-hour window read
+alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from typing import TYPE_CHECKING, Any
+
+from dask_pyspy.pages import when
+
+if TYPE_CHECKING:  # the model imports the report, which imports this module
+    from dask_pyspy.model import Profile
+
+TOP_SERIES = 10  # per kind; the rest sum into "other"
+OTHER = "other"
+# Tableau's 10 categorical colours, then grey for "other": inferno's "hot" flame graph
+# palette gives every name a warm shade, too alike to tell stacked series apart.
+PALETTE = (
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+)  # fmt: skip
+OTHER_COLOUR = "#d9d9d9"
+WIDTH, HEIGHT = 1000, 150  # the plot area, in the SVG's own units
+LEFT, RIGHT, BOTTOM, TOP = 50, 40, 18, 10  # room for the value axis, the last time label, the time axis, the top
+KINDS = ("worker", "scheduler")  # the order charts are shown in
+WEIGHTS = {"wall": "threads busy (wall s per s)", "cpu": "cores used (CPU s per s)"}
+# Time axis label intervals: the first leaving at most MAX_TICKS labels.
+TICK_INTERVALS = (
+    1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800,
+)  # fmt: skip
+MAX_TICKS = 10
+
+
+def _top(series: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The kind's largest series (the timeline lists them largest first), each with its colour."""
+    mine = [s for s in series if s["kind"] == kind][:TOP_SERIES]
+    return [{**s, "colour": PALETTE[i % len(PALETTE)]} for i, s in enumerate(mine)]
+
+
+def _other(top: list[dict[str, Any]], totals: dict[str, Any], weight: str) -> list[float]:
+    """What the kind's totals hold beyond its top series, per step."""
+    shown = [sum(s[weight][i] for s in top) for i in range(len(totals[weight]))]
+    return [max(total - part, 0.0) for total, part in zip(totals[weight], shown)]
+
+
+def _nice(top: float) -> float:
+    """A round axis maximum at or above `top`: 1, 2 or 5 times a power of ten."""
+    if top <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(top))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= top)
+
+
+def _path(bottom: list[float], top: list[float], scale: float) -> str:
+    """A stacked layer between `bottom` and `top` (per step), as steps: each step is flat."""
+    width = WIDTH / len(top)
+
+    def y(v: float) -> str:
+        return f"{TOP + HEIGHT - v * scale:.1f}"
+
+    ahead = " ".join(f"H{LEFT + i * width:.1f} V{y(v)} H{LEFT + (i + 1) * width:.1f}" for i, v in enumerate(top))
+    back = " ".join(
+        f"H{LEFT + (i + 1) * width:.1f} V{y(v)} H{LEFT + i * width:.1f}" for i, v in reversed(list(enumerate(bottom)))
+    )
+    return f"M{LEFT:.1f} {y(bottom[0])} {ahead} {back} Z"
+
+
+def _local(t: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(t)
+
+
+def _time_ticks(start: float, stop: float) -> list[dict[str, Any]]:
+    """Labels at round local times: seconds shown only for intervals under a minute,
+    the date at midnight and on the first label of a window over a day."""
+    span = max(stop - start, 1.0)
+    interval = next((t for t in TICK_INTERVALS if span / t <= MAX_TICKS), TICK_INTERVALS[-1])
+    # Round in local time, where the labels are: 15:00, not 15:00 UTC shown as 15:30.
+    shift = (_local(start).astimezone().utcoffset() or datetime.timedelta()).total_seconds()
+    first = math.ceil((start + shift) / interval) * interval - shift
+    ticks: list[dict[str, Any]] = []
+    t = first
+    while t <= stop:
+        when = _local(t)
+        clock = "%H:%M:%S" if interval < 60 else "%H:%M"
+        dated = (when.hour, when.minute, when.second) == (0, 0, 0) or (not ticks and span > 86400)
+        ticks.append(
+            {"x": LEFT + WIDTH * (t - start) / span, "label": when.strftime(("%m-%d " if dated else "") + clock)}
+        )
+        t += interval
+    return ticks
+
+
+def _value_ticks(top: float) -> list[dict[str, Any]]:
+    return [{"y": TOP + HEIGHT - HEIGHT * f, "label": f"{top * f:g}"} for f in (0.0, 0.5, 1.0)]
+
+
+def _chart(timeline: dict[str, Any], kind: str, weight: str, top: list[dict[str, Any]], ymax: float) -> dict[str, Any]:
+    """One stacked chart of a kind's `weight` (wall or cpu), in threads on a shared scale."""
+    step = timeline["step"]
+    totals = timeline["kinds"][kind]
+    layers = [(s["name"], s["group"], s["colour"], s[weight]) for s in top]
+    layers.append((OTHER, "other", OTHER_COLOUR, _other(top, totals, weight)))
+    scale = HEIGHT / ymax
+    bottom = [0.0] * timeline["steps"]
+    drawn = []
+    for name, group, colour, seconds in layers:
+        rate = [b + v / step for b, v in zip(bottom, seconds)]
+        drawn.append(
+            {
+                "name": name,
+                "group": group,
+                "colour": colour,
+                "seconds": sum(seconds),
+                "per_step": ",".join(f"{v:.6g}" for v in seconds),
+                "path": _path(bottom, rate, scale),
+            }
+        )
+        bottom = rate
+    return {"weight": weight, "label": WEIGHTS[weight], "layers": drawn, "ticks": _value_ticks(ymax)}
+
+
+def charts(profile: Profile) -> dict[str, Any] | None:
+    """The report's timeline: per process kind, a wall and a CPU chart with a shared
+    legend; None when the profile has no sample or keeps no sample times."""
+    if not profile.n_samples or profile.metadata.get("aggregate"):
+        return None
+    timeline = profile.timeline()
+    start, step, steps = timeline["start"], timeline["step"], timeline["steps"]
+    stop = start + step * steps
+    kinds = []
+    for kind in (k for k in KINDS if k in timeline["kinds"]):
+        totals = timeline["kinds"][kind]
+        if not any(totals["wall"]):
+            continue
+        top = _top(timeline["series"], kind)
+        ymax = _nice(max(totals["wall"]) / step)
+        wall, cpu = (_chart(timeline, kind, weight, top, ymax) for weight in WEIGHTS)
+        legend = [
+            {"name": w["name"], "colour": w["colour"], "wall": w["seconds"], "cpu": c["seconds"]}
+            for w, c in zip(wall["layers"], cpu["layers"])
+        ]
+        kinds.append({"kind": kind, "processes": totals["processes"], "charts": [wall, cpu], "legend": legend})
+    return {
+        "start": start,
+        "step": step,
+        "steps": steps,
+        "from": when(start),
+        "to": when(stop),
+        "kinds": kinds,
+        "times": _time_ticks(start, stop),
+        "top": TOP_SERIES,
+        "size": {
+            "width": LEFT + WIDTH + RIGHT,
+            "height": TOP + HEIGHT + BOTTOM,
+            "left": LEFT,
+            "plot": WIDTH,
+            "top": TOP,
+            "bottom": TOP + HEIGHT,
+        },
+    }

@@ -1,0 +1,407 @@
+//! What ran when: wall and CPU seconds per time step, per process kind (scheduler or
+//! worker), for each task prefix (or span), each event-loop activity outside tasks,
+//! and "(no task)".
+//!
+//! A thread's samples at one instant together cover `[time, time + their summed
+//! weight]`, and each is spread over the steps that interval overlaps in proportion to
+//! its weight. Raw samples weigh one tick (milliseconds), so this is the step holding
+//! their time; a coarse sample standing for a whole bucket (time at the bucket's start,
+//! weight the thread's time in it) spreads over the bucket instead of piling up in the
+//! step its start falls in, so a timeline finer than the buckets shows no comb of
+//! spikes. Either way every sample's time is counted once: the steps add up to the
+//! profile's totals.
+
+use crate::error::{Error, Result};
+use crate::names::choose;
+use crate::profile::model::{ProfileData, Sample};
+use crate::profile::views::{Weight, NO_SPAN, NO_TASK};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::str::FromStr;
+
+/// Steps the default picks from, in seconds: the first giving at most `MOST_STEPS`.
+const STEPS: [f64; 18] = [
+    1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0, 10800.0, 21600.0,
+    43200.0, 86400.0,
+];
+const MOST_STEPS: f64 = 300.0;
+/// A given step finer than this many steps over the profile is refused: series x steps
+/// floats must stay small.
+pub const MAX_STEPS: usize = 20_000;
+
+/// The process kind of a scheduler, whose process name starts with it; every other
+/// process is a worker.
+pub const SCHEDULER: &str = "scheduler";
+pub const WORKER: &str = "worker";
+const KINDS: [&str; 2] = [SCHEDULER, WORKER];
+
+/// What task time is split by: its task prefix, or its span path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeriesBy {
+    Prefix,
+    Span,
+}
+
+impl FromStr for SeriesBy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<SeriesBy> {
+        choose("by", s, &[("prefix", SeriesBy::Prefix), ("span", SeriesBy::Span)])
+    }
+}
+
+/// Seconds per step of one process kind, or one series of it.
+#[derive(Serialize, Debug, Clone, Default)]
+pub struct Steps {
+    pub wall: Vec<f64>,
+    pub cpu: Vec<f64>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct KindTimes {
+    pub processes: usize,
+    #[serde(flatten)]
+    pub steps: Steps,
+}
+
+#[derive(Serialize, Debug)]
+pub struct Series {
+    pub name: String,
+    pub kind: &'static str,
+    /// "prefix" or "span" for task time, "activity" outside tasks (with "(no task)").
+    pub group: &'static str,
+    /// Total wall seconds, which orders the series (largest first).
+    pub seconds: f64,
+    #[serde(flatten)]
+    pub steps: Steps,
+}
+
+#[derive(Serialize, Debug)]
+pub struct Timeline {
+    /// Seconds per step.
+    pub step: f64,
+    /// Unix seconds where the first step starts: a multiple of `step`.
+    pub start: f64,
+    pub steps: usize,
+    /// Totals per kind present: its processes and every sample's seconds per step.
+    pub kinds: BTreeMap<&'static str, KindTimes>,
+    pub series: Vec<Series>,
+}
+
+/// The step for a profile spanning `span` seconds: `given` checked, or the default.
+fn choose_step(given: Option<f64>, span: f64) -> Result<f64> {
+    let Some(step) = given else {
+        return Ok(STEPS.into_iter().find(|s| span / s <= MOST_STEPS).unwrap_or(STEPS[STEPS.len() - 1]));
+    };
+    if !(step.is_finite() && step > 0.0) {
+        return Err(Error::BadInput(format!("step must be a number of seconds above 0, got {step}")));
+    }
+    if span / step > MAX_STEPS as f64 {
+        return Err(Error::BadInput(format!(
+            "step must give at most {MAX_STEPS} steps over the profile's {span:.0} s, got step={step} ({:.0} steps)",
+            (span / step).ceil()
+        )));
+    }
+    Ok(step)
+}
+
+/// A thread's samples at one instant, gathered until its next instant: indices into
+/// the samples, and their summed weight in microseconds.
+#[derive(Default)]
+struct Instant {
+    time_ns: u64,
+    weight_us: u64,
+    samples: Vec<usize>,
+}
+
+/// Calls `each(instant's time, its weight, its samples)` once per thread and instant.
+/// Samples come in time order per thread (stores, merges and filters keep it), so a
+/// thread's instant ends where its next begins; where they do not (an aggregated
+/// profile), an instant is split, which only spreads its time less.
+fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])) {
+    let mut open: Vec<Instant> = (0..data.threads.len()).map(|_| Instant::default()).collect();
+    let mut flush = |i: &mut Instant| {
+        if !i.samples.is_empty() {
+            each(i.time_ns, i.weight_us, &i.samples);
+            i.samples.clear();
+            i.weight_us = 0;
+        }
+    };
+    for (index, s) in data.samples.iter().enumerate() {
+        let instant = &mut open[s.thread as usize];
+        if instant.time_ns != s.time_ns {
+            flush(instant);
+            instant.time_ns = s.time_ns;
+        }
+        instant.weight_us += s.weight_us as u64;
+        instant.samples.push(index);
+    }
+    open.iter_mut().for_each(flush);
+}
+
+/// Where a series goes: one per kind, group and name, found once per tag and activity.
+struct SeriesIndex<'a> {
+    data: &'a ProfileData,
+    by: SeriesBy,
+    /// Per process: its kind's index in `KINDS`.
+    kind_of_process: Vec<usize>,
+    named: HashMap<(usize, &'static str, String), usize>,
+    series: Vec<Series>,
+    by_tag: Vec<[Option<usize>; 2]>,
+    by_activity: Vec<[Option<usize>; 2]>,
+    no_task: [Option<usize>; 2],
+    steps: usize,
+}
+
+impl<'a> SeriesIndex<'a> {
+    fn new(data: &'a ProfileData, by: SeriesBy, steps: usize) -> SeriesIndex<'a> {
+        SeriesIndex {
+            data,
+            by,
+            kind_of_process: data.processes.iter().map(|p| !p.name.starts_with(SCHEDULER) as usize).collect(),
+            named: HashMap::new(),
+            series: Vec::new(),
+            by_tag: vec![[None; 2]; data.tags.len()],
+            by_activity: vec![[None; 2]; data.activities.len()],
+            no_task: [None; 2],
+            steps,
+        }
+    }
+
+    fn kind(&self, s: &Sample) -> usize {
+        self.kind_of_process[self.data.threads[s.thread as usize].process as usize]
+    }
+
+    /// The series of `s`, made on first use.
+    fn of(&mut self, s: &Sample) -> usize {
+        let kind = self.kind(s);
+        let cached = match (s.tag, s.activity) {
+            (Some(t), _) => self.by_tag[t as usize][kind],
+            (None, Some(a)) => self.by_activity[a as usize][kind],
+            (None, None) => self.no_task[kind],
+        };
+        if let Some(index) = cached {
+            return index;
+        }
+        let (group, name) = self.name(s);
+        let next = self.series.len();
+        let index = *self.named.entry((kind, group, name.clone())).or_insert(next);
+        if index == next {
+            let steps = Steps { wall: vec![0.0; self.steps], cpu: vec![0.0; self.steps] };
+            self.series.push(Series { name, kind: KINDS[kind], group, seconds: 0.0, steps });
+        }
+        let slot = match (s.tag, s.activity) {
+            (Some(t), _) => &mut self.by_tag[t as usize][kind],
+            (None, Some(a)) => &mut self.by_activity[a as usize][kind],
+            (None, None) => &mut self.no_task[kind],
+        };
+        *slot = Some(index);
+        index
+    }
+
+    fn name(&self, s: &Sample) -> (&'static str, String) {
+        let data = self.data;
+        match (s.tag.map(|t| &data.tags[t as usize]), s.activity, self.by) {
+            (Some(tag), _, SeriesBy::Prefix) => ("prefix", tag.prefix.clone()),
+            (Some(tag), _, SeriesBy::Span) => {
+                let path = data.span_names(tag);
+                ("span", if path.is_empty() { NO_SPAN.into() } else { path.join(" / ") })
+            }
+            (None, Some(a), _) => ("activity", data.activities[a as usize].clone()),
+            (None, None, _) => ("activity", NO_TASK.into()),
+        }
+    }
+}
+
+/// The steps `[start_ns, start_ns + cover_us]` overlaps, with the share of it in each.
+fn shares(start_ns: u64, cover_us: u64, first_ns: u64, step_ns: f64, mut each: impl FnMut(usize, f64)) {
+    let from = (start_ns - first_ns) as f64;
+    let cover = cover_us as f64 * 1e3;
+    let first = (from / step_ns) as usize;
+    if cover == 0.0 || ((from + cover) / step_ns) as usize == first {
+        return each(first, 1.0);
+    }
+    let to = from + cover;
+    let mut step = first;
+    while (step as f64) * step_ns < to {
+        let lo = from.max(step as f64 * step_ns);
+        let hi = to.min((step + 1) as f64 * step_ns);
+        if hi > lo {
+            each(step, (hi - lo) / cover);
+        }
+        step += 1;
+    }
+}
+
+/// The profile's first instant and the end of its last cover, in ns.
+fn extent(data: &ProfileData) -> Option<(u64, u64)> {
+    let mut bounds: Option<(u64, u64)> = None;
+    for_each_instant(data, |time_ns, weight_us, _| {
+        let end = time_ns + weight_us * 1000;
+        bounds = Some(bounds.map_or((time_ns, end), |(lo, hi)| (lo.min(time_ns), hi.max(end))));
+    });
+    bounds
+}
+
+/// The timeline of `data` with steps of `step` seconds (None: 100 to 300 steps over
+/// the profile), covering at least `bounds` (Unix seconds) where given.
+pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Option<(f64, f64)>) -> Result<Timeline> {
+    let (mut lo, mut hi) =
+        extent(data).map_or((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi)| (lo as f64 / 1e9, hi as f64 / 1e9));
+    if let Some((start, stop)) = bounds {
+        (lo, hi) = (lo.min(start), hi.max(stop));
+    }
+    if lo > hi {
+        (lo, hi) = (0.0, 0.0);
+    }
+    let step = choose_step(step, hi - lo)?;
+    let start = (lo / step).floor() * step;
+    let steps = (((hi - start) / step).ceil() as usize).max(1);
+    let (first_ns, step_ns) = ((start * 1e9) as u64, step * 1e9);
+    let mut index = SeriesIndex::new(data, by, steps);
+    let mut kinds: Vec<Steps> = vec![Steps { wall: vec![0.0; steps], cpu: vec![0.0; steps] }; 2];
+    let last = steps - 1;
+    for_each_instant(data, |time_ns, weight_us, samples| {
+        shares(time_ns.max(first_ns), weight_us, first_ns, step_ns, |at, share| {
+            let at = at.min(last); // float rounding at the very end
+            for &i in samples {
+                let s = &data.samples[i];
+                let (wall, cpu) = (s.weight_us as f64 * share / 1e6, Weight::Cpu.of(s) as f64 * share / 1e6);
+                let at_series = index.of(s);
+                let series = &mut index.series[at_series].steps;
+                series.wall[at] += wall;
+                series.cpu[at] += cpu;
+                let kind = &mut kinds[index.kind(s)];
+                kind.wall[at] += wall;
+                kind.cpu[at] += cpu;
+            }
+        })
+    });
+    let mut processes = [0usize; 2];
+    index.kind_of_process.iter().for_each(|&k| processes[k] += 1);
+    let mut series = index.series;
+    for s in &mut series {
+        s.seconds = s.steps.wall.iter().sum();
+    }
+    series.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| (a.kind, &a.name).cmp(&(b.kind, &b.name))));
+    let kinds = KINDS
+        .into_iter()
+        .zip(kinds)
+        .zip(processes)
+        .filter(|&(_, n)| n > 0)
+        .map(|((kind, steps), processes)| (kind, KindTimes { processes, steps }))
+        .collect();
+    Ok(Timeline { step, start, steps, kinds, series })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::model::tests::profile;
+    use crate::profile::model::Span;
+    use crate::profile::summary::summarize;
+
+    const S: u64 = 1_000_000_000;
+
+    /// Unix seconds the test samples start at: a multiple of every step they use.
+    const BASE: u64 = 1200;
+
+    /// Samples of `(thread, seconds after BASE, tag)`, 10 ms each with 4 ms CPU.
+    fn timed(samples: &[(u64, f64, Option<&str>)]) -> ProfileData {
+        let shaped: Vec<(u64, &[&str], Option<&str>)> =
+            samples.iter().map(|&(t, _, tag)| (t, &["f"][..], tag)).collect();
+        let mut data = profile("tcp://w:1", &shaped);
+        for (s, &(_, at, _)) in data.samples.iter_mut().zip(samples) {
+            s.time_ns = BASE * S + (at * 1e9) as u64;
+            s.cpu_us = 4_000;
+        }
+        data
+    }
+
+    fn series<'t>(t: &'t Timeline, name: &str) -> &'t Series {
+        t.series.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no series {name}"))
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn default_steps_fit_the_span() {
+        assert_eq!(choose_step(None, 5.0).unwrap(), 1.0);
+        assert_eq!(choose_step(None, 600.0).unwrap(), 2.0);
+        assert_eq!(choose_step(None, 3600.0).unwrap(), 15.0);
+        assert_eq!(choose_step(None, 86400.0).unwrap(), 300.0);
+        assert_eq!(choose_step(None, 1e9).unwrap(), 86400.0);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(choose_step(Some(bad), 10.0).unwrap_err().to_string().starts_with("step must"), "{bad}");
+        }
+        assert!(choose_step(Some(0.001), 86400.0).unwrap_err().to_string().contains("at most 20000 steps"));
+        assert!("task".parse::<SeriesBy>().unwrap_err().to_string().contains("'prefix', 'span'"));
+    }
+
+    #[test]
+    fn steps_add_up_to_the_summary_and_a_prefix_stays_in_its_interval() {
+        let mut samples: Vec<(u64, f64, Option<&str>)> = (0..50).map(|i| (1, i as f64 * 0.1, Some("load-1"))).collect();
+        samples.extend((50..100).map(|i| (1, i as f64 * 0.1, Some("sum-1"))));
+        samples.extend((0..100).map(|i| (2, i as f64 * 0.1, None)));
+        let data = timed(&samples);
+        let t = timeline(&data, Some(1.0), SeriesBy::Prefix, None).unwrap();
+        assert_eq!((t.step, t.start, t.steps), (1.0, 1200.0, 10));
+        let load = series(&t, "load");
+        assert!(load.steps.wall[..5].iter().all(|&w| close(w, 0.1)) && load.steps.wall[5..].iter().all(|&w| w == 0.0));
+        let sum = series(&t, "sum");
+        assert!(sum.steps.wall[..5].iter().all(|&w| w == 0.0) && sum.steps.wall[5..].iter().all(|&w| close(w, 0.1)));
+        assert_eq!((load.kind, load.group, series(&t, NO_TASK).group), (WORKER, "prefix", "activity"));
+        let summary = summarize(&data);
+        for p in &summary.prefixes {
+            let s = series(&t, &p.prefix);
+            assert!(close(s.seconds, p.group.seconds) && close(s.steps.cpu.iter().sum(), p.group.split.cpu));
+        }
+        let kind = &t.kinds[WORKER];
+        assert!(close(kind.steps.wall.iter().sum(), summary.all.seconds) && kind.processes == 1);
+        assert!(!t.kinds.contains_key(SCHEDULER));
+    }
+
+    #[test]
+    fn coarse_samples_spread_over_their_bucket() {
+        // One thread's minute folded into two samples at its start: 45 s of load, 15 s of sum.
+        let mut data = timed(&[(1, 0.0, Some("load-1")), (1, 0.0, Some("sum-1")), (1, 60.0, Some("load-1"))]);
+        (data.samples[0].weight_us, data.samples[1].weight_us) = (45_000_000, 15_000_000);
+        data.samples[0].cpu_us = 30_000_000;
+        let t = timeline(&data, Some(15.0), SeriesBy::Prefix, None).unwrap();
+        assert_eq!(t.steps, 5, "the last sample's 10 ms runs into a fifth step");
+        let load = series(&t, "load");
+        assert!(load.steps.wall[..4].iter().all(|&w| close(w, 11.25)), "{:?}", load.steps.wall);
+        assert!(load.steps.cpu[..4].iter().all(|&c| close(c, 7.5)));
+        assert!(close(load.steps.wall[4], 0.01));
+        assert!(series(&t, "sum").steps.wall[..4].iter().all(|&w| close(w, 3.75)));
+        let whole = timeline(&data, Some(60.0), SeriesBy::Prefix, None).unwrap();
+        assert!(close(series(&whole, "load").steps.wall[0], 45.0), "a step as coarse as the bucket holds it whole");
+        let total: f64 = t.kinds[WORKER].steps.wall.iter().sum();
+        assert!(close(total, data.total_seconds()));
+    }
+
+    #[test]
+    fn kinds_activities_spans_and_bounds() {
+        let mut data = timed(&[(1, 0.0, None), (1, 1.0, Some("f-1")), (2, 1.0, None)]);
+        data.processes[0].name = "scheduler tcp://s:1".into();
+        data.activities = vec!["scheduler: task-finished".into()];
+        data.samples[0].activity = Some(0);
+        let mut worker = profile("tcp://w:2", &[(1, &["f"], Some("f-1"))]);
+        worker.samples[0].time_ns = (BASE + 1) * S;
+        worker.spans.insert("a".into(), Span { names: vec!["load".into()], ids: vec!["a".into()] });
+        worker.tags[0].span = Some("a".into());
+        let merged = ProfileData::merge(&[&data, &worker], Default::default());
+        let t = timeline(&merged, None, SeriesBy::Span, Some((1190.0, 1210.0))).unwrap();
+        assert_eq!((t.start, t.steps), (1190.0, 20), "the bounds widen the profile's own span");
+        let finished = series(&t, "scheduler: task-finished");
+        assert_eq!((finished.kind, finished.group), (SCHEDULER, "activity"));
+        assert!(close(finished.steps.wall[10], 0.01));
+        let spans: Vec<(&str, &str)> =
+            t.series.iter().filter(|s| s.group == "span").map(|s| (s.kind, s.name.as_str())).collect();
+        assert!(spans.contains(&(WORKER, "load")) && spans.contains(&(SCHEDULER, NO_SPAN)), "{spans:?}");
+        assert_eq!((t.kinds[SCHEDULER].processes, t.kinds[WORKER].processes), (1, 1));
+        let empty = timeline(&ProfileData::default(), None, SeriesBy::Prefix, None).unwrap();
+        assert!(empty.series.is_empty() && empty.kinds.is_empty() && empty.steps == 1);
+    }
+}

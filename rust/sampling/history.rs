@@ -1,0 +1,302 @@
+//! Folded history: samples older than the store's recent window, summed into buckets
+//! of one step (a minute by default) per thread, stack, task prefix and span,
+//! activity and state. A bucket's samples carry its start as their time and their
+//! summed wall and CPU time as their weight, so every view and export reads them as
+//! it reads aggregated samples. When memory is tight, the oldest pairs of buckets
+//! merge into buckets twice as long before anything is dropped.
+
+use crate::profile::build::{sum_into, Summed};
+use crate::profile::model::Sample;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use std::collections::VecDeque;
+
+/// The longest a bucket gets by merging: its samples' weights (u32 microseconds)
+/// then still hold a busy thread's whole bucket.
+pub const MAX_STEP_NS: u64 = 3_600 * 1_000_000_000;
+
+/// What a bucket keeps apart: thread, stack, tag (a prefix's), activity and flags.
+type Key = (u32, u32, Option<u32>, Option<u32>, u8);
+
+const INDEX_ENTRY_BYTES: usize = std::mem::size_of::<(Key, usize)>() + 8;
+pub const FOLDED_BYTES: usize = std::mem::size_of::<Folded>();
+
+const NONE: u32 = u32::MAX;
+/// Activity ids past this lose their activity when folded (a process names a few dozen).
+const NO_ACTIVITY: u16 = u16::MAX;
+
+/// A folded sample without its time (its bucket's start).
+#[derive(Clone, Copy, Debug)]
+struct Folded {
+    thread: u32,
+    stack: u32,
+    tag: u32,
+    weight_us: u32,
+    cpu_us: u32,
+    count: u32,
+    activity: u16,
+    flags: u8,
+}
+
+impl Summed for Folded {
+    fn sums(&mut self) -> [&mut u32; 3] {
+        [&mut self.weight_us, &mut self.cpu_us, &mut self.count]
+    }
+}
+
+impl Folded {
+    fn of(s: &Sample) -> Folded {
+        let activity = s.activity.and_then(|a| u16::try_from(a).ok()).filter(|&a| a != NO_ACTIVITY);
+        Folded {
+            thread: s.thread,
+            stack: s.stack,
+            tag: s.tag.unwrap_or(NONE),
+            weight_us: s.weight_us,
+            cpu_us: s.cpu_us.min(s.weight_us), // as views cap it, per raw sample
+            count: s.count,
+            activity: activity.unwrap_or(NO_ACTIVITY),
+            flags: s.flags,
+        }
+    }
+
+    fn at(&self, time_ns: u64) -> Sample {
+        Sample {
+            time_ns,
+            thread: self.thread,
+            stack: self.stack,
+            tag: (self.tag != NONE).then_some(self.tag),
+            activity: (self.activity != NO_ACTIVITY).then_some(u32::from(self.activity)),
+            weight_us: self.weight_us,
+            cpu_us: self.cpu_us,
+            count: self.count,
+            flags: self.flags,
+        }
+    }
+
+    fn key(&self) -> Key {
+        let s = self.at(0);
+        (s.thread, s.stack, s.tag, s.activity, s.flags)
+    }
+}
+
+pub struct Bucket {
+    pub start_ns: u64,
+    pub step_ns: u64,
+    samples: Vec<Folded>,
+}
+
+impl Bucket {
+    fn end_ns(&self) -> u64 {
+        self.start_ns + self.step_ns
+    }
+
+    /// Sums `s` into the sample of its key, or a new one when that one is full.
+    fn add(&mut self, index: &mut FxHashMap<Key, usize>, s: Folded) {
+        sum_into(&mut self.samples, index.entry(s.key()).or_insert(usize::MAX), s);
+    }
+
+    fn samples(&self) -> impl Iterator<Item = Sample> + Clone + '_ {
+        self.samples.iter().map(|f| f.at(self.start_ns))
+    }
+}
+
+/// A stretch of time at one resolution, for a profile's metadata.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Resolution {
+    pub from_ns: u64,
+    pub to_ns: u64,
+    /// 0: raw samples.
+    pub step_ns: u64,
+}
+
+#[derive(Default)]
+pub struct History {
+    buckets: VecDeque<Bucket>,
+    /// Where the newest bucket keeps each key's sample (the only one still filling).
+    open: FxHashMap<Key, usize>,
+    held: usize,
+    /// The raw samples the held ones stand for.
+    pub standing: u64,
+    pub merges: u64,
+    pub dropped_samples: u64,
+}
+
+impl History {
+    /// Folds `s` (its tag already a prefix's) into the bucket of `step_ns` its time
+    /// falls in; returns the bucket it closed by opening a newer one, as (start, end).
+    pub fn fold(&mut self, s: Sample, step_ns: u64) -> Option<(u64, u64)> {
+        let start = s.time_ns - s.time_ns % step_ns;
+        let mut closed = None;
+        // A sample older than the newest bucket (a clock step back) joins it.
+        if self.buckets.back().is_none_or(|b| start >= b.end_ns()) {
+            closed = self.buckets.back().map(|b| (b.start_ns, b.end_ns()));
+            self.open.clear();
+            self.buckets.push_back(Bucket { start_ns: start, step_ns, samples: Vec::new() });
+        }
+        let newest = self.buckets.back_mut().expect("just made");
+        let before = newest.samples.len();
+        self.standing += u64::from(s.count);
+        newest.add(&mut self.open, Folded::of(&s));
+        self.held += newest.samples.len() - before;
+        closed
+    }
+
+    pub fn samples_held(&self) -> usize {
+        self.held
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.held * FOLDED_BYTES + self.open.len() * INDEX_ENTRY_BYTES
+    }
+
+    pub fn oldest_ns(&self) -> Option<u64> {
+        self.buckets.front().map(|b| b.start_ns)
+    }
+
+    /// Merges the oldest two neighbouring buckets of one step that make an aligned
+    /// bucket twice as long; returns its span, or None if no pair can merge.
+    pub fn merge_oldest(&mut self) -> Option<(u64, u64)> {
+        let closed = self.buckets.len().saturating_sub(1); // the newest is still filling
+        let i = (0..closed.saturating_sub(1)).find(|&i| {
+            let (a, b) = (&self.buckets[i], &self.buckets[i + 1]);
+            let step = a.step_ns * 2;
+            step <= MAX_STEP_NS && a.start_ns % step == 0 && b.step_ns == a.step_ns && b.start_ns == a.end_ns()
+        })?;
+        let second = self.buckets.remove(i + 1).expect("found");
+        let first = &mut self.buckets[i];
+        first.step_ns *= 2;
+        let mut index = FxHashMap::default();
+        let samples = std::mem::take(&mut first.samples);
+        let held = samples.len() + second.samples.len();
+        for s in samples.into_iter().chain(second.samples) {
+            first.add(&mut index, s);
+        }
+        self.held = self.held - held + first.samples.len();
+        self.merges += 1;
+        Some((first.start_ns, first.end_ns()))
+    }
+
+    /// Drops the oldest bucket; returns its end, or None if there was none.
+    pub fn drop_oldest(&mut self) -> Option<u64> {
+        let oldest = self.buckets.pop_front()?;
+        if self.buckets.is_empty() {
+            self.open.clear();
+        }
+        self.held -= oldest.samples.len();
+        let dropped = oldest.samples.iter().map(|s| u64::from(s.count)).sum::<u64>();
+        self.standing -= dropped;
+        self.dropped_samples += dropped;
+        Some(oldest.end_ns())
+    }
+
+    /// The samples of buckets that start in `[start_ns, stop_ns]`.
+    pub fn range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = Sample> + Clone + '_ {
+        self.in_range(start_ns, stop_ns).flat_map(|b| b.samples())
+    }
+
+    fn in_range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = &Bucket> + Clone {
+        self.buckets.iter().filter(move |b| b.start_ns >= start_ns && b.start_ns <= stop_ns)
+    }
+
+    /// The stretches of `[start_ns, stop_ns]` the buckets cover, one per run of one step.
+    pub fn resolution(&self, start_ns: u64, stop_ns: u64) -> Vec<Resolution> {
+        let mut out: Vec<Resolution> = Vec::new();
+        for b in self.in_range(start_ns, stop_ns) {
+            match out.last_mut() {
+                Some(last) if last.step_ns == b.step_ns && last.to_ns == b.start_ns => last.to_ns = b.end_ns(),
+                _ => out.push(Resolution { from_ns: b.start_ns, to_ns: b.end_ns(), step_ns: b.step_ns }),
+            }
+        }
+        out
+    }
+
+    /// Every sample through `renumber`, after the store compacts its tables.
+    pub fn renumber(&mut self, mut renumber: impl FnMut(Sample) -> Sample) {
+        self.open.clear(); // keys change: the newest bucket starts a fresh index
+        for b in &mut self.buckets {
+            for f in &mut b.samples {
+                *f = Folded::of(&renumber(f.at(b.start_ns)));
+            }
+        }
+    }
+
+    pub fn buckets(&self) -> usize {
+        self.buckets.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: u64 = 60 * 1_000_000_000;
+
+    fn sample(time_ns: u64, stack: u32) -> Sample {
+        Sample {
+            time_ns,
+            thread: 0,
+            stack,
+            tag: None,
+            activity: None,
+            weight_us: 10_000,
+            cpu_us: 20_000,
+            count: 1,
+            flags: 1,
+        }
+    }
+
+    fn weight(h: &History) -> u64 {
+        h.range(0, u64::MAX).map(|s| u64::from(s.weight_us)).sum()
+    }
+
+    #[test]
+    fn samples_sum_per_key_into_their_step() {
+        let mut h = History::default();
+        assert_eq!(h.fold(sample(MIN + 5, 1), MIN), None);
+        h.fold(sample(MIN + 7, 1), MIN);
+        h.fold(sample(MIN + 9, 2), MIN);
+        assert_eq!(h.fold(sample(2 * MIN, 1), MIN), Some((MIN, 2 * MIN)), "a newer step closes the bucket");
+        let first: Vec<Sample> = h.range(MIN, MIN).collect();
+        assert_eq!(first.len(), 2);
+        assert_eq!((first[0].time_ns, first[0].weight_us, first[0].count), (MIN, 20_000, 2));
+        assert_eq!(first[0].cpu_us, 20_000, "CPU capped per sample at its wall time");
+        assert_eq!(h.samples_held(), 3);
+        assert_eq!(weight(&h), 40_000);
+    }
+
+    #[test]
+    fn the_oldest_pairs_merge_first_and_keep_every_microsecond() {
+        let mut h = History::default();
+        for minute in 0..5 {
+            h.fold(sample(minute * MIN, minute as u32 % 2), MIN);
+            h.fold(sample(minute * MIN + 1, 7), MIN);
+        }
+        assert_eq!(h.merge_oldest(), Some((0, 2 * MIN)));
+        assert_eq!(h.merge_oldest(), Some((2 * MIN, 4 * MIN)));
+        assert_eq!(h.merge_oldest(), Some((0, 4 * MIN)), "then the merged ones, oldest first");
+        assert_eq!(h.merge_oldest(), None, "the newest bucket is still filling");
+        assert_eq!(weight(&h), 100_000);
+        assert_eq!(h.samples_held(), 3 + 2, "stacks 0, 1 and 7 in the first four minutes, 0 and 7 in the fifth");
+        let res = h.resolution(0, u64::MAX);
+        assert_eq!(
+            res,
+            [
+                Resolution { from_ns: 0, to_ns: 4 * MIN, step_ns: 4 * MIN },
+                Resolution { from_ns: 4 * MIN, to_ns: 5 * MIN, step_ns: MIN }
+            ]
+        );
+    }
+
+    #[test]
+    fn dropping_counts_what_went() {
+        let mut h = History::default();
+        h.fold(sample(0, 1), MIN);
+        h.fold(sample(1, 1), MIN);
+        h.fold(sample(MIN, 1), MIN);
+        assert_eq!(h.drop_oldest(), Some(MIN));
+        assert_eq!((h.dropped_samples, h.samples_held(), h.oldest_ns()), (2, 1, Some(MIN)));
+        assert_eq!(h.standing, 1);
+        assert_eq!(h.drop_oldest(), Some(2 * MIN));
+        assert_eq!(h.drop_oldest(), None);
+    }
+}
