@@ -109,6 +109,13 @@ class Profile:
         return self._native.n_samples
 
     @property
+    def keeps_times(self) -> bool:
+        """Whether the profile says when its time went, as `timeline()` shows: raw
+        samples do; aggregated ones by the timeline cells they carry, which profiles
+        aggregated by dask-pyspy before it kept them lack."""
+        return self._native.has_timeline or not self.metadata.get("aggregate")
+
+    @property
     def sampled_seconds(self) -> float:
         """Thread-seconds the samples stand for."""
         return self._native.total_seconds
@@ -144,7 +151,8 @@ class Profile:
         Parts a worker aggregated (`pyspy_profile(aggregate=True)`) hold one sample per
         thread, stack, task prefix, span and thread state, with the time and count of
         the samples it stands for: task keys give way to their prefix, and sample
-        times are the first of each, so timelines mean nothing in them.
+        times are the first of each. When the time went travels beside them, per
+        thread, prefix, span and activity in 10 s steps, for `timeline()`.
         """
         native = _native.Profile.merge_wire(list(parts.items()), metadata, spans or {})
         return cls(native, by=by, weight=weight)
@@ -174,8 +182,12 @@ class Profile:
         spread over the steps that overlap it: raw samples fall in the step of their
         time, and a coarse sample standing for a longer bucket spreads over the bucket.
         Every step's series add up to its kind's totals, and the steps to the profile's.
-        An aggregated profile (`aggregated()`, `aggregate=True`) keeps no sample times.
+        An aggregated profile (`aggregated()`, `aggregate=True`) keeps no sample times;
+        its timeline is drawn from the 10 s cells it carries instead, so a finer step
+        shows each cell's time spread evenly over its 10 s.
         """
+        if not self.keeps_times:
+            raise ValueError("this profile was aggregated by a dask-pyspy that kept no timeline: it has no sample times")
         if step is not None:
             step = options.seconds("step", step)
         window = self._native.metadata().get("window")

@@ -421,7 +421,7 @@ def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
     columns = _columns(profile)
     return {
         "title": title,
-        # From the raw samples: an aggregated copy keeps no sample times.
+        # From the raw samples: finer than an aggregated copy's 10 s cells.
         "timeline": timeline.charts(raw),
         "summary": summary,
         # Whether the speedscope file's samples are aggregated.

@@ -128,7 +128,7 @@ def _chart(timeline: dict[str, Any], kind: str, weight: str, top: list[dict[str,
 def charts(profile: Profile) -> dict[str, Any] | None:
     """The report's timeline: per process kind, a wall and a CPU chart with a shared
     legend; None when the profile has no sample or keeps no sample times."""
-    if not profile.n_samples or profile.metadata.get("aggregate"):
+    if not profile.n_samples or not profile.keeps_times:
         return None
     timeline = profile.timeline()
     start, step, steps = timeline["start"], timeline["step"], timeline["steps"]

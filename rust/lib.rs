@@ -485,6 +485,12 @@ impl PyProfile {
         self.data.span_ids()
     }
 
+    /// Whether the profile holds an aggregated profile's timeline cells.
+    #[getter]
+    fn has_timeline(&self) -> bool {
+        !self.data.timeline.is_empty()
+    }
+
     #[getter]
     fn n_samples(&self) -> u64 {
         self.data.n_samples()

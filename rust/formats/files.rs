@@ -117,6 +117,9 @@ pub mod tests {
         let (back, by) = read(&write(&data, By::Task)).unwrap();
         assert_eq!(back, data);
         assert_eq!(by, By::Task);
+        let aggregated = data.aggregated(false);
+        assert!(!aggregated.timeline.is_empty());
+        assert_eq!(read(&write(&aggregated, By::Task)).unwrap().0, aggregated, "with its timeline cells");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 /// The name and version of the format: a part from another version is refused.
-const MAGIC: &[u8; 8] = b"DPSPY\0w2";
+const MAGIC: &[u8; 8] = b"DPSPY\0w3";
 
 /// What a part holds, readable without decompressing it.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -66,33 +66,92 @@ struct Body {
     thread_ident: Vec<u64>,
     #[prost(uint32, repeated, tag = "12")]
     thread_name: Vec<u32>,
-    /// Each sample's time minus the previous one's: mostly 0 or one tick.
-    #[prost(sint64, repeated, tag = "13")]
-    time_delta_ns: Vec<i64>,
-    #[prost(uint32, repeated, tag = "14")]
-    thread: Vec<u32>,
-    #[prost(uint32, repeated, tag = "15")]
-    stack: Vec<u32>,
-    #[prost(uint32, repeated, tag = "16")]
-    tag: Vec<u32>,
-    #[prost(uint32, repeated, tag = "17")]
-    weight_us: Vec<u32>,
-    #[prost(uint32, repeated, tag = "18")]
-    cpu_us: Vec<u32>,
-    /// Empty: every sample counts once.
-    #[prost(uint32, repeated, tag = "19")]
-    count: Vec<u32>,
-    #[prost(uint32, repeated, tag = "20")]
-    flags: Vec<u32>,
+    #[prost(message, optional, tag = "13")]
+    samples: Option<Columns>,
+    /// An aggregated profile's timeline cells (`ProfileData::timeline`).
+    #[prost(message, optional, tag = "14")]
+    timeline: Option<Columns>,
     /// Strings, as `activities` in the model.
     #[prost(uint32, repeated, tag = "21")]
     activity_name: Vec<u32>,
-    /// Each sample's activity + 1 (0: none); empty: no sample has one.
-    #[prost(uint32, repeated, tag = "22")]
-    activity: Vec<u32>,
     /// Each activity's calls + 1 (0: not counted); empty: none counted.
     #[prost(uint64, repeated, tag = "23")]
     activity_calls: Vec<u64>,
+}
+
+/// Samples, a column per field; tags and activities + 1 (0: none).
+#[derive(Clone, PartialEq, prost::Message)]
+struct Columns {
+    /// Each sample's time minus the previous one's: mostly 0 or one tick.
+    #[prost(sint64, repeated, tag = "1")]
+    time_delta_ns: Vec<i64>,
+    #[prost(uint32, repeated, tag = "2")]
+    thread: Vec<u32>,
+    #[prost(uint32, repeated, tag = "3")]
+    stack: Vec<u32>,
+    #[prost(uint32, repeated, tag = "4")]
+    tag: Vec<u32>,
+    #[prost(uint32, repeated, tag = "5")]
+    weight_us: Vec<u32>,
+    #[prost(uint32, repeated, tag = "6")]
+    cpu_us: Vec<u32>,
+    /// Empty: every sample counts once.
+    #[prost(uint32, repeated, tag = "7")]
+    count: Vec<u32>,
+    #[prost(uint32, repeated, tag = "8")]
+    flags: Vec<u32>,
+    /// Empty: no sample has one.
+    #[prost(uint32, repeated, tag = "9")]
+    activity: Vec<u32>,
+}
+
+impl Columns {
+    fn of(samples: &[Sample]) -> Columns {
+        let mut c = Columns::default();
+        let mut last = 0i64;
+        for s in samples {
+            c.time_delta_ns.push(s.time_ns as i64 - last);
+            last = s.time_ns as i64;
+            c.thread.push(s.thread);
+            c.stack.push(s.stack);
+            c.tag.push(s.tag.map_or(0, |t| t + 1));
+            c.weight_us.push(s.weight_us);
+            c.cpu_us.push(s.cpu_us);
+            c.flags.push(s.flags.into());
+        }
+        if samples.iter().any(|s| s.activity.is_some()) {
+            c.activity = samples.iter().map(|s| s.activity.map_or(0, |a| a + 1)).collect();
+        }
+        if samples.iter().any(|s| s.count != 1) {
+            c.count = samples.iter().map(|s| s.count).collect();
+        }
+        c
+    }
+
+    fn samples(self) -> Result<Vec<Sample>, String> {
+        let c = self;
+        let n = c.time_delta_ns.len();
+        same_lengths(&[n, c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()])?;
+        if [c.count.len(), c.activity.len()].iter().any(|&l| l != 0 && l != n) {
+            return Err("columns differ in length".into());
+        }
+        let mut time = 0i64;
+        let samples = (0..n).map(|i| {
+            time = time.wrapping_add(c.time_delta_ns[i]);
+            Sample {
+                time_ns: time as u64,
+                thread: c.thread[i],
+                stack: c.stack[i],
+                tag: c.tag[i].checked_sub(1),
+                activity: c.activity.get(i).and_then(|a| a.checked_sub(1)),
+                weight_us: c.weight_us[i],
+                cpu_us: c.cpu_us[i],
+                count: c.count.get(i).copied().unwrap_or(1),
+                flags: c.flags[i] as u8,
+            }
+        });
+        Ok(samples.collect())
+    }
 }
 
 #[derive(Default)]
@@ -140,22 +199,9 @@ fn body(data: &ProfileData) -> Body {
         b.thread_ident.push(t.ident);
         b.thread_name.push(st.optional(t.name.as_deref()));
     }
-    let mut last = 0i64;
-    for s in &data.samples {
-        b.time_delta_ns.push(s.time_ns as i64 - last);
-        last = s.time_ns as i64;
-        b.thread.push(s.thread);
-        b.stack.push(s.stack);
-        b.tag.push(s.tag.map_or(0, |t| t + 1));
-        b.weight_us.push(s.weight_us);
-        b.cpu_us.push(s.cpu_us);
-        b.flags.push(s.flags.into());
-    }
-    if data.samples.iter().any(|s| s.activity.is_some()) {
-        b.activity = data.samples.iter().map(|s| s.activity.map_or(0, |a| a + 1)).collect();
-    }
-    if data.samples.iter().any(|s| s.count != 1) {
-        b.count = data.samples.iter().map(|s| s.count).collect();
+    b.samples = Some(Columns::of(&data.samples));
+    if !data.timeline.is_empty() {
+        b.timeline = Some(Columns::of(&data.timeline));
     }
     b.strings = st.table;
     b
@@ -293,11 +339,6 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
     same_lengths(&[b.frame_name.len(), b.frame_file.len(), b.frame_line.len()])?;
     same_lengths(&[b.tag_key.len(), b.tag_prefix.len(), b.tag_span.len()])?;
     same_lengths(&[b.thread_process.len(), b.thread_ident.len(), b.thread_name.len()])?;
-    let n = b.time_delta_ns.len();
-    same_lengths(&[n, b.thread.len(), b.stack.len(), b.tag.len(), b.weight_us.len(), b.cpu_us.len(), b.flags.len()])?;
-    if [b.count.len(), b.activity.len()].iter().any(|&l| l != 0 && l != n) {
-        return Err("columns differ in length".into());
-    }
     let strings = &b.strings;
     let string = |i: u32| strings.get(i as usize).cloned().ok_or("a string index out of range");
     let optional = |i: u32| if i == 0 { Ok(None) } else { string(i - 1).map(Some) };
@@ -329,25 +370,22 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
             name: optional(b.thread_name[i])?,
         });
     }
-    let mut time = 0i64;
-    let samples = (0..n)
-        .map(|i| {
-            time = time.wrapping_add(b.time_delta_ns[i]);
-            Sample {
-                time_ns: time as u64,
-                thread: b.thread[i],
-                stack: b.stack[i],
-                tag: b.tag[i].checked_sub(1),
-                activity: b.activity.get(i).and_then(|a| a.checked_sub(1)),
-                weight_us: b.weight_us[i],
-                cpu_us: b.cpu_us[i],
-                count: b.count.get(i).copied().unwrap_or(1),
-                flags: b.flags[i] as u8,
-            }
-        })
-        .collect();
+    let samples = b.samples.unwrap_or_default().samples()?;
+    let timeline = b.timeline.unwrap_or_default().samples()?;
     let Head { processes, metadata, spans, .. } = head;
-    Ok(ProfileData { frames, stacks, tags, activities, activity_calls, threads, processes, samples, metadata, spans })
+    Ok(ProfileData {
+        frames,
+        stacks,
+        tags,
+        activities,
+        activity_calls,
+        threads,
+        processes,
+        samples,
+        timeline,
+        metadata,
+        spans,
+    })
 }
 
 #[cfg(test)]
@@ -394,6 +432,9 @@ mod tests {
         let back = decode(&encode(&data)).unwrap();
         assert_eq!(back.samples[0].count, 7);
         assert_eq!(back.n_samples(), data.n_samples());
+        let aggregated = data.aggregated(false);
+        assert!(!aggregated.timeline.is_empty());
+        assert_eq!(decode(&encode(&aggregated)).unwrap(), aggregated, "with its timeline cells");
     }
 
     #[test]

@@ -21,19 +21,34 @@ pub struct Builder {
     pub activity_calls: Vec<Option<u64>>,
     pub threads: Interner<Thread>,
     pub samples: Vec<Sample>,
+    /// An aggregated profile's timeline (`ProfileData::timeline`).
+    pub timeline: Vec<Sample>,
 }
 
 /// Where `Builder::aggregate_sample` keeps each aggregated sample. Unless `keys`, task keys
 /// merge into their prefix, so an aggregated profile grows with distinct stacks, not
-/// with tasks. An aggregated sample keeps the time of its first.
+/// with tasks. An aggregated sample keeps the time of its first; when the time went is
+/// kept in the timeline's cells, summed per `CELL_NS` step, unless `untimed` (the
+/// samples are aggregated already: their source's cells are copied instead).
 #[derive(Default)]
 pub struct Aggregator {
     pub keys: bool,
+    pub untimed: bool,
     index: FxHashMap<Kept, usize>,
+    cells: FxHashMap<Cell, usize>,
+    empty_stack: Option<u32>,
 }
 
 /// Thread, stack, tag, activity and flags: what an aggregated sample keeps apart.
 type Kept = (u32, u32, Option<u32>, Option<u32>, u8);
+
+/// Thread, tag, activity and step start: what a timeline cell keeps apart.
+type Cell = (u32, Option<u32>, Option<u32>, u64);
+
+/// The step of an aggregated profile's timeline cells: a 24 h timeline's default step
+/// is 5 minutes, a 10-minute one's 2 s, so 10 s keeps both readable while a worker's
+/// cells stay a few per thread and prefix a minute.
+pub const CELL_NS: u64 = 10_000_000_000;
 
 impl Aggregator {
     fn tag(tag: &Tag, keys: bool) -> Tag {
@@ -113,6 +128,12 @@ impl Builder {
         self.samples.push(copied);
     }
 
+    /// Adds timeline cell `cell` from `src`, as `copy_sample` adds a sample.
+    pub fn copy_cell(&mut self, src: &impl Tables, map: &mut Remap, cell: &Sample, process: Option<u32>) {
+        let copied = self.remap(src, map, cell, process, |tag| tag.clone());
+        self.timeline.push(copied);
+    }
+
     /// Adds `sample` from `src` into the sample of `aggregator` with the same thread,
     /// stack, task prefix, span and state.
     pub fn aggregate_sample(
@@ -130,6 +151,24 @@ impl Builder {
         s.cpu_us = s.cpu_us.min(s.weight_us);
         let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
         sum_into(&mut self.samples, slot, s);
+        if !aggregator.untimed {
+            self.sum_cell(Sample { time_ns: s.time_ns - s.time_ns % CELL_NS, ..s }, aggregator);
+        }
+    }
+
+    /// Adds timeline cell `cell` from `src` into the cell of `aggregator` with the same
+    /// thread, tag, activity and step.
+    pub fn aggregate_cell(&mut self, src: &impl Tables, map: &mut Remap, cell: &Sample, aggregator: &mut Aggregator) {
+        let keys = aggregator.keys;
+        let cell = self.remap(src, map, cell, None, |t| Aggregator::tag(t, keys));
+        self.sum_cell(cell, aggregator);
+    }
+
+    /// Sums `s` into its timeline cell; cells have no stack and no state.
+    fn sum_cell(&mut self, s: Sample, aggregator: &mut Aggregator) {
+        let stack = *aggregator.empty_stack.get_or_insert_with(|| self.stacks.intern(Vec::new()));
+        let slot = aggregator.cells.entry((s.thread, s.tag, s.activity, s.time_ns)).or_insert(usize::MAX);
+        sum_into(&mut self.timeline, slot, Sample { stack, flags: 0, ..s });
     }
 
     /// `sample` with its ids in this builder's tables, interning what it uses; `tag`
@@ -197,6 +236,7 @@ impl Builder {
             threads: self.threads.into_items(),
             processes,
             samples: self.samples,
+            timeline: self.timeline,
             metadata,
             spans: BTreeMap::new(),
         }
@@ -229,9 +269,15 @@ impl Merger {
                 self.processes.push(p.clone());
             }
         }
+        let offset = |s: &Sample| offsets[part.threads[s.thread as usize].process as usize];
         for s in &part.samples {
-            if let Some(offset) = offsets[part.threads[s.thread as usize].process as usize] {
+            if let Some(offset) = offset(s) {
                 self.out.copy_sample(part, &mut map, s, Some(offset));
+            }
+        }
+        for c in &part.timeline {
+            if let Some(offset) = offset(c) {
+                self.out.copy_cell(part, &mut map, c, Some(offset));
             }
         }
         // Calls are by name, not by process: a part with a process seen already (reached
@@ -319,8 +365,12 @@ impl ProfileData {
     pub fn only_process(&self, process: u32) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);
-        for s in self.samples.iter().filter(|s| self.threads[s.thread as usize].process == process) {
+        let mine = |s: &&Sample| self.threads[s.thread as usize].process == process;
+        for s in self.samples.iter().filter(mine) {
             out.copy_sample(self, &mut map, s, Some(0));
+        }
+        for c in self.timeline.iter().filter(mine) {
+            out.copy_cell(self, &mut map, c, Some(0));
         }
         if self.processes.len() == 1 {
             out.add_calls_of(self);
@@ -334,9 +384,13 @@ impl ProfileData {
     pub fn aggregated(&self, keys: bool) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);
-        let mut aggregator = Aggregator { keys, ..Aggregator::default() };
+        let untimed = !self.timeline.is_empty();
+        let mut aggregator = Aggregator { keys, untimed, ..Aggregator::default() };
         for s in &self.samples {
             out.aggregate_sample(self, &mut map, s, &mut aggregator);
+        }
+        for c in &self.timeline {
+            out.aggregate_cell(self, &mut map, c, &mut aggregator);
         }
         out.add_calls_of(self);
         let mut aggregated = out.finish(self.processes.clone(), self.metadata.clone());
@@ -351,6 +405,9 @@ impl ProfileData {
         let mut map = Remap::for_source(self);
         for s in self.samples.iter().filter(|s| keep(s)) {
             out.copy_sample(self, &mut map, s, None);
+        }
+        for c in self.timeline.iter().filter(|c| keep(c)) {
+            out.copy_cell(self, &mut map, c, None);
         }
         let mut kept = out.finish(self.processes.clone(), self.metadata.clone());
         kept.spans = self.spans.clone();

@@ -273,6 +273,11 @@ pub struct ProfileData {
     pub processes: Vec<Process>,
     #[serde(with = "sample_columns")]
     pub samples: Vec<Sample>,
+    /// When an aggregated profile's time went, since its samples keep no times: per
+    /// thread, tag, activity and 10 s step (or folded bucket), its samples summed into
+    /// one with an empty stack. Empty in a raw profile. See `timeline.rs`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "sample_columns")]
+    pub timeline: Vec<Sample>,
     pub metadata: Metadata,
     /// The spans tags name, by id, as far as known; an unknown id is its own name.
     #[serde(default)]
@@ -362,7 +367,7 @@ impl ProfileData {
                 || s.tag.is_some_and(|t| t >= tags)
                 || s.activity.is_some_and(|a| a >= activities)
         };
-        if self.samples.iter().any(missing) {
+        if self.samples.iter().chain(&self.timeline).any(missing) {
             return Err("a sample names a thread, stack, tag or activity that does not exist".into());
         }
         if !self.activity_calls.is_empty() && self.activity_calls.len() != self.activities.len() {
@@ -376,7 +381,7 @@ impl ProfileData {
         fn table<T: Footprint>(items: &[T]) -> usize {
             items.iter().map(|i| i.heap_bytes() + std::mem::size_of::<T>()).sum()
         }
-        let samples = self.samples.len() * std::mem::size_of::<Sample>();
+        let samples = (self.samples.len() + self.timeline.len()) * std::mem::size_of::<Sample>();
         samples
             + table(&self.frames)
             + table(&self.stacks)

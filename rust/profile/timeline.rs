@@ -119,6 +119,7 @@ struct Instant {
 /// profile), an instant is split, which only spreads its time less.
 fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])) {
     let mut open: Vec<Instant> = (0..data.threads.len()).map(|_| Instant::default()).collect();
+    let samples = timed(data);
     let mut flush = |i: &mut Instant| {
         if !i.samples.is_empty() {
             each(i.time_ns, i.weight_us, &i.samples);
@@ -126,7 +127,7 @@ fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])
             i.weight_us = 0;
         }
     };
-    for (index, s) in data.samples.iter().enumerate() {
+    for (index, s) in samples.iter().enumerate() {
         let instant = &mut open[s.thread as usize];
         if instant.time_ns != s.time_ns {
             flush(instant);
@@ -136,6 +137,16 @@ fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])
         instant.samples.push(index);
     }
     open.iter_mut().for_each(flush);
+}
+
+/// The samples that say when time went: an aggregated profile's timeline cells, or
+/// the samples of a raw one.
+fn timed(data: &ProfileData) -> &[Sample] {
+    if data.timeline.is_empty() {
+        &data.samples
+    } else {
+        &data.timeline
+    }
 }
 
 /// Where a series goes: one per kind, group and name, found once per tag and activity.
@@ -260,11 +271,12 @@ pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Opt
     let mut index = SeriesIndex::new(data, by, steps);
     let mut kinds: Vec<Steps> = vec![Steps { wall: vec![0.0; steps], cpu: vec![0.0; steps] }; 2];
     let last = steps - 1;
+    let timed = timed(data);
     for_each_instant(data, |time_ns, weight_us, samples| {
         shares(time_ns.max(first_ns), weight_us, first_ns, step_ns, |at, share| {
             let at = at.min(last); // float rounding at the very end
             for &i in samples {
-                let s = &data.samples[i];
+                let s = &timed[i];
                 let (wall, cpu) = (s.weight_us as f64 * share / 1e6, Weight::Cpu.of(s) as f64 * share / 1e6);
                 let at_series = index.of(s);
                 let series = &mut index.series[at_series].steps;
@@ -379,6 +391,32 @@ mod tests {
         assert!(close(series(&whole, "load").steps.wall[0], 45.0), "a step as coarse as the bucket holds it whole");
         let total: f64 = t.kinds[WORKER].steps.wall.iter().sum();
         assert!(close(total, data.total_seconds()));
+    }
+
+    #[test]
+    fn an_aggregated_profile_keeps_its_timeline_in_cells() {
+        // load for the first 30 s, sum for the next 30 s, every 100 ms on two threads.
+        let samples: Vec<(u64, f64, Option<&str>)> = (0..600)
+            .flat_map(|i| {
+                let tag = if i < 300 { "load-1" } else { "sum-1" };
+                [(1, i as f64 * 0.1, Some(tag)), (2, i as f64 * 0.1, None)]
+            })
+            .collect();
+        let raw = timed(&samples);
+        let aggregated = raw.aggregated(false);
+        assert!(aggregated.samples.len() < 5 && aggregated.timeline.len() == 2 * 6, "{}", aggregated.timeline.len());
+        let again = crate::formats::wire::decode(&crate::formats::wire::encode(&aggregated.aggregated(false))).unwrap();
+        let merged = ProfileData::merge(&[&again], Default::default());
+        for data in [&aggregated, &merged, &merged.only_process(0)] {
+            let [want, got] = [&raw, data].map(|d| timeline(d, Some(10.0), SeriesBy::Prefix, None).unwrap());
+            for name in ["load", "sum", NO_TASK] {
+                let (w, g) = (series(&want, name), series(&got, name));
+                assert!(w.steps.wall.iter().zip(&g.steps.wall).all(|(a, b)| close(*a, *b)), "{name}: {g:?}");
+                assert!(w.steps.cpu.iter().zip(&g.steps.cpu).all(|(a, b)| close(*a, *b)), "{name}: {g:?}");
+            }
+        }
+        let load = series(&timeline(&merged, Some(30.0), SeriesBy::Prefix, None).unwrap(), "load").steps.wall.clone();
+        assert!(close(load[0], 3.0) && load[1] == 0.0, "load ran in the first 30 s only: {load:?}");
     }
 
     #[test]

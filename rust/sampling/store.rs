@@ -520,6 +520,29 @@ mod tests {
     }
 
     #[test]
+    fn an_aggregated_window_keeps_when_its_time_went() {
+        use crate::profile::timeline::{timeline, SeriesBy};
+        let mut s = Store::new(1 << 20);
+        for t in 0..30 * 60 {
+            let key = if t < 20 * 60 { format!("load-{t}") } else { format!("sum-{t}") };
+            push_task(&mut s, (999_960 + t) * NS_PER_S, "f", &key); // minutes from a whole minute
+        }
+        assert!(s.stats().buckets > 0);
+        let whole = all(0, u64::MAX);
+        let raw = s.window(whole, proc(), Metadata::default());
+        let aggregated = s.window(Window { aggregate: true, ..whole }, proc(), Metadata::default());
+        assert!(aggregated.samples.len() < 10, "{}", aggregated.samples.len());
+        let [want, got] = [&raw, &aggregated].map(|d| timeline(d, Some(60.0), SeriesBy::Prefix, None).unwrap());
+        assert_eq!(got.steps, 30);
+        for (w, g) in want.series.iter().zip(&got.series) {
+            assert_eq!(w.name, g.name);
+            assert!(w.steps.wall.iter().zip(&g.steps.wall).all(|(a, b)| (a - b).abs() < 1e-9), "{g:?}");
+        }
+        let sum = got.series.iter().find(|s| s.name == "sum").unwrap();
+        assert!(sum.steps.wall[..20].iter().all(|&w| w == 0.0) && sum.steps.wall[20..].iter().all(|&w| w > 0.5));
+    }
+
+    #[test]
     fn compaction_keeps_the_history() {
         let mut s = Store::new(1 << 20);
         s.set_retention(Retention { recent_ns: NS_PER_S, step_ns: NS_PER_S });
