@@ -126,25 +126,16 @@ def beta(_: int) -> None:
 def local_threads(tasks: int) -> dict[str, Any]:
     import dask
 
+    from benchmarks.attribution import ours, tagged_and_precision
     from dask_pyspy import PySpyProfiler
 
     work = [dask.delayed(f, pure=False)(i) for i in range(tasks // 2) for f in (alpha, beta)]
     with PySpyProfiler(rate=1000, cpu_budget=0.5) as prof:
         dask.compute(work, scheduler="threads", num_workers=THREADS)
-    doc = prof.profile.speedscope(by="prefix")
-    frames = doc["shared"]["frames"]
-    in_task = tagged = right = 0.0
-    for p in doc["profiles"]:
-        for sample, weight in zip(p["samples"], p["weights"]):
-            names = [frames[i]["name"] for i in sample]
-            running = [k for k in ("alpha", "beta") if k in names[1:]]
-            if not running:
-                continue
-            in_task += weight
-            if names[0] in ("alpha", "beta"):
-                tagged += weight
-                right += weight * (names[0] == running[0])
-    return {"tagged": tagged / (in_task or 1.0), "precision": right / (tagged or 1.0), "seconds": in_task}
+    split = ours(prof.profile.speedscope(by="prefix"), ("alpha", "beta")).values()
+    both = {k: sum(r[k] for r in split) for k in ("right", "wrong", "untagged")}
+    tagged, precision = tagged_and_precision(both)
+    return {"tagged": tagged, "precision": precision, "seconds": sum(both.values())}
 
 
 def measure(quick: bool) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 from dask.callbacks import Callback
@@ -12,7 +11,7 @@ from dask.core import istask
 from dask.utils import key_split
 
 from dask_pyspy import config
-from dask_pyspy.model import Profile, task_totals
+from dask_pyspy.model import Profile, RunLog, task_totals
 from dask_pyspy.sampler import Sampler, process_sampler
 
 try:
@@ -68,10 +67,7 @@ class PySpyProfiler(Callback):
         self._sampler: Sampler | None = None
         self._result: Profile | None = None
         self._lock = threading.Lock()
-        self._runs: deque[tuple[str, float]] = deque(maxlen=config.get("task-history"))
-        # Pool threads append while a profile copies: without a GIL (free-threaded
-        # builds) the copy is not atomic and raises "deque mutated during iteration".
-        self._runs_lock = threading.Lock()
+        self._runs: RunLog[tuple[str, float]] = RunLog(config.get("task-history"))
         self._tagged_types: dict[type, type] = {}
         self.start: float | None = None
         self.stop: float | None = None
@@ -117,8 +113,7 @@ class PySpyProfiler(Callback):
         try:
             return func(*args)
         finally:
-            with self._runs_lock:
-                self._runs.append((prefix, time.perf_counter() - began))
+            self._runs.append((prefix, time.perf_counter() - began))
             sampler.clear_thread_tag(ident)
 
     def _finish(self, dsk: Any, state: Any, errored: bool) -> None:
@@ -138,9 +133,7 @@ class PySpyProfiler(Callback):
 
     def _collect(self, sampler: Sampler) -> Profile:
         profile = sampler.profile(self.start, self.stop or time.time(), by="prefix")
-        with self._runs_lock:
-            runs = list(self._runs)
-        tasks = task_totals(runs)
+        tasks = task_totals(self._runs.copy())
         return profile.with_metadata(tasks={profile.processes[0]["name"]: tasks})
 
     @property

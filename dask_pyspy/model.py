@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dask_pyspy import _native, config, metadata, options
 from dask_pyspy.diff import ProfileDiff
@@ -25,6 +27,28 @@ def task_totals(runs: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]
         entry["count"] += 1
         entry["seconds"] += seconds
     return out
+
+
+Run = TypeVar("Run")
+
+
+class RunLog(Generic[Run]):
+    """The last `maxlen` task runs, appended by the threads that ran them and copied by
+    the one that sums them (`task_totals`). Both under a lock: without a GIL
+    (free-threaded builds) copying a deque is not atomic and raises "deque mutated
+    during iteration"."""
+
+    def __init__(self, maxlen: int | None) -> None:
+        self._runs: deque[Run] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def append(self, run: Run) -> None:
+        with self._lock:
+            self._runs.append(run)
+
+    def copy(self) -> list[Run]:
+        with self._lock:
+            return list(self._runs)
 
 
 class Profile:

@@ -269,6 +269,11 @@ ACTIVITY_HEADER = ["activity", "process kind", "sampled s", "CPU s", "GIL share"
 GIL_SHARE = ACTIVITY_HEADER.index("GIL share")
 
 
+def _gil_columns(row: list[Any], gil: bool) -> list[Any]:
+    """An activity table's row (or header) as shown: without the GIL share where there is no GIL."""
+    return row if gil else row[:GIL_SHARE] + row[GIL_SHARE + 1 :]
+
+
 def _activity_row(a: dict[str, Any]) -> list[Any]:
     """An activity's time, CPU and share of it holding the GIL (how much of the loop was Python)."""
     return [
@@ -290,7 +295,7 @@ def _activities(rows: list[dict[str, Any]], gil: bool) -> list[list[Any]]:
         summed = ("seconds", "cpu", "gil", *(("calls",) if all("calls" in a for a in rest) else ()))
         other = {k: sum(a[k] for a in rest) for k in summed}
         table.append(_activity_row({"activity": f"other activities ({len(rest)})", "kind": "", **other}))
-    return table if gil else [row[:GIL_SHARE] + row[GIL_SHARE + 1 :] for row in table]
+    return [_gil_columns(row, gil) for row in table]
 
 
 def _activity_graphs(profile: Profile, summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -352,7 +357,7 @@ def _graphs(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) 
         "lead": profile.flamegraph_svg(f"Task {what} by {GROUPS[by]}", by=by, tasks=True),
         "outside": profile.flamegraph_svg("Outside tasks", tasks=False),
         "untagged": 100 * summary["untagged"]["seconds"] / (summary["seconds"] or 1.0),
-        "activity_header": [h for h in ACTIVITY_HEADER if gil or h != "GIL share"],
+        "activity_header": _gil_columns(ACTIVITY_HEADER, gil),
         "activities": _activities(summary["activities"], gil),
         "activity_graphs": _activity_graphs(profile, summary),
         "scheduler": _scheduler(summary, gil),

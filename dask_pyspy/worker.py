@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Callable
 
 from dask.utils import key_split
@@ -18,7 +17,7 @@ from distributed.protocol import Serialize, to_serialize
 
 from dask_pyspy import config
 from dask_pyspy._loop import off_loop
-from dask_pyspy.model import task_totals
+from dask_pyspy.model import RunLog, task_totals
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler
 from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, remove_handlers
@@ -104,10 +103,7 @@ class TaskLog:
 
     def __init__(self, maxlen: int) -> None:
         self._started: dict[Any, float] = {}
-        self._done: deque[tuple[str, float, float]] = deque(maxlen=maxlen)
-        # Copying the log while the loop appends: a free-threaded build has no GIL to make
-        # the copy atomic (it raised "deque mutated during iteration").
-        self._lock = threading.Lock()
+        self._done: RunLog[tuple[str, float, float]] = RunLog(maxlen)
 
     def transition(self, key: Any, start: str, finish: str) -> None:
         if finish in RUNNING:
@@ -115,15 +111,12 @@ class TaskLog:
         elif start in RUNNING:
             began = self._started.pop(key, None)
             if began is not None:
-                with self._lock:
-                    self._done.append((key_split(key), began, time.time()))
+                self._done.append((key_split(key), began, time.time()))
 
     def summary(self, start: float | None, stop: float | None) -> dict[str, dict[str, float]]:
         """Per task prefix: tasks that overlap the window, and their wall seconds inside it."""
         lo, hi = start or 0.0, stop or time.time()
-        with self._lock:
-            done = list(self._done)
-        inside = ((prefix, min(ended, hi) - max(began, lo)) for prefix, began, ended in done)
+        inside = ((prefix, min(ended, hi) - max(began, lo)) for prefix, began, ended in self._done.copy())
         return task_totals(run for run in inside if run[1] >= 0)
 
 

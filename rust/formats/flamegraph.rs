@@ -1,5 +1,6 @@
 //! Flame graph SVG (inferno) over any subset of a profile's samples, as `views` shows them.
 
+use crate::profile::intern::Interner;
 use crate::profile::model::{Frame, ProfileData, Sample};
 use crate::profile::spans::SpanFilter;
 use crate::profile::views::{By, Shown, View};
@@ -40,18 +41,12 @@ struct RootIds {
 
 impl RootIds {
     fn new<'a>(data: &'a ProfileData, view: &View<'a>, by: By) -> RootIds {
-        let mut ids: HashMap<Vec<&'a str>, u32> = HashMap::new();
-        let mut id = |roots: Vec<&'a str>| -> u32 {
-            let next = ids.len() as u32;
-            *ids.entry(roots).or_insert(next)
-        };
-        let of_tag = (0..data.tags.len() as u32).map(|t| id(view.roots(Some(t), None, by))).collect();
-        let of_activity = (0..data.activities.len() as u32).map(|a| id(view.roots(None, Some(a), by))).collect();
-        let of_none = id(view.roots(None, None, by));
-        let mut roots = vec![Vec::new(); ids.len()];
-        for (names, i) in ids {
-            roots[i as usize] = names.into_iter().map(clean).collect();
-        }
+        let mut ids: Interner<Vec<&'a str>> = Interner::default();
+        let of_tag = (0..data.tags.len() as u32).map(|t| ids.intern(view.roots(Some(t), None, by))).collect();
+        let of_activity =
+            (0..data.activities.len() as u32).map(|a| ids.intern(view.roots(None, Some(a), by))).collect();
+        let of_none = ids.intern(view.roots(None, None, by));
+        let roots = ids.into_items().into_iter().map(|names| names.into_iter().map(clean).collect()).collect();
         RootIds { of_tag, of_activity, of_none, roots }
     }
 

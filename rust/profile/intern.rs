@@ -29,6 +29,19 @@ impl Footprint for Vec<u32> {
     }
 }
 
+/// Borrowed names, interned for ids while a profile is read: nothing of their own.
+impl Footprint for &str {
+    fn heap_bytes(&self) -> usize {
+        0
+    }
+}
+
+impl Footprint for Vec<&str> {
+    fn heap_bytes(&self) -> usize {
+        self.len() * std::mem::size_of::<&str>()
+    }
+}
+
 /// Hash-map bookkeeping per entry (hash, control byte, id), on top of the two copies.
 const ENTRY_OVERHEAD: usize = 16;
 

@@ -2,6 +2,7 @@
 //! activity (each with its top functions), and the functions with the most self time. Every row splits its
 //! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
+use crate::profile::intern::Interner;
 use crate::profile::model::{ProfileData, Sample, State};
 use crate::profile::views::{split_activity, Weight, NO_TASK};
 use serde::Serialize;
@@ -219,35 +220,23 @@ fn sampled_threads(data: &ProfileData) -> Vec<(usize, usize)> {
 struct TagGroups<'a> {
     prefixes: Vec<&'a str>,
     spans: Vec<Vec<&'a str>>,
-    prefix_of: Vec<usize>,
-    spans_of: Vec<Vec<usize>>,
+    prefix_of: Vec<u32>,
+    spans_of: Vec<Vec<u32>>,
 }
 
 impl<'a> TagGroups<'a> {
     fn new(data: &'a ProfileData) -> TagGroups<'a> {
-        let mut prefixes: HashMap<&str, usize> = HashMap::new();
-        let mut spans: HashMap<Vec<&str>, usize> = HashMap::new();
+        let mut prefixes: Interner<&str> = Interner::default();
+        let mut spans: Interner<Vec<&str>> = Interner::default();
         let mut prefix_of = Vec::with_capacity(data.tags.len());
         let mut spans_of = Vec::with_capacity(data.tags.len());
         for tag in &data.tags {
-            let next = prefixes.len();
-            prefix_of.push(*prefixes.entry(&tag.prefix).or_insert(next));
+            prefix_of.push(prefixes.intern(&tag.prefix));
             let path = data.span_names(tag);
-            let paths = (1..=path.len()).map(|depth| {
-                let next = spans.len();
-                *spans.entry(path[..depth].to_vec()).or_insert(next)
-            });
-            spans_of.push(paths.collect());
+            spans_of.push((1..=path.len()).map(|depth| spans.intern(path[..depth].to_vec())).collect());
         }
-        TagGroups { prefixes: by_index(prefixes), spans: by_index(spans), prefix_of, spans_of }
+        TagGroups { prefixes: prefixes.into_items(), spans: spans.into_items(), prefix_of, spans_of }
     }
-}
-
-/// The keys of a map to indices, in index order.
-fn by_index<K>(map: HashMap<K, usize>) -> Vec<K> {
-    let mut keys: Vec<(K, usize)> = map.into_iter().collect();
-    keys.sort_unstable_by_key(|&(_, i)| i);
-    keys.into_iter().map(|(k, _)| k).collect()
 }
 
 fn tallies(n: usize) -> Vec<Tally> {
@@ -272,9 +261,9 @@ pub fn summarize(data: &ProfileData) -> Summary {
         }
         match s.tag {
             Some(t) => {
-                per_prefix[groups.prefix_of[t as usize]].add(data, s);
+                per_prefix[groups.prefix_of[t as usize] as usize].add(data, s);
                 for &span in &groups.spans_of[t as usize] {
-                    per_span[span].add(data, s);
+                    per_span[span as usize].add(data, s);
                 }
             }
             None => {
