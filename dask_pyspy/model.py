@@ -207,8 +207,8 @@ class Profile:
         time, and a coarse sample standing for a longer bucket spreads over the bucket.
         Every step's series add up to its kind's totals, and the steps to the profile's.
         An aggregated profile (`aggregated()`, `aggregate=True`) keeps no sample times;
-        its timeline is drawn from the 10 s cells it carries instead, so a finer step
-        shows each cell's time spread evenly over its 10 s.
+        its timeline is drawn from the 10 s cells it carries instead: the default step is
+        10 s or more, and a finer one shows each cell's time spread evenly over its 10 s.
         """
         if not self.keeps_times:
             raise ValueError("this profile was aggregated by a dask-pyspy that kept no timeline: it has no sample times")

@@ -131,7 +131,15 @@ impl Columns {
     fn samples(self) -> Result<Vec<Sample>, String> {
         let c = self;
         let n = c.time_delta_ns.len();
-        same_lengths(&[n, c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()])?;
+        same_lengths(&[
+            n,
+            c.thread.len(),
+            c.stack.len(),
+            c.tag.len(),
+            c.weight_us.len(),
+            c.cpu_us.len(),
+            c.flags.len(),
+        ])?;
         if [c.count.len(), c.activity.len()].iter().any(|&l| l != 0 && l != n) {
             return Err("columns differ in length".into());
         }

@@ -13,6 +13,7 @@
 
 use crate::error::{Error, Result};
 use crate::names::choose;
+use crate::profile::build::CELL_NS;
 use crate::profile::model::{ProfileData, Sample};
 use crate::profile::views::{Weight, NO_SPAN, NO_TASK};
 use serde::Serialize;
@@ -87,10 +88,12 @@ pub struct Timeline {
     pub series: Vec<Series>,
 }
 
-/// The step for a profile spanning `span` seconds: `given` checked, or the default.
-fn choose_step(given: Option<f64>, span: f64) -> Result<f64> {
+/// The step for a profile spanning `span` seconds: `given` checked, or the default, no
+/// finer than `least` (a timeline cell's step: finer steps would only repeat its value).
+fn choose_step(given: Option<f64>, span: f64, least: f64) -> Result<f64> {
     let Some(step) = given else {
-        return Ok(STEPS.into_iter().find(|s| span / s <= MOST_STEPS).unwrap_or(STEPS[STEPS.len() - 1]));
+        let fits = |s: &f64| span / s <= MOST_STEPS && *s >= least;
+        return Ok(STEPS.into_iter().find(fits).unwrap_or(STEPS[STEPS.len() - 1]));
     };
     if !(step.is_finite() && step > 0.0) {
         return Err(Error::BadInput(format!("step must be a number of seconds above 0, got {step}")));
@@ -113,16 +116,18 @@ struct Instant {
     samples: Vec<usize>,
 }
 
-/// Calls `each(instant's time, its weight, its samples)` once per thread and instant.
-/// Samples come in time order per thread (stores, merges and filters keep it), so a
-/// thread's instant ends where its next begins; where they do not (an aggregated
-/// profile), an instant is split, which only spreads its time less.
+/// Calls `each(instant's time, the µs it covers, its samples)` once per thread and
+/// instant. Samples come in time order per thread (stores, merges and filters keep it),
+/// so a thread's instant ends where its next begins; where they do not, an instant is
+/// split, which only spreads its time less. An instant covers its weight, and a timeline
+/// cell at least its whole step: when in the step the time went is not known.
 fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])) {
     let mut open: Vec<Instant> = (0..data.threads.len()).map(|_| Instant::default()).collect();
     let samples = timed(data);
+    let least_us = if data.timeline.is_empty() { 0 } else { CELL_NS / 1000 };
     let mut flush = |i: &mut Instant| {
         if !i.samples.is_empty() {
-            each(i.time_ns, i.weight_us, &i.samples);
+            each(i.time_ns, i.weight_us.max(least_us), &i.samples);
             i.samples.clear();
             i.weight_us = 0;
         }
@@ -246,8 +251,8 @@ fn shares(start_ns: u64, cover_us: u64, first_ns: u64, step_ns: f64, mut each: i
 /// The profile's first instant and the end of its last cover, in ns.
 fn extent(data: &ProfileData) -> Option<(u64, u64)> {
     let mut bounds: Option<(u64, u64)> = None;
-    for_each_instant(data, |time_ns, weight_us, _| {
-        let end = time_ns + weight_us * 1000;
+    for_each_instant(data, |time_ns, cover_us, _| {
+        let end = time_ns + cover_us * 1000;
         bounds = Some(bounds.map_or((time_ns, end), |(lo, hi)| (lo.min(time_ns), hi.max(end))));
     });
     bounds
@@ -264,7 +269,8 @@ pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Opt
     if lo > hi {
         (lo, hi) = (0.0, 0.0);
     }
-    let step = choose_step(step, hi - lo)?;
+    let least = if data.timeline.is_empty() { 0.0 } else { CELL_NS as f64 / 1e9 };
+    let step = choose_step(step, hi - lo, least)?;
     let start = (lo / step).floor() * step;
     let steps = (((hi - start) / step).ceil() as usize).max(1);
     let (first_ns, step_ns) = ((start * 1e9) as u64, step * 1e9);
@@ -272,8 +278,8 @@ pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Opt
     let mut kinds: Vec<Steps> = vec![Steps { wall: vec![0.0; steps], cpu: vec![0.0; steps] }; 2];
     let last = steps - 1;
     let timed = timed(data);
-    for_each_instant(data, |time_ns, weight_us, samples| {
-        shares(time_ns.max(first_ns), weight_us, first_ns, step_ns, |at, share| {
+    for_each_instant(data, |time_ns, cover_us, samples| {
+        shares(time_ns.max(first_ns), cover_us, first_ns, step_ns, |at, share| {
             let at = at.min(last); // float rounding at the very end
             for &i in samples {
                 let s = &timed[i];
@@ -339,15 +345,16 @@ mod tests {
 
     #[test]
     fn default_steps_fit_the_span() {
-        assert_eq!(choose_step(None, 5.0).unwrap(), 1.0);
-        assert_eq!(choose_step(None, 600.0).unwrap(), 2.0);
-        assert_eq!(choose_step(None, 3600.0).unwrap(), 15.0);
-        assert_eq!(choose_step(None, 86400.0).unwrap(), 300.0);
-        assert_eq!(choose_step(None, 1e9).unwrap(), 86400.0);
+        assert_eq!(choose_step(None, 5.0, 0.0).unwrap(), 1.0);
+        assert_eq!(choose_step(None, 600.0, 0.0).unwrap(), 2.0);
+        assert_eq!(choose_step(None, 3600.0, 0.0).unwrap(), 15.0);
+        assert_eq!(choose_step(None, 86400.0, 0.0).unwrap(), 300.0);
+        assert_eq!(choose_step(None, 1e9, 0.0).unwrap(), 86400.0);
+        assert_eq!(choose_step(None, 5.0, 10.0).unwrap(), 10.0);
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert!(choose_step(Some(bad), 10.0).unwrap_err().to_string().starts_with("step must"), "{bad}");
+            assert!(choose_step(Some(bad), 10.0, 0.0).unwrap_err().to_string().starts_with("step must"), "{bad}");
         }
-        assert!(choose_step(Some(0.001), 86400.0).unwrap_err().to_string().contains("at most 20000 steps"));
+        assert!(choose_step(Some(0.001), 86400.0, 0.0).unwrap_err().to_string().contains("at most 20000 steps"));
         assert!("task".parse::<SeriesBy>().unwrap_err().to_string().contains("'prefix', 'span'"));
     }
 

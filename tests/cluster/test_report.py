@@ -364,6 +364,28 @@ def test_dashboard_timeline_and_a_chosen_range(client, chromium):
         assert err.value.code == 400 and why in err.value.reason, (bad, err.value.reason)
 
 
+def test_an_aggregated_collection_keeps_its_timeline(client, chromium, tmp_path):
+    """aggregate=True keeps when time went in 10 s cells: alpha ran only before a cell
+    boundary and beta only after it, and the rendered chart says so."""
+    first = _timed(client, alpha, 2.0)
+    boundary = (first[1] // 10 + 1) * 10
+    while time.time() < boundary:
+        time.sleep(0.1)
+    second = _timed(client, beta, 2.0)
+    prof = client.pyspy_profile(start=first[0] - 1, stop=second[1] + 1, aggregate=True)
+    assert prof.metadata["aggregate"] and prof.keeps_times
+    chromium.get(prof.save(tmp_path / "aggregated.html").as_uri())
+    alpha_steps, beta_steps = _steps_with_time(chromium, "alpha"), _steps_with_time(chromium, "beta")
+    assert alpha_steps and all(hi <= boundary for _, hi in alpha_steps), (alpha_steps, boundary)
+    assert beta_steps and all(lo >= boundary for lo, _ in beta_steps), (beta_steps, boundary)
+    summary = {p["prefix"]: p["seconds"] for p in prof.summary()["prefixes"]}
+    series = {s["name"]: s["seconds"] for s in prof.timeline()["series"]}
+    assert series["alpha"] == pytest.approx(summary["alpha"]) and series["beta"] == pytest.approx(summary["beta"])
+    chromium.execute_script("arguments[0].scrollIntoView();", chromium.find_element("css selector", ".timeline"))
+    screenshot(chromium, "aggregated-timeline")
+    assert console_errors(chromium) == []
+
+
 def test_notebook_view(client):
     prof = client.pyspy_profile(last=30)
     html = prof._repr_html_()
