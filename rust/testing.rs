@@ -33,9 +33,10 @@ fn as_process(py: Python<'_>, profile: PyRef<'_, PyProfile>, name: &str, key_suf
     Ok(PyProfile::new(detached(py, || data.as_process(name, key_suffix))?))
 }
 
-/// Records `profile`'s samples into `sampler`'s store, round and round, as if sampled
-/// at `rate` per thread for `seconds` from `start` (Unix seconds): a day of history in
-/// a minute, for the retention benchmark. Task keys get the minute as a suffix, as new
+/// Empties `sampler`'s store, which must not be sampling, and records `profile`'s
+/// samples into it, round and round, as if sampled at `rate` per thread for `seconds`
+/// from `start` (Unix seconds): a day of history in a minute, for the retention
+/// benchmark. Task keys get the minute as a suffix, as new
 /// tasks would. Returns the seconds recorded per task prefix ("" outside tasks).
 #[pyfunction]
 fn replay(
@@ -52,6 +53,7 @@ fn replay(
     let interval_ns = 1e9 / rate;
     let mut replay = Replay { data: &data, next: 0, frames: Vec::new(), generation: u64::MAX, seconds: HashMap::new() };
     detached(py, || {
+        sampler.with_store(Store::clear);
         const CHUNK: u64 = 1_000; // ticks per hold of the store's lock
         for first in (0..ticks).step_by(CHUNK as usize) {
             sampler.with_store(|store| {

@@ -158,6 +158,13 @@ impl Store {
         self.enforce_cap();
     }
 
+    /// Empties the store, keeping its cap and retention; the generation moves on, so
+    /// frame ids taken before are not used after.
+    pub fn clear(&mut self) {
+        let (max_bytes, retention, compactions) = (self.max_bytes, self.retention, self.compactions + 1);
+        *self = Store { retention, compactions, ..Store::new(max_bytes) };
+    }
+
     /// The id of `frame` in the tables; valid until `generation` changes.
     pub fn frame_id(&mut self, frame: Frame) -> u32 {
         match self.tables.frames.find(&frame) {
