@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,9 +68,11 @@ def _needs_mib(part: bytes, n: int) -> float:
     return n * (head["memory_bytes"] + len(part)) * 1.5 / 2**20
 
 
-def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
-    """One row per kind of part (e.g. raw, aggregated) and worker count."""
+def scale_rows(parts: dict[str, bytes]) -> tuple[list[list[object]], dict[tuple[str, int], float]]:
+    """One row per kind of part (e.g. raw, aggregated) and worker count; and the report
+    seconds of each that ran."""
     rows: list[list[object]] = []
+    reports: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind, part in parts.items():
             path = os.path.join(tmp, f"{kind}.bin")
@@ -102,9 +105,13 @@ def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
                     ],
                     capture_output=True,
                     text=True,
-                    check=True,
                 )
+                if done.returncode != 0:
+                    kept = os.path.join(tempfile.gettempdir(), f"merge-scale-{kind}.bin")
+                    shutil.copy(path, kept)
+                    raise RuntimeError(f"merging {n} copies of {kept} failed:\n{done.stderr[-3000:]}")
                 r = json.loads(done.stdout.strip().splitlines()[-1])
+                reports[kind, n] = r["report_s"]
                 rows.append(
                     [
                         kind,
@@ -116,7 +123,7 @@ def scale_rows(parts: dict[str, bytes]) -> list[list[object]]:
                         f"report {r['report_s']:.1f} s, CPU {r['report_cpu_s']:.1f} s",
                     ]
                 )
-    return rows
+    return rows, reports
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ class Profile:
         10 s or more, and a finer one shows each cell's time spread evenly over its 10 s.
         """
         if not self.keeps_times:
-            raise ValueError("this profile was aggregated by a dask-pyspy that kept no timeline: it has no sample times")
+            raise ValueError("this profile was aggregated by a dask-pyspy that kept no timeline: it has no times")
         if step is not None:
             step = options.seconds("step", step)
         window = self._native.metadata().get("window")

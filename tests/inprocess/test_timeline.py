@@ -95,11 +95,28 @@ def test_default_step_and_bad_arguments(recording):
         recording.profile.timeline(by="task")
 
 
-def test_an_aggregated_profile_has_no_timeline_chart(recording):
+def test_an_aggregated_profile_keeps_its_timeline_in_10_s_cells(recording):
+    folded = recording.profile.aggregated()
+    assert folded.keeps_times and 'class="timeline"' in folded.to_html()
+    timeline = folded.timeline()
+    assert timeline["step"] == 10.0
+    (load,) = [s for s in timeline["series"] if s["name"] == "load"]
+    assert load["seconds"] == pytest.approx(
+        next(p["seconds"] for p in folded.summary()["prefixes"] if p["prefix"] == "load")
+    )
+
+
+def test_an_aggregated_profile_without_cells_has_no_timeline(recording):
+    """As dask-pyspy aggregated before it kept timeline cells."""
     assert 'class="timeline"' in recording.profile.to_html()
     aggregated = recording.profile.with_metadata(aggregate=True)
     page = aggregated.to_html()
-    assert 'class="timeline"' not in page and "No timeline: the samples are aggregated" in page
+    assert (
+        'class="timeline"' not in page
+        and "No timeline: the samples were aggregated by a dask-pyspy that kept no sample times" in page
+    )
+    with pytest.raises(ValueError, match="aggregated by a dask-pyspy that kept no timeline"):
+        aggregated.timeline()
 
 
 def stretched(profile: Profile, path: Path, factor: float) -> Profile:
