@@ -343,7 +343,7 @@ impl ProfileData {
                 ids.intern(Thread { name, ..t.clone() })
             })
             .collect();
-        for s in &mut self.samples {
+        for s in self.samples.iter_mut().chain(&mut self.timeline) {
             s.thread = remap[s.thread as usize];
         }
         self.threads = ids.into_items();
@@ -546,6 +546,21 @@ pub mod tests {
         // Recorded names win (ident 2 was recorded as T2 once); the given one fills a gap.
         assert_eq!(names, ["late", "late", "T2", "given"]);
         assert_eq!(p.threads.len(), 3);
+    }
+
+    #[test]
+    fn merging_threads_by_name_keeps_timeline_cells_valid() {
+        // Thread 1 first unnamed, then named: an export of an aggregated window merges
+        // them after its cells name both.
+        let mut p = profile("w", &[(1, &["a"], None), (1, &["a"], None)]);
+        p.threads[0].name = None;
+        p.threads.push(Thread { process: 0, ident: 1, name: Some("late".into()) });
+        p.samples[1].thread = 1;
+        let mut aggregated = p.aggregated(false);
+        assert!(aggregated.timeline.iter().any(|c| c.thread == 1));
+        aggregated.resolve_thread_names(|_| None);
+        assert_eq!(aggregated.threads.len(), 1);
+        assert!(aggregated.validate().is_ok() && aggregated.timeline.iter().all(|c| c.thread == 0));
     }
 
     #[test]
