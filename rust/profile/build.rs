@@ -128,10 +128,20 @@ impl Builder {
         self.samples.push(copied);
     }
 
-    /// Adds timeline cell `cell` from `src`, as `copy_sample` adds a sample.
-    pub fn copy_cell(&mut self, src: &impl Tables, map: &mut Remap, cell: &Sample, process: Option<u32>) {
-        let copied = self.remap(src, map, cell, process, |tag| tag.clone());
-        self.timeline.push(copied);
+    /// Adds the samples and timeline cells of `src` that `place` places: None leaves one
+    /// out, `Some(process)` copies it as `copy_sample` does.
+    pub fn copy_from(&mut self, src: &ProfileData, map: &mut Remap, place: impl Fn(&Sample) -> Option<Option<u32>>) {
+        for s in &src.samples {
+            if let Some(process) = place(s) {
+                self.copy_sample(src, map, s, process);
+            }
+        }
+        for c in &src.timeline {
+            if let Some(process) = place(c) {
+                let copied = self.remap(src, map, c, process, |tag| tag.clone());
+                self.timeline.push(copied);
+            }
+        }
     }
 
     /// Adds `sample` from `src` into the sample of `aggregator` with the same thread,
@@ -269,17 +279,7 @@ impl Merger {
                 self.processes.push(p.clone());
             }
         }
-        let offset = |s: &Sample| offsets[part.threads[s.thread as usize].process as usize];
-        for s in &part.samples {
-            if let Some(offset) = offset(s) {
-                self.out.copy_sample(part, &mut map, s, Some(offset));
-            }
-        }
-        for c in &part.timeline {
-            if let Some(offset) = offset(c) {
-                self.out.copy_cell(part, &mut map, c, Some(offset));
-            }
-        }
+        self.out.copy_from(part, &mut map, |s| offsets[part.threads[s.thread as usize].process as usize].map(Some));
         // Calls are by name, not by process: a part with a process seen already (reached
         // through two workers) would count that process's calls twice.
         if offsets.iter().all(Option::is_some) {
@@ -365,13 +365,7 @@ impl ProfileData {
     pub fn only_process(&self, process: u32) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);
-        let mine = |s: &&Sample| self.threads[s.thread as usize].process == process;
-        for s in self.samples.iter().filter(mine) {
-            out.copy_sample(self, &mut map, s, Some(0));
-        }
-        for c in self.timeline.iter().filter(mine) {
-            out.copy_cell(self, &mut map, c, Some(0));
-        }
+        out.copy_from(self, &mut map, |s| (self.threads[s.thread as usize].process == process).then_some(Some(0)));
         if self.processes.len() == 1 {
             out.add_calls_of(self);
         }
@@ -403,12 +397,7 @@ impl ProfileData {
     pub fn filtered(&self, keep: impl Fn(&Sample) -> bool) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);
-        for s in self.samples.iter().filter(|s| keep(s)) {
-            out.copy_sample(self, &mut map, s, None);
-        }
-        for c in self.timeline.iter().filter(|c| keep(c)) {
-            out.copy_cell(self, &mut map, c, None);
-        }
+        out.copy_from(self, &mut map, |s| keep(s).then_some(None));
         let mut kept = out.finish(self.processes.clone(), self.metadata.clone());
         kept.spans = self.spans.clone();
         kept
