@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from distributed import Scheduler, Worker
 
-from dask_pyspy._loop import in_thread
+from dask_pyspy._loop import off_loop
 from dask_pyspy.activities import Hooks
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler, process_sampler
@@ -34,10 +34,10 @@ class SamplerHold:
         """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
         try:
             if self.sampler is None:
-                self.sampler = await in_thread(process_sampler.acquire, opts)
+                self.sampler = await off_loop(process_sampler.acquire, opts)
                 self.hooks = Hooks(self.server, self.sampler.native)
             else:
-                await in_thread(process_sampler.configure, opts)
+                await off_loop(process_sampler.configure, opts)
             self.error = None
         except Exception as e:  # an unreadable interpreter must not take the server down
             logger.error("dask-pyspy: sampling is off in this process: %s", e)
@@ -50,7 +50,7 @@ class SamplerHold:
             self.hooks = None
         if self.sampler is not None:
             self.sampler = None
-            await in_thread(process_sampler.release)
+            await off_loop(process_sampler.release)
 
 
 def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..., Any]]) -> None:

@@ -7,6 +7,7 @@
 mod error;
 mod formats;
 mod names;
+mod priority;
 mod profile;
 mod reader;
 mod sampling;
@@ -52,6 +53,11 @@ fn no_panic<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 /// `f` without the GIL, a panic in it a RuntimeError.
 fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T> {
     py.detach(|| catch_unwind(AssertUnwindSafe(f))).map_err(internal_error)
+}
+
+/// Heavy `f` (export, merge, render) without the GIL, at low priority (`priority.rs`).
+fn heavy<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T> {
+    detached(py, || priority::nicer(f))
 }
 
 /// `(start, stop)` in Unix seconds, aggregated or not, narrowed to `spans` if given.
@@ -187,7 +193,7 @@ impl PySampler {
 
     /// The samples captured in `bounds` (Unix seconds), as process `process_name`.
     fn profile(&self, py: Python<'_>, bounds: (f64, f64), process_name: String) -> PyResult<PyProfile> {
-        let data = detached(py, || self.inner.profile(window(bounds, false, None), process_name, Metadata::default()))?;
+        let data = heavy(py, || self.inner.profile(window(bounds, false, None), process_name, Metadata::default()))?;
         Ok(PyProfile::new(data))
     }
 
@@ -208,7 +214,7 @@ impl PySampler {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
         let span_ids = span_ids.map(FxHashSet::from_iter);
-        let bytes = detached(py, || {
+        let bytes = heavy(py, || {
             let mut data = self.inner.profile(window(bounds, aggregate, span_ids.as_ref()), process_name, metadata);
             data.spans = spans;
             wire::encode(&data)
@@ -226,7 +232,7 @@ impl PySampler {
         span_ids: Option<Vec<String>>,
     ) -> PyResult<(u64, u64)> {
         let span_ids = span_ids.map(FxHashSet::from_iter);
-        let size = detached(py, || self.inner.window_size(window(bounds, aggregate, span_ids.as_ref())))?;
+        let size = heavy(py, || self.inner.window_size(window(bounds, aggregate, span_ids.as_ref())))?;
         Ok((size.samples, size.bytes))
     }
 }
@@ -283,11 +289,11 @@ impl PyProfile {
     /// Reads a profile sent by another process (`wire.rs`).
     #[staticmethod]
     fn from_wire(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
-        Ok(PyProfile::new(detached(py, || wire::decode(data))??))
+        Ok(PyProfile::new(heavy(py, || wire::decode(data))??))
     }
 
     fn to_wire<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &detached(py, || wire::encode(&self.data))?))
+        Ok(PyBytes::new(py, &heavy(py, || wire::encode(&self.data))?))
     }
 
     /// The head of wire bytes: what they hold, without the samples.
@@ -310,13 +316,13 @@ impl PyProfile {
     ) -> PyResult<Self> {
         let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
         let parts: Vec<(String, &[u8])> = parts.iter().map(|(name, b)| (name.clone(), b.as_bytes())).collect();
-        Ok(PyProfile::new(detached(py, || wire::merge(&parts, metadata, spans))?))
+        Ok(PyProfile::new(heavy(py, || wire::merge(&parts, metadata, spans))?))
     }
 
     /// Our lossless file (`.pyspy.gz`, see `files.rs`), recording the grouping `by`.
     fn to_file<'py>(&self, py: Python<'py>, by: &str) -> PyResult<Bound<'py, PyBytes>> {
         let by: By = by.parse()?;
-        let bytes = detached(py, || files::write(&self.data, by))?;
+        let bytes = heavy(py, || files::write(&self.data, by))?;
         Ok(PyBytes::new(py, &bytes))
     }
 
@@ -326,14 +332,14 @@ impl PyProfile {
     #[staticmethod]
     fn from_file(py: Python<'_>, data: &[u8], speedscope: bool, max_result: usize) -> PyResult<(Self, &'static str)> {
         let read = if speedscope { speedscope_read::read } else { files::read };
-        let (data, by) = detached(py, || read(data, limits::Limits::new(max_result)))??;
+        let (data, by) = heavy(py, || read(data, limits::Limits::new(max_result)))??;
         Ok((PyProfile::new(data), by.as_str()))
     }
 
     /// What changed from `base` to this profile: graphs and tables (`diff.rs`).
     fn diff<'py>(&self, py: Python<'py>, base: PyRef<'_, PyProfile>) -> PyResult<Bound<'py, PyAny>> {
         let base = base.data.clone();
-        let diff = detached(py, || diff::diff(&base, &self.data))?;
+        let diff = heavy(py, || diff::diff(&base, &self.data))?;
         values::to_py(py, &diff)
     }
 
@@ -349,7 +355,7 @@ impl PyProfile {
     ) -> PyResult<Self> {
         let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
         let parts: Vec<Arc<ProfileData>> = parts.iter().map(|p| p.data.clone()).collect();
-        let data = detached(py, || {
+        let data = heavy(py, || {
             let owned: Vec<&ProfileData> = parts.iter().map(|p| &**p).collect();
             let mut merged = ProfileData::merge(&owned, metadata);
             merged.spans.extend(spans);
@@ -368,7 +374,7 @@ impl PyProfile {
         compress: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let shown = shown(by, weight)?;
-        let bytes = detached(py, || {
+        let bytes = heavy(py, || {
             if compress {
                 speedscope::gzipped(&self.data, shown, name)
             } else {
@@ -380,7 +386,7 @@ impl PyProfile {
 
     /// The profile in pprof's format, gzipped (see `pprof.rs`).
     fn pprof<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &detached(py, || pprof::write(&self.data))?))
+        Ok(PyBytes::new(py, &heavy(py, || pprof::write(&self.data))?))
     }
 
     /// Flame graph of the samples `only` keeps: `prefix=`, `process=` and `span=`
@@ -397,7 +403,7 @@ impl PyProfile {
     ) -> PyResult<Option<String>> {
         let shown = shown(by, weight)?;
         let only = only_arg(only)?;
-        detached(py, || flamegraph::svg_of(&self.data, title, shown, &only))
+        heavy(py, || flamegraph::svg_of(&self.data, title, shown, &only))
     }
 
     /// `flamegraph_svg(title, by, weight, process=index)` of each (index, title), the
@@ -411,19 +417,19 @@ impl PyProfile {
         weight: &str,
     ) -> PyResult<Vec<Option<String>>> {
         let shown = shown(by, weight)?;
-        detached(py, || flamegraph::process_svgs(&self.data, shown, &processes))
+        heavy(py, || flamegraph::process_svgs(&self.data, shown, &processes))
     }
 
     /// The same totals in fewer samples, one per thread, stack, tag and thread state,
     /// without their order; `keys` False merges task keys into their prefix.
     fn aggregated(&self, py: Python<'_>, keys: bool) -> PyResult<Self> {
-        Ok(PyProfile::new(detached(py, || self.data.aggregated(keys))?))
+        Ok(PyProfile::new(heavy(py, || self.data.aggregated(keys))?))
     }
 
     /// The samples of a span (a name or id, or a name path outermost first) and the spans in it.
     fn only_span(&self, py: Python<'_>, span: SpanArg) -> PyResult<Self> {
         let filter = SpanFilter::from(span);
-        Ok(PyProfile::new(detached(py, || filter.select(&self.data))?))
+        Ok(PyProfile::new(heavy(py, || filter.select(&self.data))?))
     }
 
     /// The samples of the process at `index` in `processes()`.
@@ -432,12 +438,12 @@ impl PyProfile {
         if index as usize >= n {
             return Err(Error::BadInput(format!("index must be below {n}, got {index}")).into());
         }
-        Ok(PyProfile::new(detached(py, || self.data.only_process(index))?))
+        Ok(PyProfile::new(heavy(py, || self.data.only_process(index))?))
     }
 
     /// Totals for reports (see `summary.rs`).
     fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let summary = detached(py, || summary::summarize(&self.data))?;
+        let summary = heavy(py, || summary::summarize(&self.data))?;
         values::to_py(py, &summary)
     }
 
@@ -452,7 +458,7 @@ impl PyProfile {
         bounds: Option<(f64, f64)>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let by: SeriesBy = by.parse()?;
-        let timeline = detached(py, || timeline::timeline(&self.data, step, by, bounds))??;
+        let timeline = heavy(py, || timeline::timeline(&self.data, step, by, bounds))??;
         values::to_py(py, &timeline)
     }
 
