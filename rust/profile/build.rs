@@ -28,12 +28,13 @@ pub struct Builder {
 /// Where `Builder::aggregate_sample` keeps each aggregated sample. Unless `keys`, task keys
 /// merge into their prefix, so an aggregated profile grows with distinct stacks, not
 /// with tasks. An aggregated sample keeps the time of its first; when the time went is
-/// kept in the timeline's cells, summed per `CELL_NS` step, unless `untimed` (the
-/// samples are aggregated already: their source's cells are copied instead).
+/// kept in the timeline's cells, summed per `CELL_NS` step, except for the processes
+/// `celled` marks (aggregated already: their source's cells are copied instead).
 #[derive(Default)]
 pub struct Aggregator {
     pub keys: bool,
-    pub untimed: bool,
+    /// By process index in the source; empty when none is.
+    pub celled: Vec<bool>,
     index: FxHashMap<Kept, usize>,
     cells: FxHashMap<Cell, usize>,
     empty_stack: Option<u32>,
@@ -161,7 +162,7 @@ impl Builder {
         s.cpu_us = s.cpu_us.min(s.weight_us);
         let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
         sum_into(&mut self.samples, slot, s);
-        if !aggregator.untimed {
+        if !aggregator.celled.get(src.thread(sample.thread).process as usize).copied().unwrap_or(false) {
             self.sum_cell(Sample { time_ns: s.time_ns - s.time_ns % CELL_NS, ..s }, aggregator);
         }
     }
@@ -378,8 +379,7 @@ impl ProfileData {
     pub fn aggregated(&self, keys: bool) -> ProfileData {
         let mut out = Builder::default();
         let mut map = Remap::for_source(self);
-        let untimed = !self.timeline.is_empty();
-        let mut aggregator = Aggregator { keys, untimed, ..Aggregator::default() };
+        let mut aggregator = Aggregator { keys, celled: self.processes_with_cells(), ..Aggregator::default() };
         for s in &self.samples {
             out.aggregate_sample(self, &mut map, s, &mut aggregator);
         }

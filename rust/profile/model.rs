@@ -349,6 +349,16 @@ impl ProfileData {
         self.threads = ids.into_items();
     }
 
+    /// Per process: whether its time is in timeline cells (it was aggregated) rather
+    /// than in its samples' times. A merge can mix both kinds of process.
+    pub fn processes_with_cells(&self) -> Vec<bool> {
+        let mut celled = vec![false; self.processes.len()];
+        for c in &self.timeline {
+            celled[self.threads[c.thread as usize].process as usize] = true;
+        }
+        celled
+    }
+
     /// Every id points into its table, so exporters can index without checks.
     pub fn validate(&self) -> Result<(), String> {
         let frames = self.frames.len() as u32;

@@ -17,6 +17,7 @@ use crate::profile::build::CELL_NS;
 use crate::profile::model::{ProfileData, Sample};
 use crate::profile::views::{Weight, NO_SPAN, NO_TASK};
 use serde::Serialize;
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 
@@ -111,6 +112,7 @@ fn choose_step(given: Option<f64>, span: f64, least: f64) -> Result<f64> {
 /// the samples, and their summed weight in microseconds.
 #[derive(Default)]
 struct Instant {
+    thread: u32,
     time_ns: u64,
     weight_us: u64,
     samples: Vec<usize>,
@@ -121,13 +123,15 @@ struct Instant {
 /// so a thread's instant ends where its next begins; where they do not, an instant is
 /// split, which only spreads its time less. An instant covers its weight, and a timeline
 /// cell at least its whole step: when in the step the time went is not known.
-fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])) {
-    let mut open: Vec<Instant> = (0..data.threads.len()).map(|_| Instant::default()).collect();
-    let samples = timed(data);
-    let least_us = if data.timeline.is_empty() { 0 } else { CELL_NS / 1000 };
+fn for_each_instant(data: &ProfileData, samples: &[Sample], mut each: impl FnMut(u64, u64, &[usize])) {
+    let celled = data.processes_with_cells();
+    let least_us =
+        |i: &Instant| if celled[data.threads[i.thread as usize].process as usize] { CELL_NS / 1000 } else { 0 };
+    let mut open: Vec<Instant> =
+        (0..data.threads.len()).map(|t| Instant { thread: t as u32, ..Instant::default() }).collect();
     let mut flush = |i: &mut Instant| {
         if !i.samples.is_empty() {
-            each(i.time_ns, i.weight_us.max(least_us), &i.samples);
+            each(i.time_ns, i.weight_us.max(least_us(i)), &i.samples);
             i.samples.clear();
             i.weight_us = 0;
         }
@@ -144,13 +148,17 @@ fn for_each_instant(data: &ProfileData, mut each: impl FnMut(u64, u64, &[usize])
     open.iter_mut().for_each(flush);
 }
 
-/// The samples that say when time went: an aggregated profile's timeline cells, or
-/// the samples of a raw one.
-fn timed(data: &ProfileData) -> &[Sample] {
+/// The samples that say when time went: the timeline cells of aggregated processes,
+/// the samples of raw ones. A thread's are all of one kind, in time order.
+fn timed(data: &ProfileData) -> Cow<'_, [Sample]> {
+    let celled = data.processes_with_cells();
+    let raw = |s: &&Sample| !celled[data.threads[s.thread as usize].process as usize];
     if data.timeline.is_empty() {
-        &data.samples
+        Cow::Borrowed(&data.samples)
+    } else if !data.samples.iter().any(|s| raw(&s)) {
+        Cow::Borrowed(&data.timeline)
     } else {
-        &data.timeline
+        Cow::Owned(data.timeline.iter().chain(data.samples.iter().filter(raw)).cloned().collect())
     }
 }
 
@@ -249,9 +257,9 @@ fn shares(start_ns: u64, cover_us: u64, first_ns: u64, step_ns: f64, mut each: i
 }
 
 /// The profile's first instant and the end of its last cover, in ns.
-fn extent(data: &ProfileData) -> Option<(u64, u64)> {
+fn extent(data: &ProfileData, timed: &[Sample]) -> Option<(u64, u64)> {
     let mut bounds: Option<(u64, u64)> = None;
-    for_each_instant(data, |time_ns, cover_us, _| {
+    for_each_instant(data, timed, |time_ns, cover_us, _| {
         let end = time_ns + cover_us * 1000;
         bounds = Some(bounds.map_or((time_ns, end), |(lo, hi)| (lo.min(time_ns), hi.max(end))));
     });
@@ -261,8 +269,9 @@ fn extent(data: &ProfileData) -> Option<(u64, u64)> {
 /// The timeline of `data` with steps of `step` seconds (None: 100 to 300 steps over
 /// the profile), covering at least `bounds` (Unix seconds) where given.
 pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Option<(f64, f64)>) -> Result<Timeline> {
+    let timed = timed(data);
     let (mut lo, mut hi) =
-        extent(data).map_or((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi)| (lo as f64 / 1e9, hi as f64 / 1e9));
+        extent(data, &timed).map_or((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi)| (lo as f64 / 1e9, hi as f64 / 1e9));
     if let Some((start, stop)) = bounds {
         (lo, hi) = (lo.min(start), hi.max(stop));
     }
@@ -277,8 +286,7 @@ pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Opt
     let mut index = SeriesIndex::new(data, by, steps);
     let mut kinds: Vec<Steps> = vec![Steps { wall: vec![0.0; steps], cpu: vec![0.0; steps] }; 2];
     let last = steps - 1;
-    let timed = timed(data);
-    for_each_instant(data, |time_ns, cover_us, samples| {
+    for_each_instant(data, &timed, |time_ns, cover_us, samples| {
         shares(time_ns.max(first_ns), cover_us, first_ns, step_ns, |at, share| {
             let at = at.min(last); // float rounding at the very end
             for &i in samples {
@@ -424,6 +432,18 @@ mod tests {
         }
         let load = series(&timeline(&merged, Some(30.0), SeriesBy::Prefix, None).unwrap(), "load").steps.wall.clone();
         assert!(close(load[0], 3.0) && load[1] == 0.0, "load ran in the first 30 s only: {load:?}");
+    }
+
+    #[test]
+    fn a_merge_of_raw_and_aggregated_processes_draws_both() {
+        let samples: Vec<(u64, f64, Option<&str>)> = (0..300).map(|i| (1, i as f64 * 0.1, Some("load-1"))).collect();
+        let raw = timed(&samples);
+        let aggregated = raw.as_process("tcp://w:2", "-2").aggregated(false);
+        let mixed = ProfileData::merge(&[&raw, &aggregated], Default::default());
+        for data in [&mixed, &mixed.aggregated(false)] {
+            let load = series(&timeline(data, Some(10.0), SeriesBy::Prefix, None).unwrap(), "load").steps.wall.clone();
+            assert!(load.len() == 3 && load.iter().all(|&w| close(w, 2.0)), "1 s a step from each process: {load:?}");
+        }
     }
 
     #[test]
