@@ -24,6 +24,7 @@ SECTIONS = [
     "collection",
     "activities",
     "retention",
+    "bounded_loads",
     "free_threaded",
 ]
 

@@ -1,6 +1,6 @@
 //! gzip for files and the wire.
 
-use flate2::read::GzDecoder;
+use flate2::read::MultiGzDecoder;
 use flate2::write::GzEncoder;
 use flate2::Compression;
 use std::io::{Read, Write};
@@ -62,11 +62,26 @@ pub fn gzip(data: &[u8], level: Compression) -> Vec<u8> {
 }
 
 /// Decompresses at most `limit` bytes, as a stream: `Ok(None)` if there are more
-/// (a gzip bomb, or a lie about the size), which stop there instead of taking memory.
+/// (a lie about the size), which stop there. Every member of the data counts, as gzip
+/// and Python read it: concatenated gzips (`cat a.gz b.gz`, parallel compressors) are
+/// one file.
 pub fn gunzip_at_most(data: &[u8], limit: usize) -> std::io::Result<Option<Vec<u8>>> {
     let mut out = Vec::with_capacity(limit.min(data.len().saturating_mul(16)));
-    GzDecoder::new(data).take((limit as u64).saturating_add(1)).read_to_end(&mut out)?;
+    MultiGzDecoder::new(data).take((limit as u64).saturating_add(1)).read_to_end(&mut out)?;
     Ok((out.len() <= limit).then_some(out))
+}
+
+/// `gunzip_at_most` after a first pass that keeps nothing: a file that decompresses
+/// past `limit` (a gzip bomb) is refused having taken no memory but its own, where
+/// decompressing it into memory would take `limit`. Untrusted files only: the wire's
+/// parts announce their size, checked before they are sent.
+pub fn gunzip_untrusted(data: &[u8], limit: usize) -> std::io::Result<Option<Vec<u8>>> {
+    let mut counted = MultiGzDecoder::new(data).take((limit as u64).saturating_add(1));
+    let size = std::io::copy(&mut counted, &mut std::io::sink())?;
+    match usize::try_from(size) {
+        Ok(size) if size <= limit => gunzip_at_most(data, size),
+        _ => Ok(None),
+    }
 }
 
 #[cfg(test)]
@@ -92,5 +107,16 @@ mod tests {
         assert_eq!(super::gunzip_at_most(&z, data.len()).unwrap(), Some(data.clone()));
         assert!(super::gunzip_at_most(b"not gzip", 100).is_err());
         assert_eq!(super::gunzip_at_most(&z, data.len() - 1).unwrap(), None);
+    }
+
+    #[test]
+    fn every_member_counts_toward_the_limit() {
+        let member = super::gzip(&[0; 1000], flate2::Compression::best());
+        let members = member.repeat(5);
+        for gunzip in [super::gunzip_at_most, super::gunzip_untrusted] {
+            assert_eq!(gunzip(&members, 5000).unwrap(), Some(vec![0; 5000]));
+            assert_eq!(gunzip(&members, 4999).unwrap(), None);
+            assert!(gunzip(&members[..members.len() - 3], 5000).is_err(), "a cut member");
+        }
     }
 }

@@ -89,7 +89,7 @@ impl Limits {
         if !is_gzip(bytes) {
             return Err("not gzip-compressed".into());
         }
-        compress::gunzip_at_most(bytes, self.json)
+        compress::gunzip_untrusted(bytes, self.json)
             .map_err(|e| format!("a truncated or corrupt gzip file ({e})"))?
             .ok_or_else(|| format!("it decompresses to {}", self.too_much_json()))
     }

@@ -36,6 +36,15 @@ def load_limited(path, **env: str) -> str:
     return done.stdout.strip()
 
 
+def peak_rss_mib(*args: str) -> float:
+    """The peak RSS of `python args`, which must succeed."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak, which Popen.wait does not give
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0
+    return usage.ru_maxrss / 1024
+
+
 def diff_limited(base, new, tmp_path) -> str:
     """The one line `dask-pyspy diff` says, under the memory limit, with exit code 2."""
     cli = [sys.executable, "-m", "dask_pyspy", "diff", str(base), str(new), "-o", str(tmp_path / "d.html")]
@@ -127,6 +136,8 @@ def test_a_gzip_bomb_stops_at_its_cap(good, tmp_path):
     message = "it decompresses to more than 256 MiB of JSON (half of config pyspy.max-result, 512 MiB)"
     assert load_limited(path) == f"cannot load {str(path)!r}: {message}"
     assert message in diff_limited(write(tmp_path / "good.pyspy.gz", good), path, tmp_path)
+    # Refused having counted what it would decompress to, not held it: the cap alone is 256 MiB.
+    assert peak_rss_mib("-c", LOAD, str(path)) < peak_rss_mib("-c", "import dask_pyspy") + 64
 
 
 @pytest.mark.parametrize("item, count", [(b'{"a":0}', 2_000_000), (b"[0]", 8_000_000), (b"0", 30_000_000)])
