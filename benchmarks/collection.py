@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from distributed import Client, Future
 
@@ -60,17 +60,19 @@ def spawn(args: list[str], log: str) -> subprocess.Popen:
         DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False",
     )
     with open(log, "wb") as out:
-        # The benchmark's session, as one script or shell starts them: in sessions of their own, Linux's
-        # autogroups share the CPU out per session, and no priority inside a process (the heavy pools' nice)
-        # orders it against another, so the scheduler waited 100-1000 ms for a CPU behind the workers'
-        # exports (RESULTS). A process group of its own: the whole group (nannies' workers too) goes at teardown.
+        # The benchmark's session, as one script or shell starts them: in sessions of their own
+        # (PYSPY_BENCH_SESSIONS=apart), Linux's autogroups share the CPU out per session, and the
+        # scheduler's loop waited 100-600 ms runnable, not running, in some collections (RESULTS). A
+        # process group of its own: the whole group (nannies' workers too) goes at teardown.
+        apart = os.environ.get("PYSPY_BENCH_SESSIONS") == "apart"
         return subprocess.Popen(
             args,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=ROOT,
-            process_group=0,
+            start_new_session=apart,
+            process_group=None if apart else 0,
             preexec_fn=_die_with_parent,
         )
 
@@ -182,27 +184,38 @@ class TaskStream:
 # --- event-loop stall monitors on the scheduler and every worker ---
 
 
+def _waited_s() -> float:
+    """Seconds this thread has spent runnable but not running (schedstat's run delay)."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def _install(server: Any) -> None:
-    state = {"max": 0.0}
+    # The worst stall, and how much of it the loop's thread spent waiting for a CPU:
+    # the rest it waited for the GIL or ran something else.
+    state = {"max": 0.0, "waiting": 0.0}
 
     async def watch() -> None:
         while True:
-            t = time.perf_counter()
+            t, waited = time.perf_counter(), _waited_s()
             await asyncio.sleep(0.005)
-            state["max"] = max(state["max"], time.perf_counter() - t - 0.005)
+            stall = time.perf_counter() - t - 0.005
+            if stall > state["max"]:
+                state["max"], state["waiting"] = stall, _waited_s() - waited
 
     server.pyspy_bench_stall = state
     server.pyspy_bench_task = asyncio.ensure_future(watch())  # held: a bare task may be collected
 
 
-def _take(server: Any) -> float:
-    """The worst stall since the last take, which starts a new window."""
+def _take(server: Any) -> tuple[float, float]:
+    """The worst stall since the last take and its wait for a CPU; starts a new window."""
     state = server.pyspy_bench_stall
-    worst, state["max"] = state["max"], 0.0
+    worst = state["max"], state["waiting"]
+    state["max"] = state["waiting"] = 0.0
     return worst
 
 
-async def _install_worker(dask_worker: Any) -> None:
+def _install_worker(dask_worker: Any) -> None:
     _install(dask_worker)
 
 
@@ -210,17 +223,20 @@ async def _install_scheduler(dask_scheduler: Any) -> None:
     _install(dask_scheduler)
 
 
-def _take_worker(dask_worker: Any) -> float:
+def _take_worker(dask_worker: Any) -> tuple[float, float]:
     return _take(dask_worker)
 
 
-def _take_scheduler(dask_scheduler: Any) -> float:
+def _take_scheduler(dask_scheduler: Any) -> tuple[float, float]:
     return _take(dask_scheduler)
 
 
-def take_stalls(client: Client) -> tuple[float, float]:
-    """Worst stall (s) since the last call: the scheduler's, and the worst worker's."""
-    return client.run_on_scheduler(_take_scheduler), max(client.run(_take_worker).values())
+def take_stalls(client: Client) -> dict[str, float]:
+    """Worst stall (s) since the last call, the scheduler's and the worst worker's, and
+    the part of each its loop waited for a CPU."""
+    sched = client.run_on_scheduler(_take_scheduler)
+    work = max(client.run(_take_worker).values())
+    return {"sched": sched[0], "sched_cpu": sched[1], "work": work[0], "work_cpu": work[1]}
 
 
 # --- the samplers ---
@@ -380,7 +396,7 @@ def collect(rig: Rig, op: str, variant: dict[str, Any]) -> dict[str, float]:
     prof = rig.client.pyspy_profile(last=3600, **({} if op == "report" else {"by": op}), **variant)
     collected = time.perf_counter()
     peak, cpu = status_kib(rig.pid, "VmHWM"), off_loop_cpu(rig.pid) - cpu
-    sched, work = take_stalls(rig.client)
+    stalls = take_stalls(rig.client)
     prof.save(os.path.join(rig.out, "report.html" if op == "report" else f"profile-{op}.json.gz"))
     saved = time.perf_counter()
     size = rig.meter.size
@@ -392,8 +408,7 @@ def collect(rig: Rig, op: str, variant: dict[str, Any]) -> dict[str, float]:
         "reply": size or float("nan"),
         "transient": (peak - rss) * 1024,
         "cpu": cpu,
-        "sched": sched,
-        "work": work,
+        **stalls,
     }
 
 
@@ -402,8 +417,7 @@ def baseline(rig: Rig, seconds: float) -> dict[str, float]:
     take_stalls(rig.client)
     cpu = off_loop_cpu(rig.pid)
     time.sleep(seconds)
-    sched, work = take_stalls(rig.client)
-    return {"seconds": seconds, "cpu": off_loop_cpu(rig.pid) - cpu, "sched": sched, "work": work}
+    return {"seconds": seconds, "cpu": off_loop_cpu(rig.pid) - cpu, **take_stalls(rig.client)}
 
 
 def request(variant: dict[str, Any], by: str | None = None) -> str:
@@ -431,8 +445,7 @@ def op_row(op: str, variant: dict[str, Any], runs: list[dict[str, float]], recei
         spread(col("cpu"), "{:.2f}"),
         spread(col("transient", 1 / MIB), "{:.0f}"),
         ratio,
-        spread(col("sched", 1000), "{:.0f}"),
-        spread(col("work", 1000), "{:.0f}"),
+        *stall_cells(col),
     ]
 
 
@@ -449,9 +462,12 @@ def baseline_row(bases: list[dict[str, float]]) -> list[object]:
         spread(col("cpu"), "{:.2f}"),
         "-",
         "-",
-        spread(col("sched", 1000), "{:.0f}"),
-        spread(col("work", 1000), "{:.0f}"),
+        *stall_cells(col),
     ]
+
+
+def stall_cells(col: Callable[[str, float], list[float]]) -> list[str]:
+    return [spread(col(k, 1000), "{:.0f}") for k in ("sched", "sched_cpu", "work", "work_cpu")]
 
 
 def notes_for(
@@ -616,7 +632,9 @@ def run(quick: bool) -> Section:
                     "scheduler transient MiB",
                     "x bytes received",
                     "scheduler stall ms",
+                    "of which waiting for a CPU",
                     "worker stall ms",
+                    "of which waiting for a CPU",
                 ],
                 [r for m in measured for r in m.rows],
             ),
@@ -633,12 +651,24 @@ def run(quick: bool) -> Section:
             "While filling, the task stream keeps both cores busy (dask's own work per task); while measuring its "
             "tasks are longer, so the figures are the collection's more than the load's.",
             f"Tasks that failed during the run: {errors}.",
-            "The scheduler and the workers run in the benchmark's session (see `spawn`): started in sessions of "
-            "their own, the scheduler's loop stalled 200-1000 ms in some collections, waiting for a CPU that "
-            "Linux's autogroups shared out per session, where its workers' low-priority exports could not yield "
-            "to it.",
+            sessions_note(),
             big_report_note(reports),
         ],
+    )
+
+
+def sessions_note() -> str:
+    if os.environ.get("PYSPY_BENCH_SESSIONS") == "apart":
+        return (
+            "The scheduler and the workers each ran in a session of its own (PYSPY_BENCH_SESSIONS=apart), "
+            "as separate services would: Linux's autogroups share the CPU out per session first."
+        )
+    return (
+        "The scheduler and the workers run in the benchmark's session, as one script or shell starts them "
+        "(`spawn`); PYSPY_BENCH_SESSIONS=apart starts each in a session of its own. So started, on 2 cores, the "
+        "scheduler's loop stalled 100-600 ms in some collections, all of it runnable but not running (its "
+        "schedstat): Linux's autogroups share the CPU out per session first, and no priority inside the "
+        "workers' session yields to another session."
     )
 
 
@@ -669,7 +699,9 @@ def intro(repeats: int, deadline: float) -> str:
         "of the scheduler's threads but its event loop's (where its part of a collection runs: its own export, "
         "reading heads) during the collection. "
         "Stall = worst extra delay of a 5 ms asyncio timer during the collection (not the save), on the scheduler "
-        "and on the worst worker; each round ends with a baseline window as long as its median collection (same "
-        "load, no collection). Transient memory = the scheduler's VmHWM during the collection minus its VmRSS before "
-        "(clear_refs resets the peak); received = the sum of the workers' replies to the same request."
+        "and on the worst worker, with the part of that stall its loop's thread spent runnable but not running "
+        "(its schedstat run delay; the rest it waited for the GIL or ran something); each round ends with a "
+        "baseline window as long as its median collection (same load, no collection). Transient memory = the "
+        "scheduler's VmHWM during the collection minus its VmRSS before (clear_refs resets the peak); received = "
+        "the sum of the workers' replies to the same request."
     )
