@@ -112,53 +112,62 @@ fn choose_step(given: Option<f64>, span: f64, least: f64) -> Result<f64> {
 /// the samples, and their summed weight in microseconds.
 #[derive(Default)]
 struct Instant {
-    thread: u32,
     time_ns: u64,
     weight_us: u64,
     samples: Vec<usize>,
 }
 
-/// Calls `each(instant's time, the µs it covers, its samples)` once per thread and
-/// instant. Samples come in time order per thread (stores, merges and filters keep it),
-/// so a thread's instant ends where its next begins; where they do not, an instant is
-/// split, which only spreads its time less. An instant covers its weight, and a timeline
-/// cell at least its whole step: when in the step the time went is not known.
-fn for_each_instant(data: &ProfileData, samples: &[Sample], mut each: impl FnMut(u64, u64, &[usize])) {
-    let celled = data.processes_with_cells();
-    let least_us =
-        |i: &Instant| if celled[data.threads[i.thread as usize].process as usize] { CELL_NS / 1000 } else { 0 };
-    let mut open: Vec<Instant> =
-        (0..data.threads.len()).map(|t| Instant { thread: t as u32, ..Instant::default() }).collect();
-    let mut flush = |i: &mut Instant| {
-        if !i.samples.is_empty() {
-            each(i.time_ns, i.weight_us.max(least_us(i)), &i.samples);
-            i.samples.clear();
-            i.weight_us = 0;
-        }
-    };
-    for (index, s) in samples.iter().enumerate() {
-        let instant = &mut open[s.thread as usize];
-        if instant.time_ns != s.time_ns {
-            flush(instant);
-            instant.time_ns = s.time_ns;
-        }
-        instant.weight_us += s.weight_us as u64;
-        instant.samples.push(index);
-    }
-    open.iter_mut().for_each(flush);
+/// The samples that say when time went: the timeline cells of aggregated processes,
+/// the samples of raw ones (a thread's are all of one kind, in time order). Per thread,
+/// the least an instant covers: a cell its whole step, since when in the step its time
+/// went is not known.
+struct Timed<'a> {
+    samples: Cow<'a, [Sample]>,
+    least_us: Vec<u64>,
 }
 
-/// The samples that say when time went: the timeline cells of aggregated processes,
-/// the samples of raw ones. A thread's are all of one kind, in time order.
-fn timed(data: &ProfileData) -> Cow<'_, [Sample]> {
-    let celled = data.processes_with_cells();
-    let raw = |s: &&Sample| !celled[data.threads[s.thread as usize].process as usize];
-    if data.timeline.is_empty() {
-        Cow::Borrowed(&data.samples)
-    } else if !data.samples.iter().any(|s| raw(&s)) {
-        Cow::Borrowed(&data.timeline)
-    } else {
-        Cow::Owned(data.timeline.iter().chain(data.samples.iter().filter(raw)).cloned().collect())
+impl Timed<'_> {
+    fn of(data: &ProfileData) -> Timed<'_> {
+        let celled = data.processes_with_cells();
+        let in_cells = |thread: u32| celled[data.threads[thread as usize].process as usize];
+        let least_us = (0..data.threads.len() as u32).map(|t| if in_cells(t) { CELL_NS / 1000 } else { 0 }).collect();
+        let samples = if data.timeline.is_empty() {
+            Cow::Borrowed(&data.samples[..])
+        } else if data.samples.iter().all(|s| in_cells(s.thread)) {
+            Cow::Borrowed(&data.timeline[..])
+        } else {
+            Cow::Owned(
+                data.timeline.iter().chain(data.samples.iter().filter(|s| !in_cells(s.thread))).cloned().collect(),
+            )
+        };
+        Timed { samples, least_us }
+    }
+
+    /// Calls `each(instant's time, the µs it covers, its samples)` once per thread and
+    /// instant. A thread's instant ends where its next begins; where samples are out of
+    /// time order, an instant is split, which only spreads its time less. An instant
+    /// covers its weight, and at least its thread's least cover.
+    fn for_each_instant(&self, mut each: impl FnMut(u64, u64, &[usize])) {
+        let mut open: Vec<Instant> = self.least_us.iter().map(|_| Instant::default()).collect();
+        let mut flush = |i: &mut Instant, least_us: u64| {
+            if !i.samples.is_empty() {
+                each(i.time_ns, i.weight_us.max(least_us), &i.samples);
+                i.samples.clear();
+                i.weight_us = 0;
+            }
+        };
+        for (index, s) in self.samples.iter().enumerate() {
+            let instant = &mut open[s.thread as usize];
+            if instant.time_ns != s.time_ns {
+                flush(instant, self.least_us[s.thread as usize]);
+                instant.time_ns = s.time_ns;
+            }
+            instant.weight_us += s.weight_us as u64;
+            instant.samples.push(index);
+        }
+        for (instant, &least_us) in open.iter_mut().zip(&self.least_us) {
+            flush(instant, least_us);
+        }
     }
 }
 
@@ -257,9 +266,9 @@ fn shares(start_ns: u64, cover_us: u64, first_ns: u64, step_ns: f64, mut each: i
 }
 
 /// The profile's first instant and the end of its last cover, in ns.
-fn extent(data: &ProfileData, timed: &[Sample]) -> Option<(u64, u64)> {
+fn extent(timed: &Timed) -> Option<(u64, u64)> {
     let mut bounds: Option<(u64, u64)> = None;
-    for_each_instant(data, timed, |time_ns, cover_us, _| {
+    timed.for_each_instant(|time_ns, cover_us, _| {
         let end = time_ns + cover_us * 1000;
         bounds = Some(bounds.map_or((time_ns, end), |(lo, hi)| (lo.min(time_ns), hi.max(end))));
     });
@@ -269,16 +278,16 @@ fn extent(data: &ProfileData, timed: &[Sample]) -> Option<(u64, u64)> {
 /// The timeline of `data` with steps of `step` seconds (None: 100 to 300 steps over
 /// the profile), covering at least `bounds` (Unix seconds) where given.
 pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Option<(f64, f64)>) -> Result<Timeline> {
-    let timed = timed(data);
+    let timed = Timed::of(data);
     let (mut lo, mut hi) =
-        extent(data, &timed).map_or((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi)| (lo as f64 / 1e9, hi as f64 / 1e9));
+        extent(&timed).map_or((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi)| (lo as f64 / 1e9, hi as f64 / 1e9));
     if let Some((start, stop)) = bounds {
         (lo, hi) = (lo.min(start), hi.max(stop));
     }
     if lo > hi {
         (lo, hi) = (0.0, 0.0);
     }
-    let least = if data.timeline.is_empty() { 0.0 } else { CELL_NS as f64 / 1e9 };
+    let least = timed.least_us.iter().max().map_or(0.0, |&us| us as f64 / 1e6); // cells' step, if any
     let step = choose_step(step, hi - lo, least)?;
     let start = (lo / step).floor() * step;
     let steps = (((hi - start) / step).ceil() as usize).max(1);
@@ -286,11 +295,11 @@ pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Opt
     let mut index = SeriesIndex::new(data, by, steps);
     let mut kinds: Vec<Steps> = vec![Steps { wall: vec![0.0; steps], cpu: vec![0.0; steps] }; 2];
     let last = steps - 1;
-    for_each_instant(data, &timed, |time_ns, cover_us, samples| {
+    timed.for_each_instant(|time_ns, cover_us, samples| {
         shares(time_ns.max(first_ns), cover_us, first_ns, step_ns, |at, share| {
             let at = at.min(last); // float rounding at the very end
             for &i in samples {
-                let s = &timed[i];
+                let s = &timed.samples[i];
                 let (wall, cpu) = (s.weight_us as f64 * share / 1e6, Weight::Cpu.of(s) as f64 * share / 1e6);
                 let at_series = index.of(s);
                 let series = &mut index.series[at_series].steps;
