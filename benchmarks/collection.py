@@ -215,7 +215,7 @@ def _take(server: Any) -> tuple[float, float]:
     return worst
 
 
-def _install_worker(dask_worker: Any) -> None:
+async def _install_worker(dask_worker: Any) -> None:
     _install(dask_worker)
 
 
