@@ -6,9 +6,9 @@
 //! the event loop from the GIL for tens of ms (a priority inversion). The caller's
 //! thread keeps its priority, since an unprivileged thread may not raise it again.
 
+use crate::sync::Mutex;
 use nix::libc;
 use std::panic::resume_unwind;
-use std::sync::Mutex;
 
 /// How much nicer than its caller the thread doing heavy work is: weight 110 against
 /// 1024, so it gives way to a woken event-loop thread.
@@ -18,7 +18,7 @@ const NICE: libc::c_int = 10;
 /// started (a thread limit), rather than failing. A panic in `f` panics here.
 pub fn nicer<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     let job = Mutex::new(Some(f));
-    let take = || job.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+    let take = || job.lock().take();
     std::thread::scope(|scope| {
         let run = || {
             lower_priority();
