@@ -30,15 +30,10 @@ def legacy_filename(addr: str) -> str:
 
 
 def _check_legacy_options(
-    format: str, native: bool, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool
+    format: str, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool
 ) -> None:
     if format != "speedscope":
         raise ValueError(f"format must be 'speedscope' (the only format written in-process), got {format!r}")
-    if native:
-        raise ValueError(
-            "native=True is not possible in-process: native frames need ptrace of a stopped thread; "
-            "use the py-spy command line with SYS_PTRACE for that"
-        )
     if extra_pyspy_args:
         raise ValueError(
             f"extra_pyspy_args cannot apply: no py-spy command line is run (got {list(extra_pyspy_args)!r})"
@@ -80,8 +75,8 @@ def pyspy_on_scheduler(
 ) -> Iterator[None]:
     """Profile the scheduler for the block and write one speedscope file to `output`."""
     check_writable(output)
-    _check_legacy_options(format, native, extra_pyspy_args, subprocesses, nonblocking)
-    plugin = PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle)
+    _check_legacy_options(format, extra_pyspy_args, subprocesses, nonblocking)
+    plugin = PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle, native=native)
     with _record(client, plugin, workers=[], scheduler=True) as recorded:
         yield
     client_api.save_or_keep(recorded[0], output)
@@ -108,8 +103,8 @@ def pyspy(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     check_writable(out / legacy_filename("tcp://probe"))
-    _check_legacy_options(format, native, extra_pyspy_args, subprocesses, nonblocking)
-    plugin = PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle)
+    _check_legacy_options(format, extra_pyspy_args, subprocesses, nonblocking)
+    plugin = PySpyPlugin(rate=rate, function=function, gil_only=gil, idle=idle, native=native)
     with _record(client, plugin, workers=workers, scheduler=False) as recorded:
         yield
     for addr, part in split_by_process(recorded[0]).items():

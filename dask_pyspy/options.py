@@ -137,6 +137,9 @@ class SamplerOptions:
         py-spy's), ``"fast"`` (our own reader; RuntimeError where it cannot work) or
         ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
         says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
+    native: also capture the native (C, C++, Rust) frames of each thread running on a
+        CPU, merged with its Python frames (Linux x86-64; a real-time signal per such
+        thread, never to one in a system call). ``stats()["native"]`` counts what it did.
     """
 
     rate: float = _checked_by(number)
@@ -149,6 +152,7 @@ class SamplerOptions:
     lines: bool = _checked_by(flag)
     function: bool = _checked_by(flag)
     reader: str = _checked_by(functools.partial(choice, choices=READER_CHOICES))
+    native: bool = _checked_by(flag)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # in field order; numbers as the native sampler takes them

@@ -24,7 +24,7 @@ proptest! {
     #[test]
     fn exporters_survive_any_names(name in hostile(), file in hostile(), key in hostile(), thread in hostile()) {
         let mut data = profile("w", &[(1, &["main", "f"], Some("k")), (1, &["main", "g"], None)]);
-        data.frames[1] = Frame { name: name.clone(), file: file.clone(), line: 3 };
+        data.frames[1] = Frame::python(name.clone(), file.clone(), 3);
         data.tags[0] = Tag { key: key.clone(), prefix: key.clone(), span: Some(key.clone()) };
         data.threads[0].name = Some(thread.clone());
         for by in [By::Thread, By::Task, By::Prefix, By::Span] {

@@ -180,11 +180,10 @@ impl Reader<'_> {
         }
         let out = &mut self.out;
         Ok(*self.frames[index as usize].get_or_insert_with(|| {
-            out.frames.intern(Frame {
-                name: f.name.clone(),
-                file: f.file.clone().unwrap_or_default(),
-                line: f.line.unwrap_or(0),
-            })
+            let file = f.file.clone().unwrap_or_default();
+            // Our writer gives a native frame its library as the file, and no line.
+            let native = f.line.is_none() && file.contains(".so");
+            out.frames.intern(Frame { name: f.name.clone(), file, line: f.line.unwrap_or(0), native })
         }))
     }
 

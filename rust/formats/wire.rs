@@ -77,6 +77,9 @@ struct Body {
     /// Each activity's calls + 1 (0: not counted); empty: none counted.
     #[prost(uint64, repeated, tag = "23")]
     activity_calls: Vec<u64>,
+    /// Indices of the native frames (older parts have none).
+    #[prost(uint32, repeated, tag = "24")]
+    frame_native: Vec<u32>,
 }
 
 /// Samples, a column per field; tags and activities + 1 (0: none).
@@ -184,7 +187,10 @@ impl<'a> Strings<'a> {
 fn body(data: &ProfileData) -> Body {
     let mut st = Strings::default();
     let mut b = Body::default();
-    for f in &data.frames {
+    for (i, f) in data.frames.iter().enumerate() {
+        if f.native {
+            b.frame_native.push(i as u32);
+        }
         b.frame_name.push(st.id(&f.name));
         b.frame_file.push(st.id(&f.file));
         b.frame_line.push(f.line);
@@ -352,7 +358,10 @@ fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
     let optional = |i: u32| if i == 0 { Ok(None) } else { string(i - 1).map(Some) };
     let mut frames = Vec::with_capacity(b.frame_name.len());
     for i in 0..b.frame_name.len() {
-        frames.push(Frame { name: string(b.frame_name[i])?, file: string(b.frame_file[i])?, line: b.frame_line[i] });
+        frames.push(Frame::python(string(b.frame_name[i])?, string(b.frame_file[i])?, b.frame_line[i]));
+    }
+    for &i in &b.frame_native {
+        frames.get_mut(i as usize).ok_or("a native frame index out of range")?.native = true;
     }
     let mut stacks = Vec::with_capacity(b.stack_len.len());
     let mut rest = b.stack_frames.as_slice();

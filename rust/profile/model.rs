@@ -11,8 +11,22 @@ use std::collections::{BTreeMap, HashMap};
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Frame {
     pub name: String,
+    /// The Python file, or a native frame's library.
     pub file: String,
     pub line: i32,
+    /// Machine code (C, C++, Rust), from the native stack; `file` is its library.
+    #[serde(default)]
+    pub native: bool,
+}
+
+impl Frame {
+    pub fn python(name: String, file: String, line: i32) -> Frame {
+        Frame { name, file, line, native: false }
+    }
+
+    pub fn native(name: String, library: String) -> Frame {
+        Frame { name, file: library, line: 0, native: true }
+    }
 }
 
 /// The dask task a thread was running, as the key's repr and its `key_split` prefix,
@@ -462,7 +476,7 @@ pub mod tests {
     use crate::profile::build::Builder;
 
     pub fn frame(name: &str) -> Frame {
-        Frame { name: name.into(), file: format!("{name}.py"), line: 1 }
+        Frame::python(name.into(), format!("{name}.py"), 1)
     }
 
     /// A one-process profile with the given (thread ident, stack names, tag key) samples.

@@ -69,7 +69,7 @@ fn self_check(py: Python<'_>, reader: &mut FastReader, mode: LineMode) -> Result
     }
     check_datastack(reader, this.state.chunk, this.state.top)?;
     let ids = this.frames.map_err(|()| "this thread's frames do not hold together".to_string())?;
-    let got: Vec<Frame> = ids.iter().map(|&id| super::StackReader::frame(reader, id)).collect();
+    let got: Vec<Frame> = ids.frames.iter().map(|&id| super::StackReader::frame(reader, id)).collect();
     if got.len() != expected.len() {
         return Err(format!("read {} frames, Python has {}", got.len(), expected.len()));
     }
@@ -101,11 +101,7 @@ fn python_stack(py: Python<'_>, mode: LineMode) -> PyResult<Vec<Frame>> {
             LineMode::First => code.getattr("co_firstlineno")?.extract()?,
             LineMode::None => 0,
         };
-        frames.push(Frame {
-            name: code.getattr("co_qualname")?.extract()?,
-            file: code.getattr("co_filename")?.extract()?,
-            line,
-        });
+        frames.push(Frame::python(code.getattr("co_qualname")?.extract()?, code.getattr("co_filename")?.extract()?, line));
         frame = frame.getattr("f_back")?;
     }
     Ok(frames)

@@ -316,7 +316,7 @@ impl CodeCache {
         let id = *self.frame_ids.entry((c.serial, line)).or_insert(next);
         if id == next {
             self.frame_bytes += c.name.len() + c.file.len();
-            self.frames.push(Frame { name: c.name.to_string(), file: c.file.to_string(), line });
+            self.frames.push(Frame::python(c.name.to_string(), c.file.to_string(), line));
         }
         c.lines.insert(offset, id);
         Found::Frame(id)

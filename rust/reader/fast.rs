@@ -29,10 +29,18 @@ fn copies(attempt: usize) -> usize {
     }
 }
 
+/// A thread's frame ids, innermost first, and how many of them each run of the
+/// eval loop holds, innermost run first.
+#[derive(Clone, Debug, Default)]
+pub struct Ids {
+    pub frames: Vec<u64>,
+    pub evals: Vec<u32>,
+}
+
 /// A thread read: its state, its frame ids (Err: lost) and its marks during the read.
 pub struct ReadThread {
     pub state: ThreadState,
-    pub frames: Result<Vec<u64>, ()>,
+    pub frames: Result<Ids, ()>,
     pub marks: ReadMarks,
 }
 
@@ -40,7 +48,7 @@ struct Kept {
     frame_ref: u64,
     chunk: u64,
     top: u64,
-    ids: Vec<u64>,
+    ids: Ids,
     epoch: u64,
 }
 
@@ -121,7 +129,7 @@ impl FastReader {
         }
         let idents: Vec<u64> = chosen.iter().map(|t| t.ident).collect();
         // A thread that did not run keeps its frames: its ids from last time still hold.
-        let mut frames: Vec<Result<Vec<u64>, ()>> = chosen.iter().map(|t| self.unchanged(t).ok_or(())).collect();
+        let mut frames: Vec<Result<Ids, ()>> = chosen.iter().map(|t| self.unchanged(t).ok_or(())).collect();
         let before = tags.versions(&idents);
         self.read_frames(&mut chosen, &mut frames)?;
         let mut after = tags.stable_tags(&before, &idents);
@@ -150,7 +158,7 @@ impl FastReader {
     /// copy tore (it ran while copied) is read again from its current thread state,
     /// up to `RETRIES` times: dropping it would bias the profile against code that
     /// changes its stack often, i.e. code making many small calls.
-    fn read_frames(&mut self, threads: &mut [ThreadState], frames: &mut [Result<Vec<u64>, ()>]) -> Result<(), String> {
+    fn read_frames(&mut self, threads: &mut [ThreadState], frames: &mut [Result<Ids, ()>]) -> Result<(), String> {
         let mut pending: Vec<usize> = (0..threads.len()).filter(|&i| frames[i].is_err()).collect();
         for attempt in 0..=RETRIES {
             if pending.is_empty() {
@@ -184,7 +192,7 @@ impl FastReader {
     fn reread_torn_marks(
         &mut self,
         threads: &mut [ThreadState],
-        frames: &mut [Result<Vec<u64>, ()>],
+        frames: &mut [Result<Ids, ()>],
         marks: &mut [ReadMarks],
         tags: &ThreadTags,
     ) -> Result<(), String> {
@@ -210,24 +218,34 @@ impl FastReader {
     }
 
     /// The frame ids read last time, if `t` did not run since and still has the same frames.
-    fn unchanged(&self, t: &ThreadState) -> Option<Vec<u64>> {
+    fn unchanged(&self, t: &ThreadState) -> Option<Ids> {
         let k = self.last.get(&t.addr)?;
         let same = (k.frame_ref, k.chunk, k.top, k.epoch) == (t.frame_ref, t.chunk, t.top, self.codes.epoch);
         (t.still && same).then(|| k.ids.clone())
     }
 
     /// Frame ids of a raw stack; Err if any frame does not hold together.
-    fn frame_ids(&mut self, raw: &[RawFrame]) -> Result<Vec<u64>, ()> {
-        let mut ids = Vec::with_capacity(raw.len());
+    fn frame_ids(&mut self, raw: &[RawFrame]) -> Result<Ids, ()> {
+        let mut ids = Ids { frames: Vec::with_capacity(raw.len()), evals: Vec::new() };
+        let mut run = 0;
         for f in raw {
             let offset = f.instr as i64 - (f.code + self.layout.code_bytecode) as i64;
             // 3.11 and 3.12 start a frame one code unit before its code: not yet running.
             let not_started = offset == -2 && self.layout.version < (3, 13);
             match self.codes.frame_id(f.code, offset, self.mode) {
-                Found::Frame(id) if !not_started => ids.push(id),
+                Found::Frame(id) if !not_started => {
+                    ids.frames.push(id);
+                    run += 1;
+                }
                 Found::Frame(_) | Found::NotCode => {} // NotCode: an entry frame's executable
                 Found::Torn => return Err(()),
             }
+            if f.entry {
+                ids.evals.push(std::mem::take(&mut run));
+            }
+        }
+        if run > 0 {
+            ids.evals.push(run);
         }
         Ok(ids)
     }
@@ -243,11 +261,12 @@ impl StackReader for FastReader {
         let in_task = tags.tagged();
         let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
         for r in self.read_where(select, tags)? {
-            let Ok(frames) = r.frames else { continue };
+            let Ok(ids) = r.frames else { continue };
             out.push(ThreadStack {
                 ident: r.state.ident,
                 name: None,
-                frames,
+                frames: ids.frames,
+                evals: Some(ids.evals),
                 active: r.state.working(),
                 holds_gil: r.state.holds_gil,
                 runs_python: r.state.runs_python(),

@@ -31,6 +31,9 @@ const PAST_TOP: u64 = 1 << 10;
 pub struct RawFrame {
     pub code: u64,
     pub instr: u64,
+    /// The outermost frame of one run of the interpreter's eval loop (a C caller
+    /// called into Python there): where native stacks are merged.
+    pub entry: bool,
 }
 
 /// Memory copied for one thread: its live chunk stays in the first batch; frames
@@ -105,12 +108,18 @@ impl Walker {
             let (code, instr) = (u64_at(f, layout.frame_code) & !7, u64_at(f, layout.frame_instr));
             let owner = u8_at(f, layout.frame_owner);
             let previous = u64_at(f, layout.frame_previous);
+            let entry = layout.frame_is_entry.is_some_and(|o| u8_at(f, o) != 0);
             self.walked += 1;
             if in_live {
                 self.live.push(self.next);
             }
-            if Some(owner) != layout.owner_not_python && code != 0 {
-                self.frames.push(RawFrame { code, instr });
+            if Some(owner) == layout.owner_not_python {
+                // An eval loop's shim: the frame walked before it began that run.
+                if let Some(last) = self.frames.last_mut() {
+                    last.entry = true;
+                }
+            } else if code != 0 {
+                self.frames.push(RawFrame { code, instr, entry });
             }
             self.next = previous;
         }

@@ -62,6 +62,8 @@ pub struct Layout {
     pub frame_owner: u64,
     /// Owner value of frames that are not Python calls (C-stack shims, entry frames).
     pub owner_not_python: Option<u8>,
+    /// 3.11's `is_entry` byte (later versions mark an eval loop's entry by a shim frame).
+    pub frame_is_entry: Option<u64>,
     pub code_filename: u64,
     pub code_name: u64,
     pub code_qualname: u64,
@@ -166,6 +168,7 @@ fn py311() -> Layout {
         frame_instr: 56,
         frame_owner: 69,
         owner_not_python: None,
+        frame_is_entry: Some(68),
         code_filename: 112,
         code_name: 120,
         code_qualname: 128,
@@ -207,6 +210,7 @@ fn py312() -> Layout {
         frame_instr: 56,
         frame_owner: 70,
         owner_not_python: Some(3),
+        frame_is_entry: None,
         code_filename: 112,
         code_name: 120,
         code_qualname: 128,
@@ -403,6 +407,7 @@ fn published(version: (u8, u8), runtime: u64, mem: &mut Memory) -> Result<Layout
         frame_instr: p.get("interpreter_frame", "instr_ptr")?,
         frame_owner: p.get("interpreter_frame", "owner")?,
         owner_not_python: Some(3),
+        frame_is_entry: None,
         code_filename: p.get("code_object", "filename")?,
         code_name: p.get("code_object", "name")?,
         code_qualname: p.get("code_object", "qualname")?,

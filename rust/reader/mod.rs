@@ -12,6 +12,7 @@ mod frees;
 mod layout;
 mod linetable;
 mod memory;
+pub mod native;
 mod pyspy;
 pub mod tags;
 mod threads;
@@ -54,6 +55,9 @@ pub struct ThreadStack {
     pub name: Option<String>,
     /// Frame ids of the reader (see `StackReader::frame`), innermost first.
     pub frames: Vec<u64>,
+    /// How many of `frames` each run of the interpreter's eval loop holds, innermost
+    /// first (native stacks are merged there); None where the reader cannot tell.
+    pub evals: Option<Vec<u32>>,
     /// On a CPU or holding the GIL.
     pub active: bool,
     pub holds_gil: bool,

@@ -77,7 +77,7 @@ impl PySpyReader {
     }
 
     fn frame_id(&mut self, f: &py_spy::Frame) -> u64 {
-        let frame = Frame { name: f.name.clone(), file: f.filename.clone(), line: f.line };
+        let frame = Frame::python(f.name.clone(), f.filename.clone(), f.line);
         if let Some(&id) = self.frame_ids.get(&frame) {
             return id;
         }
@@ -127,6 +127,7 @@ impl StackReader for PySpyReader {
                 ident: t.thread_id,
                 name: t.thread_name.clone(),
                 frames: Vec::new(),
+                evals: None,
                 // py-spy's `active` means on a CPU; a thread holding the GIL is working too.
                 active: t.active || t.owns_gil,
                 holds_gil: t.owns_gil,
@@ -139,8 +140,10 @@ impl StackReader for PySpyReader {
             self.cpu_ns += stack.cpu_ns;
             let in_task = before.get(&t.thread_id).is_some_and(|b| b.marks.task.is_some());
             if want.keeps(stack.active, stack.runs_python, in_task) && !t.frames.is_empty() {
-                let frames = t.frames.iter().map(|f| self.frame_id(f)).collect();
-                out.push(ThreadStack { frames, ..stack });
+                let frames: Vec<u64> = t.frames.iter().map(|f| self.frame_id(f)).collect();
+                // Before 3.11 every Python call ran its own eval loop; after, py-spy does not say.
+                let evals = (self.spy.version.minor < 11).then(|| vec![1; frames.len()]);
+                out.push(ThreadStack { frames, evals, ..stack });
             }
         }
         Ok(())

@@ -1,7 +1,7 @@
 //! Sampler options, read by attribute from Python's options object and checked once.
 
 use crate::error::{Error, Result};
-use crate::reader::{LineMode, ReaderChoice};
+use crate::reader::{native, LineMode, ReaderChoice};
 use crate::sampling::history::MAX_STEP_NS;
 use crate::sampling::store::Retention;
 use pyo3::prelude::*;
@@ -35,6 +35,8 @@ pub struct SamplerConfig {
     /// where its self-check passes. A name, so a wrong one is a ValueError of
     /// `validate`, not a TypeError of reading the options.
     pub reader: String,
+    /// Also capture each running thread's native (C) frames, by a signal to it.
+    pub native: bool,
 }
 
 impl Default for SamplerConfig {
@@ -50,6 +52,7 @@ impl Default for SamplerConfig {
             lines: true,
             function: false,
             reader: "auto".into(),
+            native: false,
         }
     }
 }
@@ -57,6 +60,9 @@ impl Default for SamplerConfig {
 impl SamplerConfig {
     pub fn validate(&self) -> Result<()> {
         self.reader.parse::<ReaderChoice>()?;
+        if let Some(why) = self.native.then(native::unsupported).flatten() {
+            return Err(Error::BadInput(format!("native must be False here: {why}")));
+        }
         if !(self.rate > 0.0 && self.rate <= MAX_RATE) {
             return Err(Error::BadInput(format!(
                 "rate must be in (0, {MAX_RATE}] samples per second, got {}",

@@ -177,6 +177,7 @@ impl Sampler {
             "reader": run.reader,
             "reader_stats": run.reader_stats,
             "states": run.states,
+            "native": run.native,
             "cores": std::thread::available_parallelism().map_or(0, usize::from),
             "store": store,
             "config": config,

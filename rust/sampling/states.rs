@@ -174,6 +174,14 @@ impl States {
         }
     }
 
+    /// Whether thread `tid` is out of any system call right now (on a CPU or waiting
+    /// for one), read fresh; false when that cannot be told.
+    pub fn running_now(&mut self, tid: u64) -> bool {
+        let Some(files) = files_of(&mut self.files, &mut self.stats, tid, Instant::now()) else { return false };
+        let mut buf = [0u8; 16];
+        files.syscall.read_at(&mut buf, 0).is_ok_and(|n| buf[..n].starts_with(b"running"))
+    }
+
     /// Closes the files of threads not sampled for a while (most have exited).
     fn forget_gone(&mut self, now: Instant) {
         if self.files.len() > MAX_OPEN / 2 {

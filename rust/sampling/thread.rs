@@ -11,6 +11,7 @@
 
 use crate::profile::model::{Frame, State};
 use crate::reader::tags::{Marks, ThreadTags};
+use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
@@ -49,6 +50,8 @@ pub struct RunStats {
     pub reader: Option<&'static str>,
     pub reader_stats: Value,
     pub states: StateStats,
+    /// Native capture's counters, when asked for.
+    pub native: Option<NativeStats>,
 }
 
 /// One thread of a live dump.
@@ -106,6 +109,14 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
+/// The frame behind an id of the reader's, or of native capture's.
+fn frame_of(reader: &dyn StackReader, native: Option<&Native>, id: u64) -> Frame {
+    match native {
+        Some(native) if id & NATIVE != 0 => native.frame(id),
+        _ => reader.frame(id),
+    }
+}
+
 pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result::Result<(), String>>) {
     shared.stats.lock().running = true;
     let config = shared.config.lock().clone();
@@ -140,6 +151,8 @@ struct Loop<'a> {
     shared: &'a Shared,
     config: SamplerConfig,
     reader: Box<dyn StackReader>,
+    /// Native capture, when asked for and possible here.
+    native: Option<Native>,
     base: Duration,
     interval: Duration,
     /// CPU seconds the budget allows that ticks have not spent (negative: overdrawn).
@@ -149,18 +162,25 @@ struct Loop<'a> {
     states: Vec<State>,
     kernel: States,
     rng: fastrand::Rng,
-    /// Reader frame id -> store frame id, valid for `ids_valid_for` (reader epoch, store generation).
+    /// Reader (or native) frame id -> store frame id, valid for `ids_valid_for`
+    /// (reader epoch, native epoch, store generation).
     store_ids: FxHashMap<u64, u32>,
-    ids_valid_for: (u64, u64),
+    ids_valid_for: (u64, u64, u64),
 }
 
 impl<'a> Loop<'a> {
     fn new(shared: &'a Shared, config: SamplerConfig, reader: Box<dyn StackReader>) -> Self {
         let base = Duration::from_secs_f64(config.interval_secs());
+        let native = config.native.then(|| {
+            Native::start().map_err(|off| {
+                shared.stats.lock().native = Some(NativeStats { off: Some(off), ..Default::default() });
+            })
+        });
         Loop {
             shared,
             config,
             reader,
+            native: native.and_then(Result::ok),
             base,
             interval: base,
             credit_s: 0.0,
@@ -169,7 +189,7 @@ impl<'a> Loop<'a> {
             kernel: States::new(),
             rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
-            ids_valid_for: (0, 0),
+            ids_valid_for: (0, 0, 0),
         }
     }
 
@@ -199,6 +219,9 @@ impl<'a> Loop<'a> {
             if stats.ticks % READER_STATS_EVERY == 1 {
                 stats.reader_stats = self.reader.stats();
                 stats.states = self.kernel.stats;
+                if let Some(native) = &self.native {
+                    stats.native = Some(native.stats());
+                }
             }
             drop(stats);
             // A late tick's weight reached `now`: the next slot starts there, and a
@@ -208,6 +231,9 @@ impl<'a> Loop<'a> {
         let mut stats = self.shared.stats.lock();
         stats.wall_ns = started.elapsed().as_nanos() as u64;
         stats.reader_stats = self.reader.stats();
+        if let Some(native) = &self.native {
+            stats.native = Some(native.stats());
+        }
     }
 
     /// Sleeps until `deadline` or until a dump asks for a tick; true when asked to stop.
@@ -245,6 +271,7 @@ impl<'a> Loop<'a> {
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
             Ok(()) => {
                 self.read_states(time_ns);
+                self.capture_native();
                 self.record(time_ns, weight);
                 if all {
                     self.keep_for_dump(time_ns);
@@ -273,6 +300,19 @@ impl<'a> Loop<'a> {
         }
     }
 
+    /// Merges the native stacks of threads on a CPU (or waiting for one) into their
+    /// Python stacks; a thread in a system call is never signalled.
+    fn capture_native(&mut self) {
+        let Some(native) = self.native.as_mut() else { return };
+        let on_cpu = |s: &State| matches!(s, State::Cpu | State::CpuGil | State::CpuWait);
+        let mut wanted: Vec<Wanted<'_>> = (self.stacks.iter_mut().zip(&self.states))
+            .filter(|(t, s)| on_cpu(s) && !t.frames.is_empty())
+            .filter_map(|(t, _)| Some(Wanted { tid: t.native_tid?, frames: &mut t.frames, evals: t.evals.as_deref() }))
+            .collect();
+        let kernel = &mut self.kernel;
+        native.capture(&mut wanted, |tid| kernel.running_now(tid));
+    }
+
     fn record(&mut self, time_ns: u64, weight: Duration) {
         let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
         let config = &self.config;
@@ -290,15 +330,15 @@ impl<'a> Loop<'a> {
                 boundary += 1;
                 Marks::default()
             });
-            let valid_for = (self.reader.epoch(), store.generation());
+            let valid_for = (self.reader.epoch(), self.native.as_ref().map_or(0, Native::epoch), store.generation());
             if valid_for != self.ids_valid_for {
                 self.store_ids.clear();
                 self.ids_valid_for = valid_for;
             }
             ids.clear();
             for &f in t.frames.iter().rev() {
-                let reader = &self.reader;
-                ids.push(*self.store_ids.entry(f).or_insert_with(|| store.frame_id(reader.frame(f))));
+                let frame = || store.frame_id(frame_of(&*self.reader, self.native.as_ref(), f));
+                ids.push(*self.store_ids.entry(f).or_insert_with(frame));
             }
             let flags = state.flags(t.holds_gil);
             let cpu_us = (t.cpu_ns / 1000).min(u32::MAX as u64) as u32;
@@ -326,7 +366,7 @@ impl<'a> Loop<'a> {
             .map(|(s, &state)| DumpThread {
                 stack: s.clone(),
                 state,
-                frames: s.frames.iter().map(|&f| self.reader.frame(f)).collect(),
+                frames: s.frames.iter().map(|&f| frame_of(&*self.reader, self.native.as_ref(), f)).collect(),
             })
             .collect();
         *self.shared.last.lock() = Some(LastTick { time_ns, threads });

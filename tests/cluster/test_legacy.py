@@ -38,7 +38,6 @@ def test_legacy_filename():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"native": True}, "native=True is not possible in-process"),
         ({"format": "flamegraph"}, "format must be 'speedscope'"),
         ({"extra_pyspy_args": ["--full-filenames"]}, "extra_pyspy_args cannot apply"),
     ],

@@ -1,0 +1,292 @@
+//! Native (C, C++, Rust) frames of this process's threads, without ptrace: the sampler
+//! sends each running thread a real-time signal whose handler copies its registers and
+//! the top of its stack (`signal`); the sampling thread then unwinds the copy
+//! (`unwind`, over the modules' tables in `modules`), names the addresses (`symbols`,
+//! `resolve`) and merges them with the thread's Python frames (`merge`).
+
+mod merge;
+mod modules;
+mod resolve;
+mod signal;
+mod symbols;
+mod unwind;
+
+pub use merge::NATIVE;
+pub use resolve::SHOWN_INTERNALS;
+
+use crate::profile::model::Frame;
+use framehop::x86_64::CacheX86_64;
+use merge::{merge, Mismatch};
+use modules::Modules;
+use resolve::{Kind, Resolver};
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::Serialize;
+use signal::{Slot, SLOTS};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+use unwind::{unwind, End};
+
+/// How long a tick waits for threads to answer: a thread that blocks the signal, or
+/// waits for a CPU, gets a Python-only sample.
+const ANSWER_WITHIN: Duration = Duration::from_millis(2);
+/// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
+const FIRST_COPY: usize = 32 << 10;
+/// Per-sample costs kept for the medians in the stats.
+const COSTS_KEPT: usize = 1024;
+
+/// The process (by pid, so a forked child starts over) whose sampler captures native stacks.
+static OWNER: AtomicI32 = AtomicI32::new(0);
+
+/// Why native capture cannot run here at all, or None.
+pub fn unsupported() -> Option<&'static str> {
+    (!cfg!(all(target_os = "linux", target_arch = "x86_64")))
+        .then_some("native frames are read on Linux x86-64 only")
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct NativeStats {
+    pub signal: i32,
+    /// Why capture stopped, if it did.
+    pub off: Option<String>,
+    /// Threads asked for their native stack.
+    pub asked: u64,
+    pub answered: u64,
+    /// Asked threads that did not answer in time (blocked the signal, or waited for a CPU).
+    pub timed_out: u64,
+    /// Threads not asked because an earlier signal to them is still pending.
+    pub still_pending: u64,
+    /// Threads not asked because they were in a system call when their turn came.
+    pub in_syscall: u64,
+    /// Samples merged with their native frames.
+    pub merged: u64,
+    /// Samples whose halves disagreed: kept with their Python frames only.
+    pub mismatched: u64,
+    /// Unwinds that ended where no unwind information led further.
+    pub lost_unwinds: u64,
+    /// Median cost per native thread-sample, in microseconds: signal round trip
+    /// (shared by the threads asked together), unwind, and symbols and merge.
+    pub median_us: [f64; 3],
+    pub modules: modules::ModuleStats,
+    pub unknown_addresses: u64,
+}
+
+pub struct Native {
+    signal: i32,
+    seq: u64,
+    modules: Modules,
+    cache: Box<CacheX86_64>,
+    resolver: Resolver,
+    copy: FxHashMap<u64, usize>,
+    /// Threads whose last signal went unanswered: not asked again while it is pending.
+    unanswered: FxHashSet<u64>,
+    costs: VecDeque<[u32; 3]>,
+    stats: NativeStats,
+    pcs: Vec<u64>,
+    resolved: Vec<(u32, Kind)>,
+    merged: Vec<u64>,
+}
+
+/// A thread to capture: its kernel id, Python frame ids and eval runs; the merged
+/// stack replaces its frames.
+pub struct Wanted<'a> {
+    pub tid: u64,
+    pub frames: &'a mut Vec<u64>,
+    pub evals: Option<&'a [u32]>,
+}
+
+impl Native {
+    /// Takes this process's native capture: installs the handler on a free real-time
+    /// signal (never one the application handles).
+    pub fn start() -> Result<Native, String> {
+        if let Some(why) = unsupported() {
+            return Err(why.into());
+        }
+        let pid = std::process::id() as i32;
+        let owner = OWNER.load(Ordering::Acquire);
+        if owner == pid || OWNER.compare_exchange(owner, pid, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return Err("another sampler in this process reads native frames".into());
+        }
+        signal::prepare();
+        let Some(sig) = signal::install() else {
+            OWNER.store(0, Ordering::Release);
+            return Err("every real-time signal has a handler of the application's".into());
+        };
+        Ok(Native {
+            signal: sig,
+            seq: 0,
+            modules: Modules::new(),
+            cache: Box::new(CacheX86_64::new()),
+            resolver: Resolver::new(),
+            copy: FxHashMap::default(),
+            unanswered: FxHashSet::default(),
+            costs: VecDeque::new(),
+            stats: NativeStats { signal: sig, ..Default::default() },
+            pcs: Vec::new(),
+            resolved: Vec::new(),
+            merged: Vec::new(),
+        })
+    }
+
+    /// Changes when earlier native frame ids may mean other frames.
+    pub fn epoch(&self) -> u64 {
+        self.resolver.epoch
+    }
+
+    /// The frame behind a native id (`NATIVE` set).
+    pub fn frame(&self, id: u64) -> Frame {
+        let id = (id & !NATIVE) as u32;
+        self.resolver.frame(id).cloned().unwrap_or_else(|| Frame::native("?".into(), "?".into()))
+    }
+
+    /// Captures the native stacks of `threads`, merging each into its frames;
+    /// `running(tid)` says, just before its signal, whether a thread is out of any
+    /// system call (one in a call is never signalled: it could return `EINTR`).
+    pub fn capture(&mut self, threads: &mut [Wanted<'_>], mut running: impl FnMut(u64) -> bool) {
+        if self.stats.off.is_some() {
+            return;
+        }
+        if !signal::is_ours(self.signal) {
+            self.stats.off = Some(format!(
+                "the application put a handler of its own on signal {}: native frames are off",
+                self.signal
+            ));
+            return;
+        }
+        for batch in threads.chunks_mut(SLOTS) {
+            self.capture_batch(batch, &mut running);
+        }
+        self.stats.unknown_addresses = self.resolver.unknown;
+        self.stats.modules = self.modules.stats;
+    }
+
+    fn capture_batch(&mut self, batch: &mut [Wanted<'_>], running: &mut impl FnMut(u64) -> bool) {
+        let started = Instant::now();
+        let mut asked: Vec<(usize, u64)> = Vec::with_capacity(batch.len());
+        for (i, w) in batch.iter().enumerate() {
+            if self.unanswered.contains(&w.tid) {
+                if pending(w.tid, self.signal) {
+                    self.stats.still_pending += 1;
+                    continue;
+                }
+                self.unanswered.remove(&w.tid);
+            }
+            if !running(w.tid) {
+                self.stats.in_syscall += 1;
+                continue;
+            }
+            self.seq += 1;
+            let slot = Slot::at(asked.len());
+            slot.ask(self.seq, *self.copy.get(&w.tid).unwrap_or(&FIRST_COPY));
+            if signal::send(self.signal, w.tid, asked.len(), self.seq) {
+                asked.push((i, self.seq));
+            } else {
+                slot.release();
+            }
+        }
+        if asked.is_empty() {
+            return;
+        }
+        self.stats.asked += asked.len() as u64;
+        let deadline = started + ANSWER_WITHIN;
+        let mut spins = 0u32;
+        while !asked.iter().enumerate().all(|(s, &(_, seq))| Slot::at(s).answered(seq)) && Instant::now() < deadline {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let round_trip = started.elapsed();
+        for (s, &(i, seq)) in asked.iter().enumerate() {
+            let slot = Slot::at(s);
+            if !slot.answered(seq) && slot.withdraw(seq) {
+                self.stats.timed_out += 1;
+                self.unanswered.insert(batch[i].tid);
+                continue;
+            }
+            while !slot.answered(seq) {
+                std::thread::yield_now(); // the handler is writing: it finishes without blocking
+            }
+            self.stats.answered += 1;
+            let t0 = Instant::now();
+            let (regs, stack) = slot.answer();
+            let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.pcs);
+            let copied = stack.len();
+            slot.release();
+            let t1 = Instant::now();
+            self.after_unwind(batch[i].tid, end, copied);
+            self.merge_into(&mut batch[i], end);
+            let costs = [round_trip, t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32);
+            self.keep_costs(costs);
+        }
+    }
+
+    fn after_unwind(&mut self, tid: u64, end: End, copied: usize) {
+        match end {
+            End::CopyEnd => {
+                if self.copy.len() > 4096 {
+                    self.copy.clear();
+                }
+                let now = *self.copy.get(&tid).unwrap_or(&FIRST_COPY);
+                if copied >= now {
+                    self.copy.insert(tid, (now * 2).min(signal::MAX_COPY));
+                }
+            }
+            End::Lost => self.stats.lost_unwinds += 1,
+            End::Root => {}
+        }
+    }
+
+    fn merge_into(&mut self, w: &mut Wanted<'_>, end: End) {
+        self.resolved.clear();
+        for &pc in &self.pcs {
+            self.resolved.push(self.resolver.resolve(pc, &mut self.modules));
+        }
+        match merge(w.frames, w.evals, &self.resolved, end, &mut self.merged) {
+            Ok(()) => {
+                std::mem::swap(w.frames, &mut self.merged);
+                self.stats.merged += 1;
+            }
+            Err(Mismatch::Evals | Mismatch::NoEval) => self.stats.mismatched += 1,
+        }
+    }
+
+    fn keep_costs(&mut self, costs: [u32; 3]) {
+        if self.costs.len() >= COSTS_KEPT {
+            self.costs.pop_front();
+        }
+        self.costs.push_back(costs);
+    }
+
+    /// The counters, with the medians of the recent costs.
+    pub fn stats(&self) -> NativeStats {
+        let mut stats = self.stats.clone();
+        if !self.costs.is_empty() {
+            stats.median_us = [0, 1, 2].map(|k| {
+                let mut v: Vec<u32> = self.costs.iter().map(|c| c[k]).collect();
+                v.sort_unstable();
+                v[v.len() / 2] as f64 / 1000.0
+            });
+        }
+        stats
+    }
+}
+
+impl Drop for Native {
+    fn drop(&mut self) {
+        // A signal still pending would end the process under the default disposition.
+        if self.unanswered.is_empty() {
+            signal::uninstall(self.signal);
+        }
+        let _ = OWNER.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+}
+
+/// Whether `signal` is pending for thread `tid` (its `SigPnd` mask).
+fn pending(tid: u64, signal: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")) else { return false };
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigPnd:")).map(str::trim);
+    mask.and_then(|m| u64::from_str_radix(m, 16).ok()).is_some_and(|m| m >> (signal - 1) & 1 == 1)
+}

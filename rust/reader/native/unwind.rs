@@ -1,0 +1,58 @@
+//! Unwinding a copied stack: framehop follows each module's `.eh_frame` (frame
+//! pointers where a module has none) over the bytes the signal handler copied.
+
+use super::modules::Section;
+use super::signal::Regs;
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::Unwinder;
+
+/// Deeper stacks are cut here.
+const MAX_FRAMES: usize = 1024;
+
+/// How an unwind ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// At the thread's first function.
+    Root,
+    /// At the end of the copy: the stack goes on past what was copied.
+    CopyEnd,
+    /// Where no unwind information or frame pointer led further.
+    Lost,
+}
+
+/// The code addresses of the stack in `stack` (copied from `regs.sp` up), innermost
+/// first, as addresses inside each call (a return address less one).
+pub fn unwind(
+    unwinder: &UnwinderX86_64<Section>,
+    cache: &mut CacheX86_64,
+    regs: Regs,
+    stack: &[u8],
+    out: &mut Vec<u64>,
+) -> End {
+    out.clear();
+    let (low, high) = (regs.sp, regs.sp + stack.len() as u64);
+    let mut past_copy = false;
+    let mut read = |addr: u64| {
+        if addr < low || addr + 8 > high {
+            past_copy |= addr >= high;
+            return Err(());
+        }
+        let at = (addr - low) as usize;
+        Ok(u64::from_le_bytes(stack[at..at + 8].try_into().expect("8 bytes")))
+    };
+    let mut frames = unwinder.iter_frames(regs.ip, UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp), cache, &mut read);
+    let end = loop {
+        match frames.next() {
+            Ok(Some(frame)) if out.len() < MAX_FRAMES => out.push(frame.address_for_lookup()),
+            Ok(Some(_)) => break End::CopyEnd,
+            Ok(None) => break End::Root,
+            Err(_) => break End::Lost,
+        }
+    };
+    drop(frames);
+    if end == End::Lost && past_copy {
+        End::CopyEnd
+    } else {
+        end
+    }
+}
