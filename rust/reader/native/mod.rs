@@ -189,14 +189,13 @@ impl Native {
         }
         self.stats.asked += asked.len() as u64;
         let deadline = started + ANSWER_WITHIN;
-        let mut spins = 0u32;
-        while !asked.iter().enumerate().all(|(s, &(_, seq))| Slot::at(s).answered(seq)) && Instant::now() < deadline {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+        loop {
+            let seen = signal::answers();
+            let now = Instant::now();
+            if asked.iter().enumerate().all(|(s, &(_, seq))| Slot::at(s).answered(seq)) || now >= deadline {
+                break;
             }
+            signal::wait_for_answer(seen, deadline - now);
         }
         let round_trip = started.elapsed();
         for (s, &(i, seq)) in asked.iter().enumerate() {

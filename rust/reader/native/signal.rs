@@ -10,7 +10,8 @@
 //! late answer to an abandoned request can never fill a newer one.
 
 use nix::libc;
-use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Slots, so threads asked at once.
 pub const SLOTS: usize = 16;
@@ -56,6 +57,8 @@ const EMPTY: Slot = Slot {
 };
 static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
 static PID: AtomicI32 = AtomicI32::new(0);
+/// Answers given so far: the sampler sleeps on it (a futex) while threads answer.
+static ANSWERS: AtomicU32 = AtomicU32::new(0);
 
 /// The slots' buffers, allocated once per process and never freed: a handler may
 /// still be writing into one when its sampler goes.
@@ -235,6 +238,22 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
     slot.bp.store(bp, Ordering::Relaxed);
     slot.copied.store(copied, Ordering::Relaxed);
     slot.state.store(seq << 2 | DONE, Ordering::Release);
+    ANSWERS.fetch_add(1, Ordering::Release);
+    libc::syscall(libc::SYS_futex, ANSWERS.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, 1, 0usize);
+}
+
+/// The count of answers, for `wait_for_answer`.
+pub fn answers() -> u32 {
+    ANSWERS.load(Ordering::Acquire)
+}
+
+/// Sleeps until an answer comes after `seen` answers, or `timeout` passes.
+pub fn wait_for_answer(seen: u32, timeout: Duration) {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // SAFETY: a futex wait on our own counter; it returns at once if the count moved.
+    unsafe {
+        libc::syscall(libc::SYS_futex, ANSWERS.as_ptr(), libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG, seen, &ts);
+    }
 }
 
 /// Copies `[sp, sp + want)` into `buf`, one iovec per page so the read stops at the
