@@ -111,6 +111,12 @@ def pyspy() -> None:
     help="Each process sends counts per stack and task prefix, not every sample: for big clusters; no timeline.",
 )
 @click.option(
+    "--native/--no-native",
+    default=None,
+    help="First turn native (C) frames on (or off) in every server: registers PySpyPlugin(native=...), "
+    "its other options from this machine's dask config.",
+)
+@click.option(
     "-o",
     "--output",
     default="pyspy-profile.html",
@@ -126,17 +132,21 @@ def record(
     span: str | None,
     weight: str,
     aggregate: bool,
+    native: bool | None,
     output: str,
     timeout: float,
 ) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
     from dask_pyspy.files import check_writable
+    from dask_pyspy.scheduler import PySpyPlugin
 
     try:
         check_writable(output)
     except (OSError, ValueError) as e:
         raise RequestError(f"--output: {e}") from e
     with _connect(scheduler, timeout) as client:
+        if native is not None:
+            _ask(lambda: client.register_plugin(PySpyPlugin(native=native)))
         # An empty window first: no plugin or an unknown worker fails now, not after --duration.
         now = time.time()
         _ask(lambda: get_profile(client, workers=workers, start=now, stop=now))

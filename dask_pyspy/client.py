@@ -49,9 +49,10 @@ async def _call(client: Client, op: str, **kwargs: Any) -> Any:
     return reply
 
 
-async def _get_profile(client: Client, shown: dict[str, str], **kwargs: Any) -> Profile:
+async def _get_profile(client: Client, shown: dict[str, Any], **kwargs: Any) -> Profile:
     reply = await _call(client, "pyspy_profile", **kwargs)
-    return await off_loop(assemble, reply, shown["by"], shown["weight"])
+    prof = await off_loop(assemble, reply, shown["by"], shown["weight"])
+    return prof if shown["native"] else prof.python_only()
 
 
 def _request(
@@ -65,11 +66,13 @@ def _request(
     span: str | list[str] | tuple[str, ...] | None = None,
     weight: str | None = None,
     aggregate: bool = False,
-) -> tuple[dict[str, str], dict[str, Any]]:
+    native: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Checks a profile request; returns how exports show it and the scheduler's arguments."""
     shown = {
         "by": options.by(config.get("by") if by is None else by),
         "weight": options.weight(config.get("weight") if weight is None else weight),
+        "native": options.flag("native", native),
     }
     options.workers(workers)
     seconds = options.last(last)
@@ -98,6 +101,7 @@ def get_profile(
     span: str | list[str] | tuple[str, ...] | None = None,
     weight: str | None = None,
     aggregate: bool = False,
+    native: bool = True,
 ) -> Profile:
     """The cluster's profile of a time window, merged over every selected process.
 
@@ -114,12 +118,14 @@ def get_profile(
     instead of every sample, so the size grows with distinct stacks, not time: for
     big clusters and long windows. Reports and flame graphs are the same; task keys
     give way to their prefix and there is no timeline (speedscope's time order).
+    native: False leaves native (C) frames out of the stacks, for the Python-only
+    picture (the servers capture them with the sampler option `native`).
     A request whose profile would exceed config `pyspy.max-result` is refused
     before anything is sent. Workers that fail, time out or send an unusable
     profile are named in `profile.metadata["missing"]`.
     """
     client = client or default_client()
-    shown, kwargs = _request(workers, scheduler, start, stop, last, by, timeout, span, weight, aggregate)
+    shown, kwargs = _request(workers, scheduler, start, stop, last, by, timeout, span, weight, aggregate, native)
     return client.sync(_get_profile, client, shown, **kwargs)
 
 
@@ -186,7 +192,7 @@ class profile:
         client, shown, kwargs = self._window()
         self._finish(await _get_profile(client, shown, **kwargs))
 
-    def _window(self) -> tuple[Client, dict[str, str], dict[str, Any]]:
+    def _window(self) -> tuple[Client, dict[str, Any], dict[str, Any]]:
         """The block's window, ending now, as a request to the client chosen on entry."""
         self.stop = time.time()
         assert self.client is not None, "set by __enter__"

@@ -273,6 +273,15 @@ class Profile:
         Unless `keys`, task keys give way to their prefix."""
         return self._derive(self._native.aggregated(options.flag("keys", keys)))
 
+    def python_only(self) -> Profile:
+        """The same samples with their native (C) frames left out: the Python-only picture."""
+        return self._derive(self._native.python_only())
+
+    @property
+    def has_native(self) -> bool:
+        """Whether any sample has native frames (sampler option `native`)."""
+        return self._native.has_native
+
     def only_process(self, index: int) -> Profile:
         """The samples of `self.processes[index]` alone."""
         return self._derive(self._native.only_process(index))

@@ -441,11 +441,17 @@ def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
         "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
         **_graphs(profile, summary, columns),
         "functions": [
-            [f["name"], os.path.basename(f["file"]), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]
+            [f["name"], _where(f), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]
         ],
         "everything": ["every sample", float(summary["seconds"]), *_split(summary, columns)],
         "idle_sampled": any(p["stats"]["config"]["idle"] for p in profile.processes),
     }
+
+
+def _where(function: dict[str, Any]) -> str:
+    """A function's file, or a native one's library marked as such."""
+    name = os.path.basename(function["file"])
+    return f"{name} (native)" if function.get("native") else name
 
 
 def render_html(profile: Profile, title: str = "dask-pyspy report") -> str:

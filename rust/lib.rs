@@ -426,6 +426,17 @@ impl PyProfile {
         Ok(PyProfile::new(heavy(py, || self.data.aggregated(keys))?))
     }
 
+    /// The same samples without their native frames: the Python-only picture.
+    fn python_only(&self, py: Python<'_>) -> PyResult<Self> {
+        Ok(PyProfile::new(heavy(py, || self.data.python_only())?))
+    }
+
+    /// Whether any sample has native frames.
+    #[getter]
+    fn has_native(&self) -> bool {
+        self.data.frames.iter().any(|f| f.native)
+    }
+
     /// The samples of a span (a name or id, or a name path outermost first) and the spans in it.
     fn only_span(&self, py: Python<'_>, span: SpanArg) -> PyResult<Self> {
         let filter = SpanFilter::from(span);

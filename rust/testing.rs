@@ -114,6 +114,30 @@ impl Replay<'_> {
     }
 }
 
+/// Native code for the native-frames tests: `rounds` times, spins for `spin_s`
+/// seconds, then calls `callback`, so a thread's stack reads Python -> this -> Python.
+#[pyfunction]
+fn native_caller(rounds: u32, spin_s: f64, callback: Bound<'_, PyAny>) -> PyResult<()> {
+    native_caller_frame(rounds, spin_s, &mut || callback.call0().map(drop))
+}
+
+#[inline(never)]
+fn native_caller_frame(rounds: u32, spin_s: f64, call: &mut dyn FnMut() -> PyResult<()>) -> PyResult<()> {
+    for _ in 0..rounds {
+        native_spin(spin_s);
+        call()?;
+    }
+    Ok(())
+}
+
+#[inline(never)]
+fn native_spin(seconds: f64) {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds);
+    while std::time::Instant::now() < end {
+        std::hint::spin_loop();
+    }
+}
+
 pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     let m = PyModule::new(py, "_testing")?;
     m.add_function(wrap_pyfunction!(panic_in_call, &m)?)?;
@@ -121,5 +145,6 @@ pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(digest, &m)?)?;
     m.add_function(wrap_pyfunction!(as_process, &m)?)?;
     m.add_function(wrap_pyfunction!(replay, &m)?)?;
+    m.add_function(wrap_pyfunction!(native_caller, &m)?)?;
     Ok(m)
 }

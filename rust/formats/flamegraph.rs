@@ -4,6 +4,7 @@ use crate::profile::intern::Interner;
 use crate::profile::model::{Frame, ProfileData, Sample};
 use crate::profile::spans::SpanFilter;
 use crate::profile::views::{By, Shown, View};
+use inferno::flamegraph::color::{Color, PaletteMap};
 use inferno::flamegraph::{self, Options};
 use std::collections::HashMap;
 
@@ -145,7 +146,22 @@ pub fn svg<'s>(
     shown: Shown,
     samples: impl Iterator<Item = &'s Sample>,
 ) -> Option<String> {
-    render(folded(data, shown, samples, true).iter().map(String::as_str), title, false)
+    let lines = folded(data, shown, samples, true);
+    render(lines.iter().map(String::as_str), title, false, native_palette(data).as_mut())
+}
+
+/// Blues for native frames, apart from the warm colours of Python's; None without any.
+fn native_palette(data: &ProfileData) -> Option<PaletteMap> {
+    let mut palette = PaletteMap::default();
+    for f in data.frames.iter().filter(|f| f.native) {
+        let label = label(f, true);
+        // A shade per name, steady from graph to graph.
+        let shade = label.bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+        let color = Color { r: 70 + (shade % 50) as u8, g: 130 + (shade / 50 % 60) as u8, b: 225 + (shade / 3000 % 30) as u8 };
+        palette.insert(label, color);
+    }
+    let any = palette.iter().next().is_some();
+    any.then_some(palette)
 }
 
 /// The graphs of `processes` (distinct indices, with titles), each as `svg_of` draws one
@@ -167,9 +183,16 @@ pub fn process_svgs(data: &ProfileData, shown: Shown, processes: &[(u32, String)
 }
 
 /// The SVG of folded lines, with a second count per line for a differential graph
-/// (red: the second grew; blue: shrank; reversed by `negate`); None without samples.
-pub fn render<'a>(lines: impl IntoIterator<Item = &'a str>, title: &str, negate: bool) -> Option<String> {
+/// (red: the second grew; blue: shrank; reversed by `negate`), frames named in
+/// `palette` in its colours; None without samples.
+pub fn render<'a>(
+    lines: impl IntoIterator<Item = &'a str>,
+    title: &str,
+    negate: bool,
+    palette: Option<&mut PaletteMap>,
+) -> Option<String> {
     let mut opts = Options::default();
+    opts.palette_map = palette;
     opts.title = xml_safe(title);
     opts.count_name = "μs".into();
     opts.deterministic = true;

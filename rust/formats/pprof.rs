@@ -67,6 +67,8 @@ pub mod proto {
     pub struct Mapping {
         #[prost(uint64, tag = "1")]
         pub id: u64,
+        #[prost(int64, tag = "5")]
+        pub filename: i64,
         #[prost(bool, tag = "7")]
         pub has_functions: bool,
         #[prost(bool, tag = "8")]
@@ -138,14 +140,20 @@ impl Strings {
     }
 }
 
-/// Every location's one mapping: it says the frames are symbolized already, so readers
+/// The Python frames' mapping: it says the frames are symbolized already, so readers
 /// do not look for a binary to symbolize them with ("Main binary filename not available").
 const MAPPING: proto::Mapping =
-    proto::Mapping { id: 1, has_functions: true, has_filenames: true, has_line_numbers: true };
+    proto::Mapping { id: 1, filename: 0, has_functions: true, has_filenames: true, has_line_numbers: true };
 
-/// Functions and locations: location id = frame index + 1 (ids must be nonzero).
-fn functions_and_locations(data: &ProfileData, strings: &mut Strings) -> (Vec<proto::Function>, Vec<proto::Location>) {
+/// Functions, locations and mappings: location id = frame index + 1 (ids must be
+/// nonzero); a native frame's location is in its library's mapping.
+fn functions_and_locations(
+    data: &ProfileData,
+    strings: &mut Strings,
+) -> (Vec<proto::Function>, Vec<proto::Location>, Vec<proto::Mapping>) {
     let mut functions: Vec<proto::Function> = Vec::new();
+    let mut mappings = vec![MAPPING];
+    let mut libraries: FxHashMap<&str, u64> = FxHashMap::default();
     let mut by_name: FxHashMap<(&str, &str), u64> = FxHashMap::default();
     let locations = data
         .frames
@@ -163,10 +171,19 @@ fn functions_and_locations(data: &ProfileData, strings: &mut Strings) -> (Vec<pr
                 functions.len() as u64
             });
             let line = vec![proto::Line { function_id, line: f.line.max(0).into() }];
-            proto::Location { id: i as u64 + 1, mapping_id: MAPPING.id, line }
+            let mapping_id = match f.native {
+                false => MAPPING.id,
+                true => *libraries.entry(&f.file).or_insert_with(|| {
+                    let id = mappings.len() as u64 + 1;
+                    let filename = strings.id(&f.file);
+                    mappings.push(proto::Mapping { id, filename, has_line_numbers: false, ..MAPPING });
+                    id
+                }),
+            };
+            proto::Location { id: i as u64 + 1, mapping_id, line }
         })
         .collect();
-    (functions, locations)
+    (functions, locations, mappings)
 }
 
 fn tag_labels(data: &ProfileData, tag: &Tag, strings: &mut Strings) -> Vec<proto::Label> {
@@ -192,7 +209,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
         sample_type.push(strings.value_type("cpu", "nanoseconds"));
     }
     let period_type = sample_type[1].clone();
-    let (function, location) = functions_and_locations(data, &mut strings);
+    let (function, location, mapping) = functions_and_locations(data, &mut strings);
 
     // Stack, tag, activity, thread and state: what a pprof sample's labels tell apart.
     type Key = (u32, Option<u32>, Option<u32>, u32, State);
@@ -232,7 +249,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
         default_sample_type: period_type.r#type,
         sample_type,
         sample,
-        mapping: vec![MAPPING],
+        mapping,
         location,
         function,
         string_table: strings.table,

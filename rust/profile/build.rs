@@ -392,6 +392,19 @@ impl ProfileData {
         aggregated
     }
 
+    /// The profile with the native frames left out of its stacks: the Python-only picture.
+    pub fn python_only(&self) -> ProfileData {
+        let mut stacks: Interner<Vec<u32>> = Interner::default();
+        let python = |s: &Vec<u32>| s.iter().copied().filter(|&f| !self.frames[f as usize].native).collect();
+        let ids: Vec<u32> = self.stacks.iter().map(|s| stacks.intern(python(s))).collect();
+        let mut out = self.clone();
+        out.stacks = stacks.into_items();
+        for s in out.samples.iter_mut().chain(out.timeline.iter_mut()) {
+            s.stack = ids[s.stack as usize];
+        }
+        out
+    }
+
     /// The samples `keep` keeps, with every process and span; no calls, which a
     /// selection of samples does not select.
     pub fn filtered(&self, keep: impl Fn(&Sample) -> bool) -> ProfileData {

@@ -60,7 +60,9 @@ impl Split {
 #[derive(Serialize, Clone)]
 pub struct FunctionTime {
     pub name: String,
+    /// The Python file, or a native function's library.
     pub file: String,
+    pub native: bool,
     /// Self wall time.
     pub seconds: f64,
     #[serde(flatten)]
@@ -162,22 +164,23 @@ impl Tally {
 
     /// Self time per function (name + file, any line), largest first.
     fn finish(self, data: &ProfileData) -> Group {
-        let mut by_function: HashMap<(&str, &str), (f64, Split)> = HashMap::new();
+        let mut by_function: HashMap<(&str, &str, bool), (f64, Split)> = HashMap::new();
         // In frame order: a function's lines are added up in one order, so the same
         // profile sums to the same bits (a hash map's order varies per instance).
         let mut leaves: Vec<_> = self.leaves.into_iter().collect();
         leaves.sort_unstable_by_key(|&(frame, _)| frame);
         for (frame, (wall, split)) in leaves {
             let f = &data.frames[frame as usize];
-            let e = by_function.entry((&f.name, &f.file)).or_default();
+            let e = by_function.entry((&f.name, &f.file, f.native)).or_default();
             e.0 += wall;
             e.1.merge(&split);
         }
         let mut top: Vec<FunctionTime> = by_function
             .into_iter()
-            .map(|((name, file), (seconds, split))| FunctionTime {
+            .map(|((name, file, native), (seconds, split))| FunctionTime {
                 name: name.into(),
                 file: file.into(),
+                native,
                 seconds,
                 split,
             })

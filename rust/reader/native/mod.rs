@@ -12,7 +12,6 @@ mod symbols;
 mod unwind;
 
 pub use merge::NATIVE;
-pub use resolve::SHOWN_INTERNALS;
 
 use crate::profile::model::Frame;
 use framehop::x86_64::CacheX86_64;
