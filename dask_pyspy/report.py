@@ -451,7 +451,7 @@ def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
 def _where(function: dict[str, Any]) -> str:
     """A function's file, or a native one's library marked as such."""
     name = os.path.basename(function["file"])
-    return f"{name} (native)" if function.get("native") else name
+    return f"{name} (native)" if function.get("is_native") else name
 
 
 def render_html(profile: Profile, title: str = "dask-pyspy report") -> str:

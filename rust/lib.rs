@@ -434,7 +434,7 @@ impl PyProfile {
     /// Whether any sample has native frames.
     #[getter]
     fn has_native(&self) -> bool {
-        self.data.frames.iter().any(|f| f.native)
+        self.data.stacks.iter().flatten().any(|&f| self.data.frames[f as usize].native)
     }
 
     /// The samples of a span (a name or id, or a name path outermost first) and the spans in it.

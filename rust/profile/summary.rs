@@ -62,7 +62,8 @@ pub struct FunctionTime {
     pub name: String,
     /// The Python file, or a native function's library.
     pub file: String,
-    pub native: bool,
+    /// Native code (`file` is its library); not `native`, the split's state of that name.
+    pub is_native: bool,
     /// Self wall time.
     pub seconds: f64,
     #[serde(flatten)]
@@ -180,7 +181,7 @@ impl Tally {
             .map(|((name, file, native), (seconds, split))| FunctionTime {
                 name: name.into(),
                 file: file.into(),
-                native,
+                is_native: native,
                 seconds,
                 split,
             })

@@ -30,6 +30,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// Wall time for which unspent CPU budget is kept: long enough that an occasional
 /// costly tick does not cost rate, short enough that a burst stays small.
 const CREDIT_S: f64 = 1.0;
+/// The least share of the last interval a thread must have run to be asked for its
+/// native stack (see `capture_native`).
+const NATIVE_MIN_RAN: f64 = 0.5;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 10;
 
@@ -135,8 +138,14 @@ pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result:
         stats.reader = Some(reader.name());
         stats.reader_stats = reader.stats();
         drop(stats);
+        // Started before `start` returns, so its stats (or why it is off) are there then.
+        let native = config.native.then(Native::start).and_then(|started| {
+            let stats = started.as_ref().map_or_else(|off| NativeStats::off(off.clone()), Native::stats);
+            shared.stats.lock().native = Some(stats);
+            started.ok()
+        });
         let _ = ready.send(Ok(()));
-        Loop::new(&shared, config, reader).run();
+        Loop::new(&shared, config, reader, native).run();
     }));
     let mut stats = shared.stats.lock();
     if let Err(panic) = outcome {
@@ -169,18 +178,13 @@ struct Loop<'a> {
 }
 
 impl<'a> Loop<'a> {
-    fn new(shared: &'a Shared, config: SamplerConfig, reader: Box<dyn StackReader>) -> Self {
+    fn new(shared: &'a Shared, config: SamplerConfig, reader: Box<dyn StackReader>, native: Option<Native>) -> Self {
         let base = Duration::from_secs_f64(config.interval_secs());
-        let native = config.native.then(|| {
-            Native::start().map_err(|off| {
-                shared.stats.lock().native = Some(NativeStats { off: Some(off), ..Default::default() });
-            })
-        });
         Loop {
             shared,
             config,
             reader,
-            native: native.and_then(Result::ok),
+            native,
             base,
             interval: base,
             credit_s: 0.0,
@@ -301,12 +305,16 @@ impl<'a> Loop<'a> {
     }
 
     /// Merges the native stacks of threads on a CPU (or waiting for one) into their
-    /// Python stacks; a thread in a system call is never signalled.
+    /// Python stacks. Only threads that ran for most of the last interval are asked,
+    /// and never one in a system call: a signal can interrupt a sleep or a poll that C
+    /// code does not retry (`EINTR`), and a thread that runs in short bursts between
+    /// such calls would be back in one by the time the signal lands.
     fn capture_native(&mut self) {
         let Some(native) = self.native.as_mut() else { return };
         let on_cpu = |s: &State| matches!(s, State::Cpu | State::CpuGil | State::CpuWait);
+        let busy = |t: &ThreadStack| t.ran.map_or(t.active, |ran| ran >= NATIVE_MIN_RAN);
         let mut wanted: Vec<Wanted<'_>> = (self.stacks.iter_mut().zip(&self.states))
-            .filter(|(t, s)| on_cpu(s) && !t.frames.is_empty())
+            .filter(|(t, s)| on_cpu(s) && busy(t) && !t.frames.is_empty())
             .filter_map(|(t, _)| Some(Wanted { tid: t.native_tid?, frames: &mut t.frames, evals: t.evals.as_deref() }))
             .collect();
         let kernel = &mut self.kernel;

@@ -70,6 +70,13 @@ pub struct NativeStats {
     pub unknown_addresses: u64,
 }
 
+impl NativeStats {
+    /// Capture that could not start, and why.
+    pub fn off(why: String) -> NativeStats {
+        NativeStats { off: Some(why), ..Default::default() }
+    }
+}
+
 pub struct Native {
     signal: i32,
     seq: u64,

@@ -22,10 +22,26 @@ const MAX_SYMBOLS: usize = 4 << 20;
 /// The eval loop's function: where Python frames are merged in.
 pub const EVAL: &str = "_PyEval_EvalFrameDefault";
 
-/// Bytes of a mapped file, as framehop wants its sections.
+/// A module's bytes: its file mapped, or (the vDSO, which has no file) a copy.
+pub enum Image {
+    Mapped(Mmap),
+    Copied(Vec<u8>),
+}
+
+impl Deref for Image {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Image::Mapped(m) => m,
+            Image::Copied(v) => v,
+        }
+    }
+}
+
+/// Bytes of a module's image, as framehop wants its sections.
 #[derive(Clone)]
 pub struct Section {
-    map: Arc<Mmap>,
+    map: Arc<Image>,
     range: Range<usize>,
 }
 
@@ -35,6 +51,9 @@ impl Deref for Section {
         &self.map[self.range.clone()]
     }
 }
+
+/// The kernel's vDSO (clock_gettime, gettimeofday), named as the loader names it.
+const VDSO: &str = "linux-vdso.so.1";
 
 pub struct Module {
     /// The file's name, without its directory.
@@ -46,7 +65,7 @@ pub struct Module {
     pub bias: u64,
     /// The interpreter itself (libpython, or an executable with the eval loop).
     pub interpreter: bool,
-    map: Option<Arc<Mmap>>,
+    map: Option<Arc<Image>>,
     symbols: Symbols,
 }
 
@@ -142,12 +161,7 @@ impl Modules {
             map: None,
             symbols: Symbols::empty(),
         };
-        let map = std::fs::File::open(&module.path).ok().and_then(|f| {
-            // SAFETY: a read-only private mapping; a file truncated under it could
-            // fault, as it would for the loader's own mapping of the same code.
-            unsafe { Mmap::map(&f) }.ok()
-        });
-        let Some(map) = map.map(Arc::new) else {
+        let Some(map) = image(&module.path).map(Arc::new) else {
             self.stats.unreadable += 1;
             return module;
         };
@@ -188,7 +202,33 @@ impl Modules {
     }
 }
 
-/// The loader's modules with a file, and its counts of loads and unloads.
+/// The bytes of the module at `path`: its file mapped, or the vDSO copied.
+fn image(path: &str) -> Option<Image> {
+    if path == VDSO {
+        return vdso().map(Image::Copied);
+    }
+    let file = std::fs::File::open(path).ok()?;
+    // SAFETY: a read-only private mapping; a file truncated under it could fault, as
+    // it would for the loader's own mapping of the same code.
+    unsafe { Mmap::map(&file) }.ok().map(Image::Mapped)
+}
+
+/// A copy of the vDSO's ELF image: its header says how long it is.
+fn vdso() -> Option<Vec<u8>> {
+    // SAFETY: the kernel maps the vDSO at AT_SYSINFO_EHDR for the process's life, a
+    // whole ELF image from its header to its section headers' end.
+    unsafe {
+        let base = libc::getauxval(libc::AT_SYSINFO_EHDR) as *const u8;
+        if base.is_null() {
+            return None;
+        }
+        let header = &*(base as *const libc::Elf64_Ehdr);
+        let len = header.e_shoff as usize + header.e_shnum as usize * header.e_shentsize as usize;
+        (len <= 1 << 20).then(|| std::slice::from_raw_parts(base, len).to_vec())
+    }
+}
+
+/// The loader's modules with a file (and the vDSO), and its counts of loads and unloads.
 fn list() -> (Vec<Listed>, (u64, u64)) {
     struct Out {
         listed: Vec<Listed>,
@@ -213,7 +253,7 @@ fn list() -> (Vec<Listed>, (u64, u64)) {
             .filter(|h| h.p_type == libc::PT_LOAD && h.p_flags & libc::PF_X != 0)
             .map(|h| info.dlpi_addr + h.p_vaddr..info.dlpi_addr + h.p_vaddr + h.p_memsz)
             .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end));
-        if let Some(code) = code.filter(|_| path.starts_with('/')) {
+        if let Some(code) = code.filter(|_| path.starts_with('/') || path == VDSO) {
             out.listed.push(Listed { path, bias: info.dlpi_addr, code });
         }
         0

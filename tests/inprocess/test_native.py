@@ -1,0 +1,348 @@
+"""Native (C, C++, Rust) frames captured in-process, merged with the Python frames."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+
+from dask_pyspy import Sampler, _native
+from tests.inprocess.test_sampler import wait_for
+
+pytestmark = pytest.mark.skipif(
+    not (sys.platform == "linux" and os.uname().machine == "x86_64"), reason="native frames: Linux x86-64 only"
+)
+
+
+def stacks(prof: Any, thread_name: str) -> list[tuple[list[dict[str, Any]], float]]:
+    """The stacks (frames root first, as speedscope gives them) of one thread, with their seconds."""
+    doc = prof.speedscope()
+    frames = doc["shared"]["frames"]
+    out = []
+    for p in doc["profiles"]:
+        if thread_name in p["name"]:
+            out += [([frames[i] for i in s], w) for s, w in zip(p["samples"], p["weights"])]
+    return out
+
+
+def native_frames(stack: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [f for f in stack if "line" not in f and ".so" in f.get("file", "")]
+
+
+def run_in_thread(name: str, target: Callable[[threading.Event], None]) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    t = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
+    t.start()
+    return t, stop
+
+
+def record(target: Callable[[threading.Event], None], name: str, done: Callable[[Sampler], bool], **options: Any):
+    s = Sampler(native=True, rate=200, cpu_budget=0.5, **options)
+    s.start()
+    t, stop = run_in_thread(name, target)
+    try:
+        wait_for(lambda: done(s))
+    finally:
+        stop.set()
+        t.join()
+        s.stop()
+    return s, s.profile()
+
+
+def merged_at_least(n: int) -> Callable[[Sampler], bool]:
+    return lambda s: s.stats()["native"]["merged"] >= n
+
+
+def matmul_loop(stop: threading.Event) -> None:
+    import numpy as np
+
+    a = np.random.default_rng(0).random((256, 256))
+    while not stop.is_set():
+        a @ a
+
+
+def test_numpy_matmul_shows_blas_under_the_python_line():
+    s, prof = record(matmul_loop, "matmul", merged_at_least(50))
+    assert prof.has_native
+    gemm = [(st, w) for st, w in stacks(prof, "matmul") if any("gemm" in f["name"] for f in native_frames(st))]
+    assert gemm, "no BLAS gemm frame in any sample"
+    for st, _ in gemm:
+        names = [f["name"] for f in st]
+        caller = names.index("matmul_loop")
+        first_gemm = next(i for i, n in enumerate(names) if "gemm" in n)
+        assert caller < first_gemm, names
+        assert all(f.get("file") and "line" not in f for f in st[caller + 1 :]), "only native frames below the caller"
+    stats = s.stats()["native"]
+    assert stats["off"] is None and stats["modules"]["symbols"] > 0
+
+
+def python_callback() -> None:
+    end = time.perf_counter() + 0.002
+    while time.perf_counter() < end:
+        pass
+
+
+def calls_native(stop: threading.Event) -> None:
+    while not stop.is_set():
+        _native._testing.native_caller(20, 0.002, python_callback)
+
+
+def test_python_native_python_reads_in_order():
+    _, prof = record(calls_native, "caller", merged_at_least(200))
+    in_callback = 0
+    for st, _ in stacks(prof, "caller"):
+        names = [f["name"] for f in st]
+        if "python_callback" not in names or not native_frames(st):
+            continue  # a Python-only sample: its halves disagreed
+        in_callback += 1
+        caller, callback = names.index("calls_native"), names.index("python_callback")
+        middle = [n for n in names[caller + 1 : callback]]
+        assert any("native_caller_frame" in n for n in middle), names
+        assert all(f.get("line") is None for f in st[caller + 1 : callback]), "only native frames between"
+    assert in_callback > 0
+    spinning = [st for st, _ in stacks(prof, "caller") if any("native_spin" in f["name"] for f in st)]
+    assert spinning and all("native_caller_frame" in " ".join(f["name"] for f in st) for st in spinning)
+
+
+def arrow_sort(stop: threading.Event) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = pa.array(list(range(200_000))[::-1])
+    while not stop.is_set():
+        pc.sort_indices(values)
+
+
+def test_pyarrow_names_are_demangled():
+    pytest.importorskip("pyarrow")
+    _, prof = record(arrow_sort, "arrow", merged_at_least(50))
+    names = {f["name"] for st, _ in stacks(prof, "arrow") for f in native_frames(st)}
+    assert any(n.startswith("arrow::") for n in names), sorted(names)[:20]
+    raw = [n for n in names if n.startswith("_Z")]
+    assert len(raw) <= len(names) // 10, raw
+
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def test_sleeping_threads_are_never_interrupted():
+    """C code that does not retry on EINTR: a thread sleeping in nanosleep beside busy
+    sampled threads, never signalled since it is in a system call."""
+    interrupted: list[int] = []
+    sleeps = 0
+
+    def sleeper(stop: threading.Event) -> None:
+        nonlocal sleeps
+        ts = Timespec(0, 3_000_000)
+        while not stop.is_set():
+            if libc.nanosleep(ctypes.byref(ts), None) != 0:
+                interrupted.append(ctypes.get_errno())
+            sleeps += 1
+
+    s = Sampler(native=True, rate=200, cpu_budget=0.5, idle=True)
+    s.start()
+    busy, stop_busy = run_in_thread("busy", matmul_loop)
+    t, stop = run_in_thread("sleeper", sleeper)
+    try:
+        wait_for(lambda: sleeps >= 1000 and s.stats()["native"]["merged"] >= 100)
+    finally:
+        stop.set(), stop_busy.set()
+        t.join(), busy.join()
+        s.stop()
+    assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
+
+
+def test_a_thread_blocking_the_signal_gets_python_only_samples():
+    probe = Sampler(native=True)
+    probe.start()
+    sig = probe.stats()["native"]["signal"]
+    probe.stop()
+
+    def blocked(stop: threading.Event) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+        while not stop.is_set():
+            sum(range(1000))
+
+    s, prof = record(blocked, "blocked", lambda s: s.stats()["native"]["timed_out"] + s.stats()["native"]["still_pending"] >= 20)
+    samples = stacks(prof, "blocked")
+    assert samples and not any(native_frames(st) for st, _ in samples)
+    stats = s.stats()["native"]
+    assert stats["timed_out"] >= 1 and stats["off"] is None
+
+
+def test_the_applications_handler_wins():
+    # One the application set before: never replaced, another signal is used.
+    top = signal.SIGRTMAX
+    got: list[int] = []
+    signal.signal(top, lambda n, f: got.append(n))
+    try:
+        s, _ = record(matmul_loop, "matmul", merged_at_least(5))
+        used = s.stats()["native"]["signal"]
+        assert used != top
+        assert signal.getsignal(top) is not signal.SIG_DFL
+        signal.pthread_kill(threading.get_ident(), top)
+        wait_for(lambda: got == [top])
+        # One the application sets while sampling: native capture stops, with the reason.
+        s = Sampler(native=True, rate=200, cpu_budget=0.5)
+        s.start()
+        sig = s.stats()["native"]["signal"]
+        t, stop = run_in_thread("matmul", matmul_loop)
+        try:
+            wait_for(lambda: s.stats()["native"]["merged"] >= 5)
+            signal.signal(sig, lambda n, f: got.append(n))
+            wait_for(lambda: s.stats()["native"]["off"])
+            assert f"signal {sig}" in s.stats()["native"]["off"]
+            signal.pthread_kill(threading.get_ident(), sig)
+            wait_for(lambda: got == [top, sig])
+            assert s.is_running
+        finally:
+            stop.set()
+            t.join()
+            s.stop()
+            signal.signal(sig, signal.SIG_DFL)
+    finally:
+        signal.signal(top, signal.SIG_DFL)
+
+
+def test_one_process_one_native_sampler():
+    a = Sampler(native=True)
+    b = Sampler(native=True)
+    a.start()
+    b.start()
+    try:
+        assert "another sampler" in b.stats()["native"]["off"]
+        assert a.stats()["native"]["off"] is None
+    finally:
+        a.stop()
+        b.stop()
+
+
+CHURN = textwrap.dedent(
+    """
+    import ctypes, os, threading, time
+    from dask_pyspy import Sampler
+    import numpy as np
+
+    s = Sampler(native=True, rate=500, cpu_budget=1.0)
+    s.start()
+    a = np.ones((64, 64))
+
+    def short():
+        for _ in range(20):
+            a @ a
+
+    # Thread churn: 1,000 short threads.
+    for _ in range(50):
+        ts = [threading.Thread(target=short) for _ in range(20)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+    # Imports and dlopen/dlclose while sampling.
+    for _ in range(200):
+        lib = ctypes.CDLL("libm.so.6")
+        lib.cos.restype = ctypes.c_double
+        lib.cos(ctypes.c_double(1.0))
+        ctypes._dlclose(lib._handle) if hasattr(ctypes, "_dlclose") else None
+    import decimal, json, sqlite3  # noqa: F401
+    # Deep C recursion: a deep Python -> C -> Python chain through functools.reduce.
+    import functools, sys
+    sys.setrecursionlimit(10_000)
+    def deep(n):
+        return 0 if n == 0 else functools.reduce(lambda x, y: deep(n - 1), [0, 1])
+    end = time.time() + 2
+    while time.time() < end:
+        deep(300)
+    # Fork: the child starts clean, with its own native capture.
+    pid = os.fork()
+    if pid == 0:
+        c = Sampler(native=True, rate=200, cpu_budget=0.5)
+        c.start()
+        end = time.time() + 30
+        while time.time() < end and c.stats()["native"]["merged"] < 5:
+            a @ a
+        ok = c.stats()["native"]["merged"] >= 5 and c.stats()["native"]["off"] is None
+        c.stop()
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    s.stop()
+    st = s.stats()["native"]
+    assert st["merged"] > 0 and st["off"] is None, st
+    print("OK", st["asked"], st["answered"], st["merged"], st["mismatched"], st["modules"]["listings"])
+    """
+)
+
+
+def test_no_crash_under_churn_dlopen_deep_recursion_and_fork():
+    done = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("OK"), done.stdout
+
+
+CPP_EXCEPTIONS = textwrap.dedent(
+    """
+    import threading, time
+    import pyarrow as pa
+    from dask_pyspy import Sampler
+
+    s = Sampler(native=True, rate=500, cpu_budget=1.0)
+    s.start()
+    # C++ exceptions thrown in a loop: arrow raises one for every invalid cast.
+    bad = pa.array(["x"] * 100)
+    end = time.time() + 5
+    caught = 0
+    while time.time() < end:
+        try:
+            bad.cast(pa.int64())
+        except pa.ArrowInvalid:
+            caught += 1
+    s.stop()
+    assert caught > 100 and s.stats()["native"]["answered"] > 0, (caught, s.stats()["native"])
+    print("OK", caught)
+    """
+)
+
+
+def test_cpp_exceptions_while_sampling():
+    pytest.importorskip("pyarrow")
+    done = subprocess.run([sys.executable, "-c", CPP_EXCEPTIONS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("OK"), done.stdout
+
+
+def test_python_only_leaves_the_native_frames_out():
+    _, prof = record(matmul_loop, "matmul", merged_at_least(20))
+    plain = prof.python_only()
+    assert not plain.has_native
+    assert plain.n_samples == prof.n_samples
+    assert abs(plain.sampled_seconds - prof.sampled_seconds) < 1e-6
+    assert not any(native_frames(st) for st, _ in stacks(plain, "matmul"))
+
+
+def test_native_frames_in_exports():
+    import gzip
+
+    _, prof = record(matmul_loop, "matmul", merged_at_least(20))
+    top = prof.summary()["top"]
+    assert any(f["is_native"] and ".so" in f["file"] for f in top)
+    svg = prof.flamegraph_svg("t")
+    assert "gemm" in svg
+    pprof = gzip.decompress(prof.to_pprof())
+    assert b"libscipy_openblas" in pprof or b"openblas" in pprof
+
+
+def test_bad_native_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="native"):
+        Sampler(native="yes")
