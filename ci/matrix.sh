@@ -8,15 +8,18 @@
 set -euo pipefail
 
 MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py
-    tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py"
+    tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py"
 # What runs without pandas and pyarrow, which have no cp313t wheels: the sampler and
 # reader, the local threaded scheduler, a LocalCluster with the plugin, the report.
 MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py
-    tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py
+    tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py
     tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py"
-# distributed serves its dashboard (and our page in it) only with bokeh, which needs pandas.
+# distributed serves its dashboard (and our page in it) only with bokeh, which needs pandas;
+# arrow's native frames need pyarrow.
 MATRIX_DESELECT_FREE_THREADED="tests/cluster/test_report.py::test_dashboard_page
-    tests/cluster/test_report.py::test_dashboard_timeline_and_a_chosen_range"
+    tests/cluster/test_report.py::test_dashboard_timeline_and_a_chosen_range
+    tests/inprocess/test_native.py::test_pyarrow_names_are_demangled
+    tests/inprocess/test_native.py::test_cpp_exceptions_while_sampling"
 PYTHONS=${MATRIX_PYTHONS:-"3.13:sid 3.14:sid 3.15:sid 3.9:bullseye 3.13t:sid"} # MATRIX_PYTHONS: a few only
 # Debian ships no free-threaded CPython; sid's 3.14 and 3.15 sources cannot be fetched.
 FREE_THREADED_SOURCE=python3.13/trixie

@@ -29,9 +29,7 @@ def legacy_filename(addr: str) -> str:
     return addr.replace("://", "-").replace(".", "_").replace(":", "-") + ".json"
 
 
-def _check_legacy_options(
-    format: str, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool
-) -> None:
+def _check_legacy_options(format: str, extra_pyspy_args: Sequence[str], subprocesses: bool, nonblocking: bool) -> None:
     if format != "speedscope":
         raise ValueError(f"format must be 'speedscope' (the only format written in-process), got {format!r}")
     if extra_pyspy_args:

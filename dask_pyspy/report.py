@@ -440,9 +440,7 @@ def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
         "missing": [[k, v] for k, v in (profile.metadata.get("missing") or {}).items()],
         "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
         **_graphs(profile, summary, columns),
-        "functions": [
-            [f["name"], _where(f), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]
-        ],
+        "functions": [[f["name"], _where(f), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]],
         "everything": ["every sample", float(summary["seconds"]), *_split(summary, columns)],
         "idle_sampled": any(p["stats"]["config"]["idle"] for p in profile.processes),
     }

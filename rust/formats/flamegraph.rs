@@ -157,7 +157,8 @@ fn native_palette(data: &ProfileData) -> Option<PaletteMap> {
         let label = label(f, true);
         // A shade per name, steady from graph to graph.
         let shade = label.bytes().fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
-        let color = Color { r: 70 + (shade % 50) as u8, g: 130 + (shade / 50 % 60) as u8, b: 225 + (shade / 3000 % 30) as u8 };
+        let color =
+            Color { r: 70 + (shade % 50) as u8, g: 130 + (shade / 50 % 60) as u8, b: 225 + (shade / 3000 % 30) as u8 };
         palette.insert(label, color);
     }
     let any = palette.iter().next().is_some();

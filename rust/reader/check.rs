@@ -101,7 +101,11 @@ fn python_stack(py: Python<'_>, mode: LineMode) -> PyResult<Vec<Frame>> {
             LineMode::First => code.getattr("co_firstlineno")?.extract()?,
             LineMode::None => 0,
         };
-        frames.push(Frame::python(code.getattr("co_qualname")?.extract()?, code.getattr("co_filename")?.extract()?, line));
+        frames.push(Frame::python(
+            code.getattr("co_qualname")?.extract()?,
+            code.getattr("co_filename")?.extract()?,
+            line,
+        ));
         frame = frame.getattr("f_back")?;
     }
     Ok(frames)

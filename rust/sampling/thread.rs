@@ -10,8 +10,8 @@
 //! It never touches the GIL: the readers read interpreter memory directly.
 
 use crate::profile::model::{Frame, State};
-use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
+use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;

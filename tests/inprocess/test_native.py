@@ -123,7 +123,6 @@ def arrow_sort(stop: threading.Event) -> None:
 
 
 def test_pyarrow_names_are_demangled():
-    pytest.importorskip("pyarrow")
     _, prof = record(arrow_sort, "arrow", merged_at_least(50))
     names = {f["name"] for st, _ in stacks(prof, "arrow") for f in native_frames(st)}
     assert any(n.startswith("arrow::") for n in names), sorted(names)[:20]
@@ -176,7 +175,9 @@ def test_a_thread_blocking_the_signal_gets_python_only_samples():
         while not stop.is_set():
             sum(range(1000))
 
-    s, prof = record(blocked, "blocked", lambda s: s.stats()["native"]["timed_out"] + s.stats()["native"]["still_pending"] >= 20)
+    s, prof = record(
+        blocked, "blocked", lambda s: s.stats()["native"]["timed_out"] + s.stats()["native"]["still_pending"] >= 20
+    )
     samples = stacks(prof, "blocked")
     assert samples and not any(native_frames(st) for st, _ in samples)
     stats = s.stats()["native"]
@@ -316,7 +317,6 @@ CPP_EXCEPTIONS = textwrap.dedent(
 
 
 def test_cpp_exceptions_while_sampling():
-    pytest.importorskip("pyarrow")
     done = subprocess.run([sys.executable, "-c", CPP_EXCEPTIONS], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("OK"), done.stdout

@@ -76,7 +76,17 @@ mod tests {
     fn eval_loops_become_their_python_runs() {
         // caller (py) -> ctypes -> qsort -> callback -> comparator (py) -> C leaf
         let python = [10, 11, 12]; // comparator, caller, main
-        let native = [(1, Shown), (2, Internal), (3, Eval), (4, Shown), (5, Shown), (6, Internal), (7, Eval), (8, Eval), (9, Shown)];
+        let native = [
+            (1, Shown),
+            (2, Internal),
+            (3, Eval),
+            (4, Shown),
+            (5, Shown),
+            (6, Internal),
+            (7, Eval),
+            (8, Eval),
+            (9, Shown),
+        ];
         let mut out = Vec::new();
         merge(&python, Some(&[1, 1, 1]), &native, End::Root, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, NATIVE | 4, NATIVE | 5, 11, 12], "thread start-up (9) dropped");
@@ -91,7 +101,7 @@ mod tests {
         let two = [(3, Eval), (3, Eval)];
         assert_eq!(merge(&[10], Some(&[1]), &two, End::Root, &mut out), Err(Mismatch::Evals));
         // A copy that ended early keeps the outer runs as they are.
-        merge(&[10, 11], Some(&[1, 1]), &native, End::CopyEnd, &mut out).unwrap();
+        merge(&[10, 11], Some(&[1, 1]), &native, End::Cut, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, 11]);
     }
 

@@ -39,8 +39,7 @@ static OWNER: AtomicI32 = AtomicI32::new(0);
 
 /// Why native capture cannot run here at all, or None.
 pub fn unsupported() -> Option<&'static str> {
-    (!cfg!(all(target_os = "linux", target_arch = "x86_64")))
-        .then_some("native frames are read on Linux x86-64 only")
+    (!cfg!(all(target_os = "linux", target_arch = "x86_64"))).then_some("native frames are read on Linux x86-64 only")
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -230,7 +229,7 @@ impl Native {
 
     fn after_unwind(&mut self, tid: u64, end: End, copied: usize) {
         match end {
-            End::CopyEnd => {
+            End::Cut => {
                 if self.copy.len() > 4096 {
                     self.copy.clear();
                 }

@@ -228,8 +228,11 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
         return;
     }
     let gregs = &(*(context as *const libc::ucontext_t)).uc_mcontext.gregs;
-    let (ip, sp, bp) =
-        (gregs[libc::REG_RIP as usize] as u64, gregs[libc::REG_RSP as usize] as u64, gregs[libc::REG_RBP as usize] as u64);
+    let (ip, sp, bp) = (
+        gregs[libc::REG_RIP as usize] as u64,
+        gregs[libc::REG_RSP as usize] as u64,
+        gregs[libc::REG_RBP as usize] as u64,
+    );
     let want = slot.want.load(Ordering::Relaxed);
     let buf = slot.buf.load(Ordering::Acquire);
     let copied = if buf.is_null() { 0 } else { copy_stack(pid, sp, want, buf) };

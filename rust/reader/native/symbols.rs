@@ -54,7 +54,9 @@ impl Symbols {
 
     /// Whether a function is named exactly `name`.
     pub fn defines(&self, name: &[u8], data: &[u8]) -> bool {
-        self.entries.iter().any(|e| data.get(e.name as usize..).is_some_and(|r| r.starts_with(name) && r.get(name.len()) == Some(&0)))
+        self.entries
+            .iter()
+            .any(|e| data.get(e.name as usize..).is_some_and(|r| r.starts_with(name) && r.get(name.len()) == Some(&0)))
     }
 
     pub fn len(&self) -> usize {
@@ -101,7 +103,7 @@ pub fn readable(raw: &[u8]) -> String {
 fn cython(name: &str) -> Option<String> {
     let rest = name.strip_prefix("__pyx_")?;
     let (_, mut rest) = rest.split_once('_')?; // pw, pf, f, pymod, ...
-    // Fused specialisations put `fuse_N` first.
+                                               // Fused specialisations put `fuse_N` first.
     if let Some(fused) = rest.strip_prefix("fuse_") {
         rest = fused.trim_start_matches(|c: char| c.is_ascii_digit()).trim_start_matches('_');
         rest = rest.strip_prefix("__pyx_pw_").or_else(|| rest.strip_prefix("__pyx_pf_")).unwrap_or(rest);

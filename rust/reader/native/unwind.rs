@@ -15,7 +15,7 @@ pub enum End {
     /// At the thread's first function.
     Root,
     /// At the end of the copy: the stack goes on past what was copied.
-    CopyEnd,
+    Cut,
     /// Where no unwind information or frame pointer led further.
     Lost,
 }
@@ -44,14 +44,13 @@ pub fn unwind(
     let end = loop {
         match frames.next() {
             Ok(Some(frame)) if out.len() < MAX_FRAMES => out.push(frame.address_for_lookup()),
-            Ok(Some(_)) => break End::CopyEnd,
+            Ok(Some(_)) => break End::Cut,
             Ok(None) => break End::Root,
             Err(_) => break End::Lost,
         }
     };
-    drop(frames);
     if end == End::Lost && past_copy {
-        End::CopyEnd
+        End::Cut
     } else {
         end
     }
