@@ -32,8 +32,15 @@ class StackDump(dict):
                 state += "+gil" if th["owns_gil"] else ""
                 task = f" task {th['task']}" if th["task"] else ""
                 lines.append(f"Thread {th['ident']:#x} ({state}): {th['name'] or ''!r}{task}")
-                lines.extend(f"    {f['name']} ({f['file']}:{f['line']})" for f in th["frames"])
+                lines.extend(f"    {_where(f)}" for f in th["frames"])
             lines.append("")
         for name, error in self["missing"].items():
             lines.append(f"Missing {name}: {error}")
         return "\n".join(lines)
+
+
+def _where(frame: dict[str, Any]) -> str:
+    """`name (file:line)`, as py-spy dump writes it; a native frame with its library."""
+    if frame.get("native"):
+        return f"{frame['name']} ({frame['file']})"
+    return f"{frame['name']} ({frame['file']}:{frame['line']})"

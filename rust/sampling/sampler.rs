@@ -256,7 +256,7 @@ impl Sampler {
 
 /// One frame of a live dump.
 fn frame_json(f: &Frame) -> Value {
-    json!({"name": f.name, "file": f.file, "line": f.line})
+    json!({"name": f.name, "file": f.file, "line": f.line, "native": f.native})
 }
 
 impl Drop for Sampler {

@@ -322,6 +322,24 @@ def test_cpp_exceptions_while_sampling():
     assert done.stdout.startswith("OK"), done.stdout
 
 
+def test_live_dump_shows_native_frames():
+    s = Sampler(native=True, rate=200, cpu_budget=0.5)
+    s.start()
+    t, stop = run_in_thread("matmul", matmul_loop)
+    try:
+        wait_for(lambda: s.stats()["native"]["merged"] >= 5)
+
+        def gemm_in_dump() -> bool:
+            threads = [th for th in s.dump()["threads"] if th.get("name") == "matmul"]
+            return any("gemm" in f["name"] and f["native"] for th in threads for f in th["frames"])
+
+        wait_for(gemm_in_dump)
+    finally:
+        stop.set()
+        t.join()
+        s.stop()
+
+
 def test_python_only_leaves_the_native_frames_out():
     _, prof = record(matmul_loop, "matmul", merged_at_least(20))
     plain = prof.python_only()

@@ -27,9 +27,11 @@ with open("/proc/self/status") as f:
 stop = threading.Event()
 t = threading.Thread(target=spin_unprivileged, args=(stop,), name="spinner")
 t.start()
-s = Sampler(rate=200, cpu_budget=1.0)
+s = Sampler(rate=200, cpu_budget=1.0, native=NATIVE)
 s.start()
-time.sleep(1)
+deadline = time.time() + 60
+while time.time() < deadline and (time.time() < deadline - 59 or NATIVE and s.stats()["native"]["merged"] < 5):
+    time.sleep(0.1)
 s.stop()
 stop.set()
 t.join()
@@ -37,13 +39,15 @@ names = {f["name"] for f in s.profile().speedscope()["shared"]["frames"]}
 stats = s.stats()
 print(json.dumps({"uid": status["Uid"].split()[0], "caps": status["CapEff"].strip(),
                   "found": "spin_unprivileged" in names, "ticks": stats["ticks"], "reader": stats["reader"],
-                  "proc_mem": stats["reader_stats"].get("proc_mem_fallback")}))
+                  "proc_mem": stats["reader_stats"].get("proc_mem_fallback"),
+                  "native": stats["native"]}))
 """
 
 
-def run_child(prefix: list[str], python: str) -> dict:
+def run_child(prefix: list[str], python: str, native: bool = False) -> dict:
     env = {"PYTHONPATH": f"{ROOT}:{SITE}", "HOME": "/tmp", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([*prefix, python, "-c", CHILD], capture_output=True, text=True, env=env, timeout=120)
+    child = f"NATIVE = {native}\n{CHILD}"
+    done = subprocess.run([*prefix, python, "-c", child], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -63,9 +67,11 @@ def test_unprivileged_user_without_capabilities():
         "--bounding-set=-all",
         "--no-new-privs",
     ]
-    result = run_child(drop, python)
+    result = run_child(drop, python, native=True)
     assert result["uid"] == "65534" and int(result["caps"], 16) == 0
     assert result["found"] and result["ticks"] > 0
+    # Native frames too: a signal to its own threads and a copy of their stacks.
+    assert result["native"]["off"] is None and result["native"]["merged"] >= 5, result["native"]
 
 
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")

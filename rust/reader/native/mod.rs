@@ -31,6 +31,9 @@ use unwind::{unwind, End};
 const ANSWER_WITHIN: Duration = Duration::from_millis(2);
 /// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
 const FIRST_COPY: usize = 32 << 10;
+/// How often the loader's module counts are checked, for modules loaded or unloaded
+/// at addresses already seen.
+const LIST_EVERY: Duration = Duration::from_secs(1);
 /// Per-sample costs kept for the medians in the stats.
 const COSTS_KEPT: usize = 1024;
 
@@ -80,6 +83,7 @@ pub struct Native {
     signal: i32,
     seq: u64,
     modules: Modules,
+    listed: Instant,
     cache: Box<CacheX86_64>,
     resolver: Resolver,
     copy: FxHashMap<u64, usize>,
@@ -121,6 +125,7 @@ impl Native {
             signal: sig,
             seq: 0,
             modules: Modules::new(),
+            listed: Instant::now(),
             cache: Box::new(CacheX86_64::new()),
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
@@ -157,6 +162,10 @@ impl Native {
                 self.signal
             ));
             return;
+        }
+        if self.listed.elapsed() >= LIST_EVERY {
+            self.modules.refresh();
+            self.listed = Instant::now();
         }
         for batch in threads.chunks_mut(SLOTS) {
             self.capture_batch(batch, &mut running);

@@ -31,6 +31,9 @@ pub enum Kind {
 
 pub struct Resolver {
     by_address: FxHashMap<u64, (u32, Kind)>,
+    /// The module listing `by_address` was made under: a module unloaded since may
+    /// have left its addresses to another.
+    listing: u64,
     frames: Vec<Frame>,
     ids: FxHashMap<Frame, u32>,
     pub epoch: u64,
@@ -42,6 +45,7 @@ impl Resolver {
     pub fn new() -> Resolver {
         Resolver {
             by_address: FxHashMap::default(),
+            listing: 0,
             frames: Vec::new(),
             ids: FxHashMap::default(),
             epoch: 0,
@@ -51,6 +55,10 @@ impl Resolver {
 
     /// The frame id and kind of the code at `addr`.
     pub fn resolve(&mut self, addr: u64, modules: &mut Modules) -> (u32, Kind) {
+        if self.listing != modules.stats.listings {
+            self.by_address.clear();
+            self.listing = modules.stats.listings;
+        }
         if let Some(&found) = self.by_address.get(&addr) {
             return found;
         }
