@@ -26,6 +26,7 @@ SECTIONS = [
     "retention",
     "bounded_loads",
     "free_threaded",
+    "native",
 ]
 
 

@@ -22,8 +22,11 @@ TOLERANCE = 0.02
 BASELINE: str | None = None
 
 
-def one_run(python: str, periods: float, share: float, threads: int, seconds: float) -> dict[str, Any]:
-    args = json.dumps({"rate": RATE, "periods": periods, "share": share, "threads": threads, "seconds": seconds})
+def one_run(
+    python: str, periods: float, share: float, threads: int, seconds: float, native: bool = False
+) -> dict[str, Any]:
+    config = {"rate": RATE, "periods": periods, "share": share, "threads": threads, "seconds": seconds}
+    args = json.dumps({**config, **({"native": True} if native else {})})
     # Run from outside the checkout so `python` imports its own installed dask_pyspy.
     done = subprocess.run([python, CHILD, args], capture_output=True, text=True, cwd="/", check=True)
     return json.loads(done.stdout)

@@ -67,7 +67,7 @@ def sampled(doc: dict, thread: str) -> dict[str, float]:
     return out
 
 
-def main(rate: float, periods: float, share: float, threads: int, seconds: float) -> dict:
+def main(rate: float, periods: float, share: float, threads: int, seconds: float, native: bool = False) -> dict:
     stop = threading.Event()
     truths = [{"churny": 0.0, "steady": 0.0} for _ in range(threads)]
     period = periods / rate
@@ -81,7 +81,8 @@ def main(rate: float, periods: float, share: float, threads: int, seconds: float
     for truth in truths:
         truth.update(churny=0.0, steady=0.0)
     # idle=True: a thread waiting for the GIL is sampled where it waits, as its own account counts it.
-    s = Sampler(rate=rate, idle=True, cpu_budget=1.0)
+    # native only when asked: a baseline build may not know the option.
+    s = Sampler(rate=rate, idle=True, cpu_budget=1.0, **({"native": True} if native else {}))
     s.start()
     time.sleep(seconds)
     s.stop()
@@ -95,6 +96,7 @@ def main(rate: float, periods: float, share: float, threads: int, seconds: float
         "reader": stats["reader"],
         "reader_stats": stats["reader_stats"],
         "achieved_rate": stats["achieved_rate"],
+        "native": stats.get("native"),
     }
 
 

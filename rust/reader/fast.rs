@@ -8,7 +8,7 @@ use super::frees::FreeLog;
 use super::layout::Layout;
 use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
-use super::{StackReader, ThreadStack, Want};
+use super::{Run, StackReader, ThreadStack, Want};
 use crate::profile::model::Frame;
 use crate::reader::tags::{ReadMarks, ThreadTags};
 use crate::reader::GilAt;
@@ -29,12 +29,12 @@ fn copies(attempt: usize) -> usize {
     }
 }
 
-/// A thread's frame ids, innermost first, and how many of them each run of the
-/// eval loop holds, innermost run first.
+/// A thread's frame ids, innermost first, and the runs of the eval loop that hold
+/// them, innermost run first.
 #[derive(Clone, Debug, Default)]
 pub struct Ids {
     pub frames: Vec<u64>,
-    pub evals: Vec<u32>,
+    pub evals: Vec<Run>,
 }
 
 /// A thread read: its state, its frame ids (Err: lost) and its marks during the read.
@@ -241,11 +241,11 @@ impl FastReader {
                 Found::Torn => return Err(()),
             }
             if f.entry {
-                ids.evals.push(std::mem::take(&mut run));
+                ids.evals.push(Run { frames: std::mem::take(&mut run), entry: f.shim });
             }
         }
         if run > 0 {
-            ids.evals.push(run);
+            ids.evals.push(Run { frames: run, entry: 0 });
         }
         Ok(ids)
     }

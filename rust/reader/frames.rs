@@ -34,6 +34,8 @@ pub struct RawFrame {
     /// The outermost frame of one run of the interpreter's eval loop (a C caller
     /// called into Python there): where native stacks are merged.
     pub entry: bool,
+    /// The address of that run's entry frame (a shim on the C stack; 0: none, 3.11).
+    pub shim: u64,
 }
 
 /// Memory copied for one thread: its live chunk stays in the first batch; frames
@@ -116,10 +118,10 @@ impl Walker {
             if Some(owner) == layout.owner_not_python {
                 // An eval loop's shim: the frame walked before it began that run.
                 if let Some(last) = self.frames.last_mut() {
-                    last.entry = true;
+                    (last.entry, last.shim) = (true, self.next);
                 }
             } else if code != 0 {
-                self.frames.push(RawFrame { code, instr, entry });
+                self.frames.push(RawFrame { code, instr, entry, shim: 0 });
             }
             self.next = previous;
         }

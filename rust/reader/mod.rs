@@ -48,6 +48,15 @@ impl Want {
     }
 }
 
+/// One run of the interpreter's eval loop in a thread's stack: how many of the
+/// thread's Python frames it holds, and where its entry frame lies on the C stack,
+/// inside the eval loop's own native frame (0 where the version has none: 3.9-3.11).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Run {
+    pub frames: u32,
+    pub entry: u64,
+}
+
 /// One thread's stack at one tick.
 #[derive(Clone, Debug)]
 pub struct ThreadStack {
@@ -55,9 +64,9 @@ pub struct ThreadStack {
     pub name: Option<String>,
     /// Frame ids of the reader (see `StackReader::frame`), innermost first.
     pub frames: Vec<u64>,
-    /// How many of `frames` each run of the interpreter's eval loop holds, innermost
-    /// first (native stacks are merged there); None where the reader cannot tell.
-    pub evals: Option<Vec<u32>>,
+    /// The runs of the interpreter's eval loop that hold `frames`, innermost first
+    /// (native stacks are merged there); None where the reader cannot tell.
+    pub evals: Option<Vec<Run>>,
     /// On a CPU or holding the GIL.
     pub active: bool,
     pub holds_gil: bool,

@@ -2,7 +2,7 @@
 //! know, and the oracle it is tested against.
 
 use super::threads::thread_cpu_ns;
-use super::{StackReader, ThreadStack, Want};
+use super::{Run, StackReader, ThreadStack, Want};
 use crate::profile::model::Frame;
 use crate::reader::tags::ThreadTags;
 use crate::reader::GilAt;
@@ -142,7 +142,7 @@ impl StackReader for PySpyReader {
             if want.keeps(stack.active, stack.runs_python, in_task) && !t.frames.is_empty() {
                 let frames: Vec<u64> = t.frames.iter().map(|f| self.frame_id(f)).collect();
                 // Before 3.11 every Python call ran its own eval loop; after, py-spy does not say.
-                let evals = (self.spy.version.minor < 11).then(|| vec![1; frames.len()]);
+                let evals = (self.spy.version.minor < 11).then(|| vec![Run { frames: 1, entry: 0 }; frames.len()]);
                 out.push(ThreadStack { frames, evals, ..stack });
             }
         }

@@ -32,6 +32,8 @@ const MAX_OPEN: usize = 256;
 /// the CPU in slices of a few milliseconds: many ticks see none of it.
 const NATIVE_BUSY: f64 = 0.1;
 const NATIVE_SECONDS: f64 = 0.1;
+/// How long a wait seen stays in a thread's record (`blocks_on_futexes_only`).
+const WAITS_LATELY: std::time::Duration = std::time::Duration::from_secs(5);
 /// Seconds of per-second CPU totals kept: a day.
 const SERIES_SECONDS: usize = 86_400;
 
@@ -55,13 +57,16 @@ struct Files {
     wait: Option<(u64, Wait)>,
     /// What it was last seen blocked in (`Running`: never).
     blocked_in: Wait,
+    /// When it was last seen blocked on a futex (the GIL, a lock), and in any other call.
+    futex_at: Option<Instant>,
+    other_at: Option<Instant>,
     seen: Instant,
 }
 
 impl Files {
     fn open(tid: u64, now: Instant) -> Option<Files> {
         let syscall = File::open(format!("/proc/self/task/{tid}/syscall")).ok()?;
-        Some(Files { syscall, wait: None, blocked_in: Wait::Running, seen: now })
+        Some(Files { syscall, wait: None, blocked_in: Wait::Running, futex_at: None, other_at: None, seen: now })
     }
 
     /// What the thread waits in, and whether its syscall file was read for it.
@@ -74,6 +79,11 @@ impl Files {
             self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
         let wait = line.map_or(Wait::Running, |l| classify(&l, gil));
         self.wait = Some((cpu_ns, wait));
+        match wait {
+            Wait::Gil | Wait::Lock => self.futex_at = Some(Instant::now()),
+            Wait::Other => self.other_at = Some(Instant::now()),
+            Wait::Running => {}
+        }
         (wait, true)
     }
 }
@@ -174,12 +184,12 @@ impl States {
         }
     }
 
-    /// Whether thread `tid` is out of any system call right now (on a CPU or waiting
-    /// for one), read fresh; false when that cannot be told.
-    pub fn running_now(&mut self, tid: u64) -> bool {
-        let Some(files) = files_of(&mut self.files, &mut self.stats, tid, Instant::now()) else { return false };
-        let mut buf = [0u8; 16];
-        files.syscall.read_at(&mut buf, 0).is_ok_and(|n| buf[..n].starts_with(b"running"))
+    /// Whether every wait of `tid` seen lately was on a futex (the GIL, a lock), and at
+    /// least one was: such waits return no `EINTR` to the code that made them (glibc
+    /// and CPython retry), unlike a sleep, a poll or I/O.
+    pub fn blocks_on_futexes_only(&self, tid: u64) -> bool {
+        let lately = |at: Option<Instant>| at.is_some_and(|t| t.elapsed() < WAITS_LATELY);
+        self.files.get(&tid).is_some_and(|f| lately(f.futex_at) && !lately(f.other_at))
     }
 
     /// Closes the files of threads not sampled for a while (most have exited).

@@ -30,9 +30,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// Wall time for which unspent CPU budget is kept: long enough that an occasional
 /// costly tick does not cost rate, short enough that a burst stays small.
 const CREDIT_S: f64 = 1.0;
-/// The least share of the last interval a thread must have run to be asked for its
-/// native stack (see `capture_native`).
-const NATIVE_MIN_RAN: f64 = 0.5;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 10;
 
@@ -305,20 +302,20 @@ impl<'a> Loop<'a> {
     }
 
     /// Merges the native stacks of threads on a CPU (or waiting for one) into their
-    /// Python stacks. Only threads that ran for most of the last interval are asked,
-    /// and never one in a system call: a signal can interrupt a sleep or a poll that C
-    /// code does not retry (`EINTR`), and a thread that runs in short bursts between
-    /// such calls would be back in one by the time the signal lands.
+    /// Python stacks; which of them are signalled is native capture's choice.
     fn capture_native(&mut self) {
         let Some(native) = self.native.as_mut() else { return };
         let on_cpu = |s: &State| matches!(s, State::Cpu | State::CpuGil | State::CpuWait);
-        let busy = |t: &ThreadStack| t.ran.map_or(t.active, |ran| ran >= NATIVE_MIN_RAN);
+        let kernel = &self.kernel;
         let mut wanted: Vec<Wanted<'_>> = (self.stacks.iter_mut().zip(&self.states))
-            .filter(|(t, s)| on_cpu(s) && busy(t) && !t.frames.is_empty())
-            .filter_map(|(t, _)| Some(Wanted { tid: t.native_tid?, frames: &mut t.frames, evals: t.evals.as_deref() }))
+            .filter(|(t, s)| on_cpu(s) && !t.frames.is_empty())
+            .filter_map(|(t, _)| {
+                let tid = t.native_tid?;
+                let futexes_only = kernel.blocks_on_futexes_only(tid);
+                Some(Wanted { tid, frames: &mut t.frames, evals: t.evals.as_deref(), futexes_only })
+            })
             .collect();
-        let kernel = &mut self.kernel;
-        native.capture(&mut wanted, |tid| kernel.running_now(tid));
+        native.capture(&mut wanted);
     }
 
     fn record(&mut self, time_ns: u64, weight: Duration) {

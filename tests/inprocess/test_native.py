@@ -207,7 +207,9 @@ def test_the_applications_handler_wins():
             wait_for(lambda: s.stats()["native"]["off"])
             assert f"signal {sig}" in s.stats()["native"]["off"]
             signal.pthread_kill(threading.get_ident(), sig)
-            wait_for(lambda: got == [top, sig])
+            # One of ours sent just before the handler changed may reach it too.
+            wait_for(lambda: sig in got)
+            assert got[0] == top and set(got) == {top, sig}
             assert s.is_running
         finally:
             stop.set()

@@ -3,14 +3,28 @@
 //! reads Python caller -> C -> Python callback -> C. The interpreter's own plumbing
 //! is dropped, and so are the native frames outside the outermost eval loop (thread
 //! start-up).
+//!
+//! Which native frame is the eval loop of a run: on 3.12+ the one whose stack holds
+//! the run's entry frame (a shim the loop keeps on the C stack), which needs no
+//! symbol (Debian's interpreters are stripped, and PGO splits the loop); before, the
+//! frames named `_PyEval_EvalFrameDefault`, one per run.
 
 use super::resolve::Kind;
-use super::unwind::End;
+use super::unwind::{End, NativeFrame};
+use crate::reader::Run;
 
 /// Native frame ids carry this bit, beside the Python reader's.
 pub const NATIVE: u64 = 1 << 63;
 
-/// Why the halves were not merged.
+/// A native frame named: its frame id, what the merge does with it, where it lies.
+#[derive(Clone, Copy, Debug)]
+pub struct Named {
+    pub id: u32,
+    pub kind: Kind,
+    pub at: NativeFrame,
+}
+
+/// Why the halves were not merged: the thread moved between the two reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mismatch {
     /// The native stack ran more (or, whole, fewer) eval loops than the Python stack holds.
@@ -19,43 +33,43 @@ pub enum Mismatch {
     NoEval,
 }
 
-/// `python` (frame ids, innermost first) with `evals` (frames per eval run, innermost
-/// first; None where the reader cannot tell) and `native` (innermost first), ended by
-/// `end`, as one stack of ids, innermost first.
+/// `python` (frame ids, innermost first) held by `runs` (innermost first; None where
+/// the reader cannot tell) with `native` (innermost first), ended by `end`, as one
+/// stack of ids, innermost first.
 pub fn merge(
     python: &[u64],
-    evals: Option<&[u32]>,
-    native: &[(u32, Kind)],
+    runs: Option<&[Run]>,
+    native: &[Named],
     end: End,
     out: &mut Vec<u64>,
 ) -> Result<(), Mismatch> {
     out.clear();
-    let Some(evals) = evals else {
+    let Some(runs) = runs else {
         // Without the runs: the native frames inside the innermost eval loop only.
-        let inner = native.iter().position(|(_, k)| *k == Kind::Eval).ok_or(Mismatch::NoEval)?;
-        out.extend(shown(&native[..inner]));
+        let inner = native.iter().position(|f| f.kind == Kind::Eval).ok_or(Mismatch::NoEval)?;
+        out.extend(native[..inner].iter().filter(|f| f.kind == Kind::Shown).map(|f| NATIVE | f.id as u64));
         out.extend_from_slice(python);
         return Ok(());
     };
-    let (mut runs, mut rest) = (evals.iter(), python);
-    let mut outermost = None;
-    for &(id, kind) in native {
-        match kind {
-            Kind::Eval => {
-                let n = *runs.next().ok_or(Mismatch::Evals)? as usize;
-                let (run, more) = rest.split_at(n.min(rest.len()));
-                out.extend_from_slice(run);
-                rest = more;
-                outermost = Some(out.len());
-            }
-            Kind::Internal => {}
-            Kind::Shown => out.push(NATIVE | id as u64),
+    let by_entry = !runs.is_empty() && runs.iter().all(|r| r.entry != 0);
+    let (mut next, mut rest, mut outermost) = (0, python, None);
+    for f in native {
+        let eval = match runs.get(next) {
+            Some(run) if by_entry => holds_entry(f, run)?,
+            Some(_) => f.kind == Kind::Eval,
+            None if f.kind == Kind::Eval => return Err(Mismatch::Evals),
+            None => false,
+        };
+        if eval {
+            let (run, more) = rest.split_at((runs[next].frames as usize).min(rest.len()));
+            out.extend_from_slice(run);
+            (rest, next, outermost) = (more, next + 1, Some(out.len()));
+        } else if f.kind == Kind::Shown {
+            out.push(NATIVE | f.id as u64);
         }
     }
-    let Some(outermost) = outermost else {
-        return Err(Mismatch::NoEval);
-    };
-    if end == End::Root && runs.next().is_some() {
+    let outermost = outermost.ok_or(Mismatch::NoEval)?;
+    if end == End::Root && next < runs.len() {
         return Err(Mismatch::Evals);
     }
     out.truncate(outermost);
@@ -63,8 +77,20 @@ pub fn merge(
     Ok(())
 }
 
-fn shown(native: &[(u32, Kind)]) -> impl Iterator<Item = u64> + '_ {
-    native.iter().filter(|(_, k)| *k == Kind::Shown).map(|(id, _)| NATIVE | *id as u64)
+/// Whether `f` is the eval loop of `run`: its stack holds the run's entry frame. A
+/// frame named as something else holding it, an eval loop not holding it, or an
+/// entry left behind means the thread moved between the reads.
+fn holds_entry(f: &Named, run: &Run) -> Result<bool, Mismatch> {
+    if run.entry < f.at.sp {
+        return Err(Mismatch::Evals);
+    }
+    let holds = run.entry < f.at.caller_sp;
+    match f.kind {
+        Kind::Unnamed => Ok(holds),
+        Kind::Eval if holds => Ok(true),
+        Kind::Internal | Kind::Shown if !holds => Ok(false),
+        Kind::Eval | Kind::Internal | Kind::Shown => Err(Mismatch::Evals),
+    }
 }
 
 #[cfg(test)]
@@ -72,11 +98,21 @@ mod tests {
     use super::*;
     use Kind::*;
 
+    fn frames(kinds: &[(u32, Kind)]) -> Vec<Named> {
+        // 0x100 bytes of stack each, from 0x1000 up.
+        let at = |i: u64| NativeFrame { pc: i, sp: 0x1000 + i * 0x100, caller_sp: 0x1100 + i * 0x100 };
+        kinds.iter().enumerate().map(|(i, &(id, kind))| Named { id, kind, at: at(i as u64) }).collect()
+    }
+
+    fn runs(frames: &[u32], entries: &[u64]) -> Vec<Run> {
+        frames.iter().zip(entries).map(|(&frames, &entry)| Run { frames, entry }).collect()
+    }
+
     #[test]
     fn eval_loops_become_their_python_runs() {
-        // caller (py) -> ctypes -> qsort -> callback -> comparator (py) -> C leaf
+        // caller (py) -> ctypes -> qsort -> callback -> comparator (py) -> C leaf; thread start-up (9) dropped.
         let python = [10, 11, 12]; // comparator, caller, main
-        let native = [
+        let kinds = [
             (1, Shown),
             (2, Internal),
             (3, Eval),
@@ -87,28 +123,39 @@ mod tests {
             (8, Eval),
             (9, Shown),
         ];
+        let native = frames(&kinds);
         let mut out = Vec::new();
-        merge(&python, Some(&[1, 1, 1]), &native, End::Root, &mut out).unwrap();
-        assert_eq!(out, vec![NATIVE | 1, 10, NATIVE | 4, NATIVE | 5, 11, 12], "thread start-up (9) dropped");
+        merge(&python, Some(&runs(&[1, 1, 1], &[0, 0, 0])), &native, End::Root, &mut out).unwrap();
+        assert_eq!(out, vec![NATIVE | 1, 10, NATIVE | 4, NATIVE | 5, 11, 12]);
+        // By entry frames: unnamed frames 3, 7 and 8 hold them.
+        let unnamed = frames(&kinds.map(|(id, k)| (id, if k == Eval { Unnamed } else { k })));
+        merge(&python, Some(&runs(&[1, 1, 1], &[0x1210, 0x1620, 0x17f0])), &unnamed, End::Root, &mut out).unwrap();
+        assert_eq!(out, vec![NATIVE | 1, 10, NATIVE | 4, NATIVE | 5, 11, 12]);
     }
 
     #[test]
     fn disagreeing_halves_are_refused() {
         let mut out = Vec::new();
-        let native = [(1, Shown), (3, Eval)];
-        assert_eq!(merge(&[10, 11], Some(&[1, 1]), &native, End::Root, &mut out), Err(Mismatch::Evals));
-        assert_eq!(merge(&[10], Some(&[1]), &[(1, Shown)], End::Root, &mut out), Err(Mismatch::NoEval));
-        let two = [(3, Eval), (3, Eval)];
-        assert_eq!(merge(&[10], Some(&[1]), &two, End::Root, &mut out), Err(Mismatch::Evals));
+        let native = frames(&[(1, Shown), (3, Eval)]);
+        let two = runs(&[1, 1], &[0, 0]);
+        assert_eq!(merge(&[10, 11], Some(&two), &native, End::Root, &mut out), Err(Mismatch::Evals));
+        assert_eq!(merge(&[10], Some(&two[..1]), &frames(&[(1, Shown)]), End::Root, &mut out), Err(Mismatch::NoEval));
+        let evals = frames(&[(3, Eval), (3, Eval)]);
+        assert_eq!(merge(&[10], Some(&two[..1]), &evals, End::Root, &mut out), Err(Mismatch::Evals));
         // A copy that ended early keeps the outer runs as they are.
-        merge(&[10, 11], Some(&[1, 1]), &native, End::Cut, &mut out).unwrap();
+        merge(&[10, 11], Some(&two), &native, End::Cut, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, 11]);
+        // An entry frame inside a named C function, or below the frame that should hold it.
+        let named = frames(&[(1, Shown), (3, Unnamed)]);
+        assert_eq!(merge(&[10], Some(&runs(&[1], &[0x1010])), &named, End::Root, &mut out), Err(Mismatch::Evals));
+        let unnamed = frames(&[(3, Unnamed), (4, Unnamed)]);
+        assert_eq!(merge(&[10], Some(&runs(&[1], &[0x0f00])), &unnamed, End::Root, &mut out), Err(Mismatch::Evals));
     }
 
     #[test]
     fn without_runs_only_the_leaf_is_merged() {
         let mut out = Vec::new();
-        let native = [(1, Shown), (2, Eval), (4, Shown), (3, Eval)];
+        let native = frames(&[(1, Shown), (2, Eval), (4, Shown), (3, Eval)]);
         merge(&[10, 11], None, &native, End::Root, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, 11]);
     }

@@ -7,6 +7,7 @@
 mod merge;
 mod modules;
 mod resolve;
+mod running;
 mod signal;
 mod symbols;
 mod unwind;
@@ -14,21 +15,23 @@ mod unwind;
 pub use merge::NATIVE;
 
 use crate::profile::model::Frame;
+use crate::reader::Run;
 use framehop::x86_64::CacheX86_64;
-use merge::{merge, Mismatch};
+use merge::{merge, Mismatch, Named};
 use modules::Modules;
-use resolve::{Kind, Resolver};
+use resolve::Resolver;
+use running::{Running, Verdict};
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 use signal::{Slot, SLOTS};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
-use unwind::{unwind, End};
+use unwind::{unwind, End, NativeFrame};
 
 /// How long a tick waits for threads to answer: a thread that blocks the signal, or
 /// waits for a CPU, gets a Python-only sample.
-const ANSWER_WITHIN: Duration = Duration::from_millis(2);
+const ANSWER_WITHIN: Duration = Duration::from_millis(5);
 /// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
 const FIRST_COPY: usize = 32 << 10;
 /// How often the loader's module counts are checked, for modules loaded or unloaded
@@ -57,8 +60,12 @@ pub struct NativeStats {
     pub timed_out: u64,
     /// Threads not asked because an earlier signal to them is still pending.
     pub still_pending: u64,
-    /// Threads not asked because they were in a system call when their turn came.
-    pub in_syscall: u64,
+    /// Threads not asked because they were asleep or in a system call when their turn came.
+    pub blocked: u64,
+    /// Threads not asked because they blocked since last looked at (see `running.rs`).
+    pub blocked_lately: u64,
+    /// Threads whose status file is open.
+    pub status_files: usize,
     /// Samples merged with their native frames.
     pub merged: u64,
     /// Samples whose halves disagreed: kept with their Python frames only.
@@ -87,12 +94,13 @@ pub struct Native {
     cache: Box<CacheX86_64>,
     resolver: Resolver,
     copy: FxHashMap<u64, usize>,
-    /// Threads whose last signal went unanswered: not asked again while it is pending.
+    running: Running,
+    /// Threads whose signal went unanswered and may still be pending.
     unanswered: FxHashSet<u64>,
     costs: VecDeque<[u32; 3]>,
     stats: NativeStats,
-    pcs: Vec<u64>,
-    resolved: Vec<(u32, Kind)>,
+    unwound: Vec<NativeFrame>,
+    named: Vec<Named>,
     merged: Vec<u64>,
 }
 
@@ -101,7 +109,9 @@ pub struct Native {
 pub struct Wanted<'a> {
     pub tid: u64,
     pub frames: &'a mut Vec<u64>,
-    pub evals: Option<&'a [u32]>,
+    pub evals: Option<&'a [Run]>,
+    /// Every wait of the thread seen lately was on a futex (see `running.rs`).
+    pub futexes_only: bool,
 }
 
 impl Native {
@@ -129,11 +139,12 @@ impl Native {
             cache: Box::new(CacheX86_64::new()),
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
+            running: Running::default(),
             unanswered: FxHashSet::default(),
             costs: VecDeque::new(),
             stats: NativeStats { signal: sig, ..Default::default() },
-            pcs: Vec::new(),
-            resolved: Vec::new(),
+            unwound: Vec::new(),
+            named: Vec::new(),
             merged: Vec::new(),
         })
     }
@@ -149,10 +160,9 @@ impl Native {
         self.resolver.frame(id).cloned().unwrap_or_else(|| Frame::native("?".into(), "?".into()))
     }
 
-    /// Captures the native stacks of `threads`, merging each into its frames;
-    /// `running(tid)` says, just before its signal, whether a thread is out of any
-    /// system call (one in a call is never signalled: it could return `EINTR`).
-    pub fn capture(&mut self, threads: &mut [Wanted<'_>], mut running: impl FnMut(u64) -> bool) {
+    /// Captures the native stacks of `threads`, merging each into its frames; only
+    /// those `running.rs` finds computing are asked.
+    pub fn capture(&mut self, threads: &mut [Wanted<'_>]) {
         if self.stats.off.is_some() {
             return;
         }
@@ -168,26 +178,33 @@ impl Native {
             self.listed = Instant::now();
         }
         for batch in threads.chunks_mut(SLOTS) {
-            self.capture_batch(batch, &mut running);
+            self.capture_batch(batch);
         }
+        self.running.forget_old(Instant::now());
+        self.stats.status_files = self.running.open();
         self.stats.unknown_addresses = self.resolver.unknown;
         self.stats.modules = self.modules.stats;
     }
 
-    fn capture_batch(&mut self, batch: &mut [Wanted<'_>], running: &mut impl FnMut(u64) -> bool) {
+    fn capture_batch(&mut self, batch: &mut [Wanted<'_>]) {
         let started = Instant::now();
         let mut asked: Vec<(usize, u64)> = Vec::with_capacity(batch.len());
         for (i, w) in batch.iter().enumerate() {
-            if self.unanswered.contains(&w.tid) {
-                if pending(w.tid, self.signal) {
-                    self.stats.still_pending += 1;
-                    continue;
-                }
+            let verdict = self.running.check(w.tid, self.signal, w.futexes_only, started);
+            if verdict != Verdict::Pending {
                 self.unanswered.remove(&w.tid);
             }
-            if !running(w.tid) {
-                self.stats.in_syscall += 1;
+            match verdict {
+                Verdict::Ask => {}
+                Verdict::Pending => self.stats.still_pending += 1,
+                Verdict::Blocked => self.stats.blocked += 1,
+                Verdict::BlockedLately => self.stats.blocked_lately += 1,
+            }
+            if verdict != Verdict::Ask {
                 continue;
+            }
+            if !signal::is_ours(self.signal) {
+                break; // the application took the signal since the tick began
             }
             self.seq += 1;
             let slot = Slot::at(asked.len());
@@ -225,7 +242,7 @@ impl Native {
             self.stats.answered += 1;
             let t0 = Instant::now();
             let (regs, stack) = slot.answer();
-            let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.pcs);
+            let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
             let copied = stack.len();
             slot.release();
             let t1 = Instant::now();
@@ -253,11 +270,12 @@ impl Native {
     }
 
     fn merge_into(&mut self, w: &mut Wanted<'_>, end: End) {
-        self.resolved.clear();
-        for &pc in &self.pcs {
-            self.resolved.push(self.resolver.resolve(pc, &mut self.modules));
+        self.named.clear();
+        for &at in &self.unwound {
+            let (id, kind) = self.resolver.resolve(at.pc, &mut self.modules);
+            self.named.push(Named { id, kind, at });
         }
-        match merge(w.frames, w.evals, &self.resolved, end, &mut self.merged) {
+        match merge(w.frames, w.evals, &self.named, end, &mut self.merged) {
             Ok(()) => {
                 std::mem::swap(w.frames, &mut self.merged);
                 self.stats.merged += 1;
@@ -295,11 +313,4 @@ impl Drop for Native {
         }
         let _ = OWNER.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Relaxed);
     }
-}
-
-/// Whether `signal` is pending for thread `tid` (its `SigPnd` mask).
-fn pending(tid: u64, signal: i32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")) else { return false };
-    let mask = status.lines().find_map(|l| l.strip_prefix("SigPnd:")).map(str::trim);
-    mask.and_then(|m| u64::from_str_radix(m, 16).ok()).is_some_and(|m| m >> (signal - 1) & 1 == 1)
 }

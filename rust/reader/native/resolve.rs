@@ -26,6 +26,9 @@ pub enum Kind {
     Eval,
     /// The interpreter's plumbing between C and Python: dropped.
     Internal,
+    /// The interpreter's, with no name (a stripped build's static function): dropped,
+    /// and the eval loop if it holds a run's entry frame (see `merge.rs`).
+    Unnamed,
     Shown,
 }
 
@@ -96,7 +99,8 @@ fn describe(addr: u64, modules: &Modules) -> (Frame, Kind) {
     };
     let Some(name) = module.function(addr) else {
         let name = format!("{}+0x{:x}", module.name, addr - module.bias);
-        return (Frame::native(name, module.name.clone()), Kind::Shown);
+        let kind = if module.interpreter { Kind::Unnamed } else { Kind::Shown };
+        return (Frame::native(name, module.name.clone()), kind);
     };
     let kind = match module.interpreter {
         true if name.starts_with(EVAL) => Kind::Eval,

@@ -1,0 +1,248 @@
+"""One measurement of the native-frames benchmark (see native.py), in its own process:
+argv[1] is JSON {"mode": ..., ...}; the result is JSON on the last line of stdout."""
+
+from __future__ import annotations
+
+import os
+
+# Before numpy loads OpenBLAS: BLAS runs in the calling thread, where it is sampled.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import ctypes
+import ctypes.util
+import functools
+import itertools
+import json
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from dask_pyspy import Sampler
+
+Step = Callable[[], object]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+COMPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))
+libc.qsort.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, COMPARE]
+libc.qsort.restype = None
+
+
+class Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def compare(a: Any, b: Any) -> int:
+    """The Python comparator qsort calls back (native.py looks for this name)."""
+    return a[0] - b[0]
+
+
+COMPARATOR = COMPARE(compare)
+
+
+def sort_with_qsort(values: list[int]) -> None:
+    """libc's qsort with a Python comparator: Python -> C -> Python on one stack."""
+    array = (ctypes.c_int * len(values))(*values)
+    libc.qsort(array, len(array), ctypes.sizeof(ctypes.c_int), COMPARATOR)
+
+
+def jobs(rows: int = 3_000_000) -> dict[str, Step]:
+    """One step of each job, with its data made up front (before sampling starts)."""
+    import numpy as np
+    import pandas as pd  # type: ignore[import-untyped]
+    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+    rng = np.random.default_rng(0)
+    square = rng.random((384, 384))
+    values = pa.array(rng.integers(0, 1 << 40, 1_000_000))
+    frame = pd.DataFrame({"k": rng.integers(0, 1000, rows), "v": rng.random(rows)})
+    ints = [int(x) for x in rng.integers(0, 1 << 30, 3000)]
+    draws = np.random.default_rng(1)
+
+    def matmul() -> object:
+        return square @ square
+
+    def arrow_sort_take() -> object:
+        return pc.take(values, pc.sort_indices(values))
+
+    def groupby_sum() -> object:
+        return frame.groupby("k")["v"].sum()
+
+    def random_draws() -> object:
+        return draws.random(2_000_000), draws.normal(size=2_000_000)
+
+    def qsort_python() -> object:
+        sort_with_qsort(ints)
+        return ints
+
+    return {
+        "matmul": matmul,
+        "arrow": arrow_sort_take,
+        "groupby": groupby_sum,
+        "random": random_draws,
+        "qsort": qsort_python,
+    }
+
+
+def loop(steps: list[Step], stop: threading.Event) -> None:
+    """The steps one after the other until `stop`."""
+    for step in itertools.cycle(steps):
+        if stop.is_set():
+            return
+        step()
+
+
+def in_turn(steps: list[Step], stop: threading.Event, slice_s: float = 0.05) -> None:
+    """Each step repeated for `slice_s`, then the next, until `stop`."""
+    for step in itertools.cycle(steps):
+        until = time.perf_counter() + slice_s
+        while time.perf_counter() < until:
+            if stop.is_set():
+                return
+            step()
+
+
+def start_threads(
+    targets: dict[str, Callable[[threading.Event], None]],
+) -> tuple[list[threading.Thread], threading.Event]:
+    stop = threading.Event()
+    threads = [threading.Thread(target=t, args=(stop,), name=name, daemon=True) for name, t in targets.items()]
+    for t in threads:
+        t.start()
+    return threads, stop
+
+
+def stop_threads(threads: list[threading.Thread], stop: threading.Event) -> None:
+    stop.set()
+    for t in threads:
+        t.join()
+
+
+def agreement(layout: str, out: str) -> dict[str, Any]:
+    """The workload in 4 threads ("together") or one thread ("in turn"), sampled from
+    "ready" until a line on stdin (the parent runs py-spy in between); the profile goes
+    to `out` as speedscope JSON."""
+    j = jobs()
+    if layout == "together":
+        targets: dict[str, Callable[[threading.Event], None]] = {
+            "work-0": functools.partial(loop, [j["matmul"]]),
+            "work-1": functools.partial(loop, [j["arrow"]]),
+            "work-2": functools.partial(loop, [j["groupby"]]),
+            "work-3": functools.partial(loop, [j["random"], j["qsort"]]),
+        }
+    else:
+        targets = {"work-0": functools.partial(in_turn, list(j.values()))}
+    threads, stop = start_threads(targets)
+    time.sleep(1.0)  # past the threads' start
+    s = Sampler(native=True, rate=100, cpu_budget=0.2)
+    s.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    s.stop()
+    stop_threads(threads, stop)
+    with open(out, "w") as f:
+        json.dump(s.profile().speedscope(), f)
+    return {"stats": s.stats()}
+
+
+def cost(native: bool, seconds: float, budget: float | None) -> dict[str, Any]:
+    """4 busy numpy/pandas threads sampled at 100 Hz, with the default CPU budget unless given."""
+    j = jobs(rows=1_000_000)
+    threads, stop = start_threads(
+        {f"busy-{i}": functools.partial(loop, [j[k]]) for i, k in enumerate(["matmul", "groupby"] * 2)}
+    )
+    time.sleep(1.0)
+    s = Sampler(native=native, rate=100, **({} if budget is None else {"cpu_budget": budget}))
+    s.start()
+    time.sleep(seconds)
+    s.stop()
+    stop_threads(threads, stop)
+    return {"stats": s.stats()}
+
+
+def status_kib() -> dict[str, int]:
+    """VmRSS, RssAnon and RssFile of this process, in KiB."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {k: int(fields[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def memory(native: bool, seconds: float) -> dict[str, Any]:
+    """RSS before and after starting a sampler, with numpy, pandas and pyarrow imported
+    and a thread in BLAS (whose arrays are made once: the RSS moves little but for the sampler)."""
+    j = jobs(rows=1_000_000)
+    threads, stop = start_threads({"work-0": functools.partial(loop, [j["matmul"]])})
+    time.sleep(1.0)
+    before = status_kib()
+    s = Sampler(native=native, rate=100, cpu_budget=0.2)
+    s.start()
+    time.sleep(seconds)
+    after = status_kib()
+    s.stop()
+    stop_threads(threads, stop)
+    return {"before": before, "after": after, "stats": s.stats()}
+
+
+def nanosleeps(case: str, count: int, a: Any) -> dict[str, int]:
+    """`count` libc nanosleeps of 1 ms, back to back ("a") or each after ~1 ms of
+    numpy/Python work ("b"); counts those that returned early with EINTR."""
+    ts = Timespec(0, 1_000_000)
+    out = {"sleeps": 0, "eintr": 0, "other_errors": 0}
+    for _ in range(count):
+        if case == "b":
+            until = time.perf_counter() + 0.001
+            while time.perf_counter() < until:
+                (a * 2.0).sum()
+        if libc.nanosleep(ctypes.byref(ts), None) != 0:
+            out["eintr" if ctypes.get_errno() == 4 else "other_errors"] += 1  # 4: EINTR
+        out["sleeps"] += 1
+    return out
+
+
+def eintr(case: str, count: int) -> dict[str, Any]:
+    """A thread doing `count` nanosleeps beside 2 busy numpy threads, sampled with native frames."""
+    import numpy as np
+
+    j = jobs(rows=10)
+    threads, stop = start_threads({f"busy-{i}": functools.partial(loop, [j["matmul"]]) for i in range(2)})
+    s = Sampler(native=True, rate=100, cpu_budget=0.2)
+    s.start()
+    result: dict[str, int] = {}
+    sleeper = threading.Thread(
+        target=lambda: result.update(nanosleeps(case, count, np.ones(1000))), name="sleeper", daemon=True
+    )
+    sleeper.start()
+    sleeper.join()
+    s.stop()
+    stop_threads(threads, stop)
+    return {**result, **sleeper_samples(s.profile().speedscope()), "stats": s.stats()}
+
+
+def is_native(frame: dict[str, Any]) -> bool:
+    """dask-pyspy's native frames have no line and a library for their file."""
+    return "line" not in frame and not str(frame.get("file", "")).endswith(".py")
+
+
+def sleeper_samples(doc: dict[str, Any]) -> dict[str, float]:
+    """Seconds of the sleeper's samples, and of those with native frames (it was signalled)."""
+    frames = doc["shared"]["frames"]
+    out = {"sleeper_s": 0.0, "sleeper_native_s": 0.0}
+    for p in doc["profiles"]:
+        if " sleeper (" in p["name"]:
+            for sample, weight in zip(p["samples"], p["weights"]):
+                out["sleeper_s"] += weight
+                out["sleeper_native_s"] += weight * any(is_native(frames[i]) for i in sample)
+    return out
+
+
+MODES: dict[str, Callable[..., dict[str, Any]]] = {
+    "agreement": agreement,
+    "cost": cost,
+    "memory": memory,
+    "eintr": eintr,
+}
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    print(json.dumps(MODES[args.pop("mode")](**args)), flush=True)
