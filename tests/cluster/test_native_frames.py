@@ -12,7 +12,7 @@ import dask_pyspy
 from tests.cluster.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
 from tests.cluster.conftest import start_cluster
 from tests.cluster.test_report import speedscope_site  # noqa: F401  (a fixture)
-from tests.cluster.workload import matmul
+from tests.cluster.workload import blas_loop
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +53,25 @@ def recorded(client, path=None, **kwargs) -> dask_pyspy.Profile:
     deadline = time.monotonic() + 120
     while True:
         with dask_pyspy.profile(path, client=client, **kwargs) as rec:
-            client.gather(client.map(matmul, range(8), [0.3] * 8, pure=False))
+            client.gather(client.map(blas_loop, range(8), [0.3] * 8, pure=False))
         prof = rec.profile
-        gemm = [s for s in task_stacks(prof, "matmul") if any("gemm" in n for n in native_names(s))]
+        gemm = [s for s in task_stacks(prof, "blas_loop") if any("gemm" in n for n in native_names(s))]
         if gemm or not kwargs.get("native", True):
             return prof
-        assert time.monotonic() < deadline, "no BLAS frame under the matmul tasks"
+        assert time.monotonic() < deadline, "no BLAS frame under the blas_loop tasks"
 
 
 def test_blas_frames_under_the_task(native_client):
     prof = recorded(native_client)
-    for stack in task_stacks(prof, "matmul"):
+    for stack in task_stacks(prof, "blas_loop"):
         names = [f["name"] for f in stack]
         natives = native_names(stack)
         if any("gemm" in n for n in natives):
-            assert names.index("matmul") < names.index(natives[0]), "C under the Python line that called it"
+            assert names.index("blas_loop") < names.index(natives[0]), "C under the Python line that called it"
     workers = [p for p in prof.processes if p["name"] in native_client.scheduler_info()["workers"]]
     assert workers and all(p["stats"]["native"]["merged"] > 0 for p in workers)
     plain = recorded(native_client, native=False)
-    assert not plain.has_native and not any(native_names(s) for s in task_stacks(plain, "matmul"))
+    assert not plain.has_native and not any(native_names(s) for s in task_stacks(plain, "blas_loop"))
 
 
 def test_report_shows_native_frames(native_client, chromium, tmp_path):
@@ -106,9 +106,28 @@ def test_registering_again_turns_native_off(native_client):
     native_client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3, native=False))
     try:
         start = time.time()
-        native_client.gather(native_client.map(matmul, range(4), [0.3] * 4, pure=False))
+        native_client.gather(native_client.map(blas_loop, range(4), [0.3] * 4, pure=False))
         prof = native_client.pyspy_profile(start=start)
         assert prof.n_samples > 0 and not prof.has_native
         assert all(p["stats"]["native"] is None for p in prof.processes)
     finally:
+        native_client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3, native=True))
+
+
+def test_cli_record_turns_native_on(native_client, tmp_path):
+    from tests.cluster.test_cli import run
+
+    native_client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3, native=False))
+    out = tmp_path / "cli.pyspy.gz"
+    futures = native_client.map(blas_loop, range(40), [0.2] * 40, pure=False)
+    try:
+        done = run(
+            "record", "--scheduler", native_client.scheduler.address, "--native", "--duration", "4", "-o", str(out)
+        )
+        assert done.returncode == 0, done.stderr
+        prof = dask_pyspy.Profile.load(out)
+        workers = [p for p in prof.processes if p["name"] in native_client.scheduler_info()["workers"]]
+        assert workers and all(p["stats"]["config"]["native"] for p in workers)
+    finally:
+        native_client.gather(futures)
         native_client.register_plugin(dask_pyspy.PySpyPlugin(rate=200, cpu_budget=0.3, native=True))

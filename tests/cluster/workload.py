@@ -98,7 +98,7 @@ def spin_for(seconds: float) -> float:
     return seconds
 
 
-def matmul(i: int, seconds: float = 0.3) -> int:
+def blas_loop(i: int, seconds: float = 0.3) -> int:
     """Time in BLAS: native frames (gemm) under this Python line."""
     import numpy as np
 
