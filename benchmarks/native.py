@@ -384,7 +384,7 @@ def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> Non
     for label, others in classifier.others.items():
         total = sum(others.values()) or 1.0
         ranked = sorted(others.items(), key=lambda kv: -kv[1])[:5]
-        top = ", ".join(f"{name} {100 * seconds / total:.0f}%" for name, seconds in ranked)
+        top = ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in ranked)
         section.notes.append(f"Leaves classed other, {label}: {top or 'none'}.")
     if classifier.ambiguous:
         section.notes.append(f"Leaf libraries dask-pyspy's file names could not place: {dict(classifier.ambiguous)}.")

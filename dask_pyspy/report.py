@@ -448,8 +448,9 @@ def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
 
 def _where(function: dict[str, Any]) -> str:
     """A function's file, or a native one's library marked as such."""
-    name = os.path.basename(function["file"])
-    return f"{name} (native)" if function.get("is_native") else name
+    if function.get("is_native"):
+        return f"{function['file']} (native)"  # a library, named below site-packages
+    return os.path.basename(function["file"])
 
 
 def render_html(profile: Profile, title: str = "dask-pyspy report") -> str:

@@ -97,20 +97,26 @@ def calls_native(stop: threading.Event) -> None:
 
 
 def test_python_native_python_reads_in_order():
+    """Python -> our extension's code -> Python: the native frames between, in order.
+    (Named by function where the build keeps its symbols; a wheel's are stripped.)"""
     _, prof = record(calls_native, "caller", merged_at_least(200))
-    in_callback = 0
+    in_callback = spinning = 0
     for st, _ in stacks(prof, "caller"):
         names = [f["name"] for f in st]
-        if "python_callback" not in names or not native_frames(st):
+        if not native_frames(st):
             continue  # a Python-only sample: its halves disagreed
-        in_callback += 1
-        caller, callback = names.index("calls_native"), names.index("python_callback")
-        middle = [n for n in names[caller + 1 : callback]]
-        assert any("native_caller_frame" in n for n in middle), names
-        assert all(f.get("line") is None for f in st[caller + 1 : callback]), "only native frames between"
-    assert in_callback > 0
-    spinning = [st for st, _ in stacks(prof, "caller") if any("native_spin" in f["name"] for f in st)]
-    assert spinning and all("native_caller_frame" in " ".join(f["name"] for f in st) for st in spinning)
+        caller = names.index("calls_native")
+        inner = st[caller + 1 :]
+        if "python_callback" in names:
+            in_callback += 1
+            middle = st[caller + 1 : names.index("python_callback")]
+            assert middle and all(f in native_frames(st) for f in middle), names
+            assert any("_native" in f["file"] for f in middle), names
+        else:
+            spinning += 1
+            assert inner and all(f in native_frames(st) for f in inner), names
+            assert any("_native" in f["file"] for f in inner), names
+    assert in_callback > 0 and spinning > 0
 
 
 def arrow_sort(stop: threading.Event) -> None:

@@ -37,6 +37,9 @@ const FIRST_COPY: usize = 32 << 10;
 /// How often the loader's module counts are checked, for modules loaded or unloaded
 /// at addresses already seen.
 const LIST_EVERY: Duration = Duration::from_secs(1);
+/// How often the modules' file pages read are given back: the pages of the tables
+/// in use come back at once, the rest (names looked up once) stay out of the RSS.
+const RELEASE_EVERY: Duration = Duration::from_secs(30);
 /// Per-sample costs kept for the medians in the stats.
 const COSTS_KEPT: usize = 1024;
 
@@ -91,6 +94,7 @@ pub struct Native {
     seq: u64,
     modules: Modules,
     listed: Instant,
+    released: Instant,
     cache: Box<CacheX86_64>,
     resolver: Resolver,
     copy: FxHashMap<u64, usize>,
@@ -136,6 +140,7 @@ impl Native {
             seq: 0,
             modules: Modules::new(),
             listed: Instant::now(),
+            released: Instant::now(),
             cache: Box::new(CacheX86_64::new()),
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
@@ -176,6 +181,10 @@ impl Native {
         if self.listed.elapsed() >= LIST_EVERY {
             self.modules.refresh();
             self.listed = Instant::now();
+        }
+        if self.released.elapsed() >= RELEASE_EVERY {
+            self.modules.release();
+            self.released = Instant::now();
         }
         for batch in threads.chunks_mut(SLOTS) {
             self.capture_batch(batch);

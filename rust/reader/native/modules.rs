@@ -28,6 +28,18 @@ pub enum Image {
     Copied(Vec<u8>),
 }
 
+impl Image {
+    /// Gives back the pages read so far: reading a module's symbols touches all of its
+    /// symbol and string tables, and a file's pages mapped here count in the process's
+    /// RSS (which dask's memory limits watch). Later reads page in only what they use.
+    fn release(&self) {
+        if let Image::Mapped(m) = self {
+            // SAFETY: a read-only private file mapping: dropped pages read back from the file.
+            let _ = unsafe { m.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+}
+
 impl Deref for Image {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -150,8 +162,13 @@ impl Modules {
         self.stats.mapped_bytes = self.list.iter().filter_map(|m| m.map.as_ref()).map(|m| m.len()).sum();
     }
 
+    /// Gives back every module's pages read so far (see `Image::release`).
+    pub fn release(&self) {
+        self.list.iter().filter_map(|m| m.map.as_ref()).for_each(|m| m.release());
+    }
+
     fn load(&mut self, l: Listed) -> Module {
-        let name = l.path.rsplit('/').next().unwrap_or(&l.path).to_string();
+        let name = short_name(&l.path).to_string();
         let mut module = Module {
             interpreter: name.starts_with("libpython"),
             name,
@@ -172,6 +189,7 @@ impl Modules {
         let budget = MAX_SYMBOLS.saturating_sub(self.list.iter().map(|m| m.symbols.len()).sum());
         module.symbols = Symbols::read(&file, &map, budget);
         module.interpreter |= module.symbols.defines(EVAL.as_bytes(), &map);
+        map.release();
         let section = |name: &str| {
             let s = file.section_by_name(name)?;
             let (offset, size) = s.file_range()?;
@@ -200,6 +218,14 @@ impl Modules {
         module.map = Some(map);
         module
     }
+}
+
+/// A module's name as shown: its path below `site-packages` (two packages can ship a
+/// `lib.cpython-311-x86_64-linux-gnu.so`), else its file name.
+fn short_name(path: &str) -> &str {
+    let packages = ["/site-packages/", "/dist-packages/"];
+    let below = packages.iter().find_map(|p| path.rfind(p).map(|i| &path[i + p.len()..]));
+    below.unwrap_or_else(|| path.rsplit('/').next().unwrap_or(path))
 }
 
 /// The bytes of the module at `path`: its file mapped, or the vDSO copied.
@@ -263,4 +289,17 @@ fn list() -> (Vec<Listed>, (u64, u64)) {
     // SAFETY: the callback only reads what the loader passes and writes `out`.
     unsafe { libc::dl_iterate_phdr(Some(each), &mut out as *mut Out as *mut libc::c_void) };
     (out.listed, out.counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modules_are_named_below_site_packages() {
+        let pandas = "/v/lib/python3.11/site-packages/pandas/_libs/lib.cpython-311-x86_64-linux-gnu.so";
+        assert_eq!(short_name(pandas), "pandas/_libs/lib.cpython-311-x86_64-linux-gnu.so");
+        assert_eq!(short_name("/usr/lib/x86_64-linux-gnu/libc.so.6"), "libc.so.6");
+        assert_eq!(short_name(VDSO), VDSO);
+    }
 }
