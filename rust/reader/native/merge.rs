@@ -52,9 +52,16 @@ pub fn merge(
         return Ok(());
     };
     let by_entry = !runs.is_empty() && runs.iter().all(|r| r.entry != 0);
-    let (mut next, mut rest, mut outermost) = (0, python, None);
+    let span = native.first().zip(native.last()).map_or(0..0, |(inner, outer)| inner.at.sp..outer.at.caller_sp);
+    let (mut next, mut rest, mut outermost, mut off_stack) = (0, python, None, false);
     for f in native {
         let eval = match runs.get(next) {
+            // 3.15 keeps a thread's first entry frame off the C stack: the runs from
+            // there on are kept as read, like those past a copy that ended early.
+            Some(run) if by_entry && !span.contains(&run.entry) => {
+                off_stack = true;
+                break;
+            }
             Some(run) if by_entry => holds_entry(f, run)?,
             Some(_) => f.kind == Kind::Eval,
             None if f.kind == Kind::Eval => return Err(Mismatch::Evals),
@@ -69,7 +76,7 @@ pub fn merge(
         }
     }
     let outermost = outermost.ok_or(Mismatch::NoEval)?;
-    if end == End::Root && next < runs.len() {
+    if end == End::Root && next < runs.len() && !off_stack {
         return Err(Mismatch::Evals);
     }
     out.truncate(outermost);
@@ -149,7 +156,19 @@ mod tests {
         let named = frames(&[(1, Shown), (3, Unnamed)]);
         assert_eq!(merge(&[10], Some(&runs(&[1], &[0x1010])), &named, End::Root, &mut out), Err(Mismatch::Evals));
         let unnamed = frames(&[(3, Unnamed), (4, Unnamed)]);
-        assert_eq!(merge(&[10], Some(&runs(&[1], &[0x0f00])), &unnamed, End::Root, &mut out), Err(Mismatch::Evals));
+        assert_eq!(
+            merge(&[10], Some(&runs(&[1, 1], &[0x1050, 0x1020])), &unnamed, End::Root, &mut out),
+            Err(Mismatch::Evals)
+        );
+    }
+
+    #[test]
+    fn runs_whose_entry_is_off_the_stack_are_kept_as_read() {
+        // 3.15: the first run's entry frame is in the thread state, not on the C stack.
+        let mut out = Vec::new();
+        let native = frames(&[(1, Shown), (2, Unnamed), (3, Unnamed), (4, Shown)]);
+        merge(&[10, 11, 12], Some(&runs(&[1, 2], &[0x1150, 0x40])), &native, End::Root, &mut out).unwrap();
+        assert_eq!(out, vec![NATIVE | 1, 10, 11, 12]);
     }
 
     #[test]
