@@ -197,9 +197,22 @@ impl Native {
 
     fn capture_batch(&mut self, batch: &mut [Wanted<'_>]) {
         let started = Instant::now();
-        let mut asked: Vec<(usize, u64)> = Vec::with_capacity(batch.len());
+        let asked = self.ask(batch, started);
+        if asked.is_empty() {
+            return;
+        }
+        wait_for_answers(&asked, started + ANSWER_WITHIN);
+        let round_trip = started.elapsed();
+        for (s, &(i, seq)) in asked.iter().enumerate() {
+            self.take(Slot::at(s), seq, &mut batch[i], round_trip);
+        }
+    }
+
+    /// Signals the threads of `batch` that may be asked: (index in `batch`, request) per slot.
+    fn ask(&mut self, batch: &[Wanted<'_>], now: Instant) -> Vec<(usize, u64)> {
+        let mut asked = Vec::with_capacity(batch.len());
         for (i, w) in batch.iter().enumerate() {
-            let verdict = self.running.check(w.tid, self.signal, w.futexes_only, started);
+            let verdict = self.running.check(w.tid, self.signal, w.futexes_only, now);
             if verdict != Verdict::Pending {
                 self.unanswered.remove(&w.tid);
             }
@@ -224,42 +237,31 @@ impl Native {
                 slot.release();
             }
         }
-        if asked.is_empty() {
+        self.stats.asked += asked.len() as u64;
+        asked
+    }
+
+    /// The answer in `slot` to request `seq`, unwound and merged into `w`'s frames;
+    /// an unanswered request is withdrawn and its thread remembered.
+    fn take(&mut self, slot: &Slot, seq: u64, w: &mut Wanted<'_>, round_trip: Duration) {
+        if !slot.answered(seq) && slot.withdraw(seq) {
+            self.stats.timed_out += 1;
+            self.unanswered.insert(w.tid);
             return;
         }
-        self.stats.asked += asked.len() as u64;
-        let deadline = started + ANSWER_WITHIN;
-        loop {
-            let seen = signal::answers();
-            let now = Instant::now();
-            if asked.iter().enumerate().all(|(s, &(_, seq))| Slot::at(s).answered(seq)) || now >= deadline {
-                break;
-            }
-            signal::wait_for_answer(seen, deadline - now);
+        while !slot.answered(seq) {
+            std::thread::yield_now(); // the handler is writing: it finishes without blocking
         }
-        let round_trip = started.elapsed();
-        for (s, &(i, seq)) in asked.iter().enumerate() {
-            let slot = Slot::at(s);
-            if !slot.answered(seq) && slot.withdraw(seq) {
-                self.stats.timed_out += 1;
-                self.unanswered.insert(batch[i].tid);
-                continue;
-            }
-            while !slot.answered(seq) {
-                std::thread::yield_now(); // the handler is writing: it finishes without blocking
-            }
-            self.stats.answered += 1;
-            let t0 = Instant::now();
-            let (regs, stack) = slot.answer();
-            let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
-            let copied = stack.len();
-            slot.release();
-            let t1 = Instant::now();
-            self.after_unwind(batch[i].tid, end, copied);
-            self.merge_into(&mut batch[i], end);
-            let costs = [round_trip, t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32);
-            self.keep_costs(costs);
-        }
+        self.stats.answered += 1;
+        let t0 = Instant::now();
+        let (regs, stack) = slot.answer();
+        let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
+        let copied = stack.len();
+        slot.release();
+        let t1 = Instant::now();
+        self.after_unwind(w.tid, end, copied);
+        self.merge_into(w, end);
+        self.keep_costs([round_trip, t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
     }
 
     fn after_unwind(&mut self, tid: u64, end: End, copied: usize) {
@@ -311,6 +313,18 @@ impl Native {
             });
         }
         stats
+    }
+}
+
+/// Sleeps until every request in `asked` (slot order) is answered, or `deadline`.
+fn wait_for_answers(asked: &[(usize, u64)], deadline: Instant) {
+    loop {
+        let seen = signal::answers();
+        let now = Instant::now();
+        if asked.iter().enumerate().all(|(s, &(_, seq))| Slot::at(s).answered(seq)) || now >= deadline {
+            return;
+        }
+        signal::wait_for_answer(seen, deadline - now);
     }
 }
 
