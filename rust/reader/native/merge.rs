@@ -54,12 +54,14 @@ pub fn merge(
     let by_entry = !runs.is_empty() && runs.iter().all(|r| r.entry != 0);
     let span = native.first().zip(native.last()).map_or(0..0, |(inner, outer)| inner.at.sp..outer.at.caller_sp);
     let (mut next, mut rest, mut outermost, mut off_stack) = (0, python, None, false);
-    for f in native {
+    for (i, f) in native.iter().enumerate() {
         let eval = match runs.get(next) {
-            // 3.15 keeps a thread's first entry frame off the C stack: the runs from
-            // there on are kept as read, like those past a copy that ended early.
+            // 3.15 keeps a thread's first entry frame off the C stack: its C callees
+            // up to the interpreter, then the runs from there on as read.
             Some(run) if by_entry && !span.contains(&run.entry) => {
                 off_stack = true;
+                c_callees(&native[i..], next == 0, out);
+                outermost = Some(out.len());
                 break;
             }
             Some(run) if by_entry => holds_entry(f, run)?,
@@ -82,6 +84,25 @@ pub fn merge(
     out.truncate(outermost);
     out.extend_from_slice(rest); // the runs past a copy that ended early
     Ok(())
+}
+
+/// The C code a run whose eval loop cannot be placed called: after the interpreter's
+/// frames that called back into Python (none for the innermost run), the C frames up
+/// to the next interpreter frame, which is that run's call into C. C frames with no
+/// interpreter frame outside them are the thread's start-up: left out.
+fn c_callees(native: &[Named], innermost: bool, out: &mut Vec<u64>) {
+    let (mut in_c, start) = (innermost, out.len());
+    for f in native {
+        match (f.kind == Kind::Shown, in_c) {
+            (true, _) => {
+                in_c = true;
+                out.push(NATIVE | f.id as u64);
+            }
+            (false, true) => return,
+            (false, false) => {}
+        }
+    }
+    out.truncate(start);
 }
 
 /// Whether `f` is the eval loop of `run`: its stack holds the run's entry frame. A
@@ -168,7 +189,15 @@ mod tests {
         let mut out = Vec::new();
         let native = frames(&[(1, Shown), (2, Unnamed), (3, Unnamed), (4, Shown)]);
         merge(&[10, 11, 12], Some(&runs(&[1, 2], &[0x1150, 0x40])), &native, End::Root, &mut out).unwrap();
-        assert_eq!(out, vec![NATIVE | 1, 10, 11, 12]);
+        assert_eq!(out, vec![NATIVE | 1, 10, 11, 12], "thread start-up (4) left out");
+        // The only run (module code in the main thread): the leaf C code, then its frames.
+        let main = frames(&[(1, Shown), (5, Shown), (2, Unnamed), (3, Unnamed), (4, Shown)]);
+        merge(&[10, 11], Some(&runs(&[2], &[0x40])), &main, End::Root, &mut out).unwrap();
+        assert_eq!(out, vec![NATIVE | 1, NATIVE | 5, 10, 11]);
+        // After a callback's run: the C between the two runs, not thread start-up.
+        let back = frames(&[(2, Unnamed), (6, Internal), (7, Shown), (8, Unnamed), (9, Unnamed), (4, Shown)]);
+        merge(&[10, 11], Some(&runs(&[1, 1], &[0x1050, 0x40])), &back, End::Root, &mut out).unwrap();
+        assert_eq!(out, vec![10, NATIVE | 7, 11]);
     }
 
     #[test]
