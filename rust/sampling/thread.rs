@@ -218,11 +218,8 @@ impl<'a> Loop<'a> {
             stats.interval_s = self.interval.as_secs_f64();
             stats.throttled_ticks += (self.interval > self.base) as u64;
             if stats.ticks % READER_STATS_EVERY == 1 {
-                stats.reader_stats = self.reader.stats();
+                self.copy_counters(&mut stats);
                 stats.states = self.kernel.stats;
-                if let Some(native) = &self.native {
-                    stats.native = Some(native.stats());
-                }
             }
             drop(stats);
             // A late tick's weight reached `now`: the next slot starts there, and a
@@ -231,6 +228,11 @@ impl<'a> Loop<'a> {
         }
         let mut stats = self.shared.stats.lock();
         stats.wall_ns = started.elapsed().as_nanos() as u64;
+        self.copy_counters(&mut stats);
+    }
+
+    /// The reader's and native capture's counters, into the stats.
+    fn copy_counters(&self, stats: &mut RunStats) {
         stats.reader_stats = self.reader.stats();
         if let Some(native) = &self.native {
             stats.native = Some(native.stats());

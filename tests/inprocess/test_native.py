@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pytest
 
 from dask_pyspy import Sampler, _native
-from tests.inprocess.test_sampler import wait_for
+from tests.inprocess.test_sampler import Threads, wait_for
 
 pytestmark = pytest.mark.skipif(
     not (sys.platform == "linux" and os.uname().machine == "x86_64"), reason="native frames: Linux x86-64 only"
@@ -38,22 +38,13 @@ def native_frames(stack: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [f for f in stack if "line" not in f and ".so" in f.get("file", "")]
 
 
-def run_in_thread(name: str, target: Callable[[threading.Event], None]) -> tuple[threading.Thread, threading.Event]:
-    stop = threading.Event()
-    t = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
-    t.start()
-    return t, stop
-
-
 def record(target: Callable[[threading.Event], None], name: str, done: Callable[[Sampler], bool], **options: Any):
     s = Sampler(native=True, rate=200, cpu_budget=0.5, **options)
     s.start()
-    t, stop = run_in_thread(name, target)
     try:
-        wait_for(lambda: done(s))
+        with Threads((name, target, ())):
+            wait_for(lambda: done(s))
     finally:
-        stop.set()
-        t.join()
         s.stop()
     return s, s.profile()
 
@@ -164,13 +155,10 @@ def test_sleeping_threads_are_never_interrupted():
 
     s = Sampler(native=True, rate=200, cpu_budget=0.5, idle=True)
     s.start()
-    busy, stop_busy = run_in_thread("busy", matmul_loop)
-    t, stop = run_in_thread("sleeper", sleeper)
     try:
-        wait_for(lambda: sleeps >= 1000 and s.stats()["native"]["merged"] >= 100)
+        with Threads(("busy", matmul_loop, ()), ("sleeper", sleeper, ())):
+            wait_for(lambda: sleeps >= 1000 and s.stats()["native"]["merged"] >= 100)
     finally:
-        stop.set(), stop_busy.set()
-        t.join(), busy.join()
         s.stop()
     assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
 
@@ -211,20 +199,18 @@ def test_the_applications_handler_wins():
         s = Sampler(native=True, rate=200, cpu_budget=0.5)
         s.start()
         sig = s.stats()["native"]["signal"]
-        t, stop = run_in_thread("matmul", matmul_loop)
         try:
-            wait_for(lambda: s.stats()["native"]["merged"] >= 5)
-            signal.signal(sig, lambda n, f: got.append(n))
-            wait_for(lambda: s.stats()["native"]["off"])
-            assert f"signal {sig}" in s.stats()["native"]["off"]
-            signal.pthread_kill(threading.get_ident(), sig)
-            # One of ours sent just before the handler changed may reach it too.
-            wait_for(lambda: sig in got)
-            assert got[0] == top and set(got) == {top, sig}
-            assert s.is_running
+            with Threads(("matmul", matmul_loop, ())):
+                wait_for(lambda: s.stats()["native"]["merged"] >= 5)
+                signal.signal(sig, lambda n, f: got.append(n))
+                wait_for(lambda: s.stats()["native"]["off"])
+                assert f"signal {sig}" in s.stats()["native"]["off"]
+                signal.pthread_kill(threading.get_ident(), sig)
+                # One of ours sent just before the handler changed may reach it too.
+                wait_for(lambda: sig in got)
+                assert got[0] == top and set(got) == {top, sig}
+                assert s.is_running
         finally:
-            stop.set()
-            t.join()
             s.stop()
             signal.signal(sig, signal.SIG_DFL)
     finally:
@@ -338,18 +324,16 @@ def test_cpp_exceptions_while_sampling():
 def test_live_dump_shows_native_frames():
     s = Sampler(native=True, rate=200, cpu_budget=0.5)
     s.start()
-    t, stop = run_in_thread("matmul", matmul_loop)
+
+    def gemm_in_dump() -> bool:
+        threads = [th for th in s.dump()["threads"] if th.get("name") == "matmul"]
+        return any("gemm" in f["name"] and f["native"] for th in threads for f in th["frames"])
+
     try:
-        wait_for(lambda: s.stats()["native"]["merged"] >= 5)
-
-        def gemm_in_dump() -> bool:
-            threads = [th for th in s.dump()["threads"] if th.get("name") == "matmul"]
-            return any("gemm" in f["name"] and f["native"] for th in threads for f in th["frames"])
-
-        wait_for(gemm_in_dump)
+        with Threads(("matmul", matmul_loop, ())):
+            wait_for(lambda: s.stats()["native"]["merged"] >= 5)
+            wait_for(gemm_in_dump)
     finally:
-        stop.set()
-        t.join()
         s.stop()
 
 

@@ -190,9 +190,6 @@ impl Native {
             self.capture_batch(batch);
         }
         self.running.forget_old(Instant::now());
-        self.stats.status_files = self.running.open();
-        self.stats.unknown_addresses = self.resolver.unknown;
-        self.stats.modules = self.modules.stats;
     }
 
     fn capture_batch(&mut self, batch: &mut [Wanted<'_>]) {
@@ -304,7 +301,12 @@ impl Native {
 
     /// The counters, with the medians of the recent costs.
     pub fn stats(&self) -> NativeStats {
-        let mut stats = self.stats.clone();
+        let mut stats = NativeStats {
+            status_files: self.running.open(),
+            unknown_addresses: self.resolver.unknown,
+            modules: self.modules.stats,
+            ..self.stats.clone()
+        };
         if !self.costs.is_empty() {
             stats.median_us = [0, 1, 2].map(|k| {
                 let mut v: Vec<u32> = self.costs.iter().map(|c| c[k]).collect();
