@@ -57,8 +57,9 @@ pub fn merge(
     for (i, f) in native.iter().enumerate() {
         let eval = match runs.get(next) {
             // 3.15 keeps a thread's first entry frame off the C stack: its C callees
-            // up to the interpreter, then the runs from there on as read.
-            Some(run) if by_entry && !span.contains(&run.entry) => {
+            // up to the interpreter, then its frames as read. Only the outermost run
+            // can be that one; an inner run's entry off the stack was left behind.
+            Some(run) if by_entry && !span.contains(&run.entry) && next + 1 == runs.len() => {
                 off_stack = true;
                 c_callees(&native[i..], next == 0, out);
                 outermost = Some(out.len());
@@ -181,6 +182,15 @@ mod tests {
             merge(&[10], Some(&runs(&[1, 1], &[0x1050, 0x1020])), &unnamed, End::Root, &mut out),
             Err(Mismatch::Evals)
         );
+    }
+
+    #[test]
+    fn only_the_outermost_run_may_have_its_entry_off_the_stack() {
+        // The thread left the callback's run (its entry now below the stack) for C code.
+        let mut out = Vec::new();
+        let native = frames(&[(1, Shown), (2, Shown), (3, Unnamed), (4, Shown)]);
+        let stale = runs(&[1, 2], &[0x0f00, 0x40]);
+        assert_eq!(merge(&[10, 11, 12], Some(&stale), &native, End::Root, &mut out), Err(Mismatch::Evals));
     }
 
     #[test]
