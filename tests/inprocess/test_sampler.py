@@ -298,6 +298,9 @@ def test_export_and_merge_of_wire_parts(sampler):
     sampler.start()
     with Threads(("alpha", busy_alpha, ())):
         time.sleep(0.5)
+    # Stopped first: a tick that took its time before `stop` could otherwise record
+    # between the reads below (py-spy's reader spends milliseconds in one).
+    sampler.stop()
     stop = time.time()
     part = sampler.export(None, stop, False, "me", {"tasks": {"me": {"alpha": {"count": 1}}}}, {})
     aggregated = sampler.export(None, stop, True, "me", {}, {})
