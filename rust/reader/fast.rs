@@ -295,6 +295,10 @@ impl StackReader for FastReader {
         GilAt::Range(self.threads.gil_range())
     }
 
+    fn live_tids(&self) -> &[u64] {
+        &self.threads.live
+    }
+
     fn stats(&self) -> Value {
         json!({
             "python": format!("{}.{}", self.layout.version.0, self.layout.version.1),

@@ -106,6 +106,9 @@ pub trait StackReader {
     fn python_cpu_ns(&self) -> u64;
     /// Where the GIL is, given the threads of the last read.
     fn gil(&self, stacks: &[ThreadStack]) -> GilAt;
+    /// Native ids of every thread of the last read, sampled or not, sorted: the live
+    /// ones, whose files the sampler may keep open.
+    fn live_tids(&self) -> &[u64];
 }
 
 /// The reader a sampler was asked for.

@@ -21,6 +21,8 @@ pub struct PySpyReader {
     clocks: FxHashMap<u64, (u64, Instant)>,
     /// CPU time all Python threads used between the last two reads.
     cpu_ns: u64,
+    /// Native ids of the threads of the last read, sorted.
+    live: Vec<u64>,
     frames: Vec<Frame>,
     frame_ids: HashMap<Frame, u64>,
     epoch: u64,
@@ -53,6 +55,7 @@ impl PySpyReader {
             os_tids: HashMap::new(),
             clocks: FxHashMap::default(),
             cpu_ns: 0,
+            live: Vec::new(),
             frames: Vec::new(),
             frame_ids: HashMap::new(),
             epoch: 0,
@@ -119,9 +122,11 @@ impl StackReader for PySpyReader {
         let mut traces = self.spy.get_stack_traces().map_err(|e| format!("{e:#}"))?;
         self.forget_reused_names(&mut traces);
         self.cpu_ns = 0;
+        self.live.clear();
         for t in &traces {
             // py-spy reads no native id on 3.9 and 3.10; Python told us each thread's.
             let native_tid = t.os_thread_id.or_else(|| tags.native_id(t.thread_id));
+            self.live.extend(native_tid);
             let (cpu_ns, ran) = self.cpu_since_last_tick(native_tid);
             let stack = ThreadStack {
                 ident: t.thread_id,
@@ -146,6 +151,7 @@ impl StackReader for PySpyReader {
                 out.push(ThreadStack { frames, evals, ..stack });
             }
         }
+        self.live.sort_unstable();
         Ok(())
     }
 
@@ -164,6 +170,10 @@ impl StackReader for PySpyReader {
     /// py-spy does not say where the GIL is; a thread holds it or none does.
     fn gil(&self, stacks: &[ThreadStack]) -> GilAt {
         GilAt::HeldElsewhere(stacks.iter().any(|s| s.holds_gil))
+    }
+
+    fn live_tids(&self) -> &[u64] {
+        &self.live
     }
 
     fn stats(&self) -> Value {

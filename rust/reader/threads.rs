@@ -71,6 +71,8 @@ pub struct Threads {
     clocks: FxHashMap<u64, (u64, Instant)>,
     /// CPU time all threads used between the last two readings.
     pub cpu_ns: u64,
+    /// Native ids of the threads of the last reading, sorted.
+    pub live: Vec<u64>,
     pub walks: u64,
 }
 
@@ -97,6 +99,7 @@ impl Threads {
             list: Vec::new(),
             clocks: FxHashMap::default(),
             cpu_ns: 0,
+            live: Vec::new(),
             walks: 0,
         })
     }
@@ -137,6 +140,9 @@ impl Threads {
         let threads: Vec<ThreadState> =
             list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
         self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
+        self.live.clear();
+        self.live.extend(threads.iter().map(|t| t.native_tid).filter(|&t| t != 0));
+        self.live.sort_unstable();
         self.forget_dead_clocks();
         Ok(threads)
     }

@@ -60,13 +60,12 @@ struct Files {
     /// When it was last seen blocked on a futex (the GIL, a lock), and in any other call.
     futex_at: Option<Instant>,
     other_at: Option<Instant>,
-    seen: Instant,
 }
 
 impl Files {
-    fn open(tid: u64, now: Instant) -> Option<Files> {
+    fn open(tid: u64) -> Option<Files> {
         let syscall = File::open(format!("/proc/self/task/{tid}/syscall")).ok()?;
-        Some(Files { syscall, wait: None, blocked_in: Wait::Running, futex_at: None, other_at: None, seen: now })
+        Some(Files { syscall, wait: None, blocked_in: Wait::Running, futex_at: None, other_at: None })
     }
 
     /// What the thread waits in, and whether its syscall file was read for it.
@@ -110,6 +109,8 @@ pub struct StateStats {
     pub syscall_reads: u64,
     /// Threads past `MAX_OPEN`, whose states fell back to their CPU clock alone.
     pub unopened: u64,
+    /// Syscall files open now: one per live thread read lately.
+    pub syscall_files: usize,
 }
 
 pub struct States {
@@ -141,19 +142,16 @@ impl States {
             let weight = 1.0 - (-wall / NATIVE_SECONDS).exp();
             self.native_cores += weight * (native as f64 / 1e9 / wall - self.native_cores);
         }
-        self.forget_gone(now);
         Some((process_used, native))
     }
 
     /// The state of `t` at a moment drawn by `u` (uniform in [0, 1)).
     pub fn state(&mut self, t: &ThreadStack, gil: &GilAt, u: f64) -> State {
-        let now = Instant::now();
         if t.ran.is_some_and(|r| r >= RAN_THROUGHOUT) {
             return if t.holds_gil { State::CpuGil } else { State::Cpu };
         }
         let Some(tid) = t.native_tid else { return guess(t) };
-        let Some(files) = files_of(&mut self.files, &mut self.stats, tid, now) else { return guess(t) };
-        files.seen = now;
+        let Some(files) = files_of(&mut self.files, &mut self.stats, tid) else { return guess(t) };
         let native = self.native_cores >= NATIVE_BUSY;
         // One that has not run since it was seen blocked is still in the same call.
         let still = t.cpu_ns == 0 && t.ran.is_some();
@@ -192,11 +190,13 @@ impl States {
         self.files.get(&tid).is_some_and(|f| lately(f.futex_at) && !lately(f.other_at))
     }
 
-    /// Closes the files of threads not sampled for a while (most have exited).
-    fn forget_gone(&mut self, now: Instant) {
-        if self.files.len() > MAX_OPEN / 2 {
-            self.files.retain(|_, f| now.duration_since(f.seen).as_secs() < 10);
-        }
+    /// Closes the files of threads that exited: those not in `live` (sorted).
+    pub fn keep_threads(&mut self, live: &[u64]) {
+        self.files.retain(|tid, _| live.binary_search(tid).is_ok());
+    }
+
+    pub fn stats(&self) -> StateStats {
+        StateStats { syscall_files: self.files.len(), ..self.stats }
     }
 }
 
@@ -218,18 +218,13 @@ fn guess(t: &ThreadStack) -> State {
     }
 }
 
-fn files_of<'a>(
-    files: &'a mut FxHashMap<u64, Files>,
-    stats: &mut StateStats,
-    tid: u64,
-    now: Instant,
-) -> Option<&'a mut Files> {
+fn files_of<'a>(files: &'a mut FxHashMap<u64, Files>, stats: &mut StateStats, tid: u64) -> Option<&'a mut Files> {
     if !files.contains_key(&tid) {
         if files.len() >= MAX_OPEN {
             stats.unopened += 1;
             return None;
         }
-        files.insert(tid, Files::open(tid, now)?);
+        files.insert(tid, Files::open(tid)?);
     }
     files.get_mut(&tid)
 }

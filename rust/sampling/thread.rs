@@ -219,7 +219,7 @@ impl<'a> Loop<'a> {
             stats.throttled_ticks += (self.interval > self.base) as u64;
             if stats.ticks % READER_STATS_EVERY == 1 {
                 self.copy_counters(&mut stats);
-                stats.states = self.kernel.stats;
+                stats.states = self.kernel.stats();
             }
             drop(stats);
             // A late tick's weight reached `now`: the next slot starts there, and a
@@ -273,6 +273,7 @@ impl<'a> Loop<'a> {
         let time_ns = now_ns();
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
             Ok(()) => {
+                self.close_files_of_exited_threads();
                 self.read_states(time_ns);
                 self.capture_native();
                 self.record(time_ns, weight);
@@ -289,6 +290,15 @@ impl<'a> Loop<'a> {
         }
         self.shared.fold_calls(&mut self.shared.store.lock());
         self.shared.stats.lock().ticks += 1;
+    }
+
+    /// A thread's files go with it: the read listed every live thread.
+    fn close_files_of_exited_threads(&mut self) {
+        let live = self.reader.live_tids();
+        self.kernel.keep_threads(live);
+        if let Some(native) = self.native.as_mut() {
+            native.keep_threads(live);
+        }
     }
 
     /// Each stack's state, and the CPU the process and its native threads used.

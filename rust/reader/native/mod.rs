@@ -189,7 +189,15 @@ impl Native {
         for batch in threads.chunks_mut(SLOTS) {
             self.capture_batch(batch);
         }
-        self.running.forget_old(Instant::now());
+    }
+
+    /// Forgets what was kept per thread for threads not in `live` (sorted): they exited,
+    /// so no signal of ours can still be pending for them.
+    pub fn keep_threads(&mut self, live: &[u64]) {
+        let alive = |tid: &u64| live.binary_search(tid).is_ok();
+        self.running.forget(live, Instant::now());
+        self.copy.retain(|tid, _| alive(tid));
+        self.unanswered.retain(alive);
     }
 
     fn capture_batch(&mut self, batch: &mut [Wanted<'_>]) {

@@ -66,9 +66,10 @@ impl Running {
         }
     }
 
-    /// Closes the files of threads not looked at lately.
-    pub fn forget_old(&mut self, now: Instant) {
-        self.seen.retain(|_, s| now.duration_since(s.at) < FORGET_AFTER);
+    /// Closes the files of threads not looked at lately, and of those not in `live`
+    /// (sorted): they exited.
+    pub fn forget(&mut self, live: &[u64], now: Instant) {
+        self.seen.retain(|tid, s| now.duration_since(s.at) < FORGET_AFTER && live.binary_search(tid).is_ok());
     }
 
     pub fn open(&self) -> usize {
@@ -125,7 +126,7 @@ mod tests {
         assert_eq!(running.check(tid, 64, false, now), Verdict::BlockedLately);
         std::thread::sleep(Duration::from_millis(1));
         assert_eq!(running.check(tid, 64, true, now), Verdict::Ask, "its waits were futex waits");
-        running.forget_old(now + FORGET_AFTER);
+        running.forget(&[tid], now + FORGET_AFTER);
         assert_eq!(running.open(), 0);
     }
 }
