@@ -3,6 +3,7 @@ their RPC handlers' names, and the answer to a request the caller got wrong."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable
 
@@ -22,13 +23,43 @@ HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
 class SamplerHold:
     """A server's hold on the process sampler, and the hooks that name its event loop's
     activities while it holds one. A sampler that cannot run turns sampling off in this
-    server, with the reason; the server keeps running."""
+    server, with the reason; the server keeps running.
+
+    The hold goes when the server stops, however it ends: `close()` stops it, and a
+    server stopped with `stop()` alone (distributed's tests do so) never closes its
+    plugins."""
 
     def __init__(self, server: Scheduler | Worker) -> None:
         self.server = server
         self.sampler: Sampler | None = None
         self.error: str | None = None
         self.hooks: Hooks | None = None
+        self._releasing: set[asyncio.Task[None]] = set()
+        self._release_when_stopped()
+
+    def _release_when_stopped(self) -> None:
+        stop = self.server.stop
+
+        def stop_and_release(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return stop(*args, **kwargs)
+            finally:
+                self._server_stopped()
+
+        self.server.stop = stop_and_release  # type: ignore[method-assign]
+
+    def _server_stopped(self) -> None:
+        if self.sampler is None:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.release())
+        except RuntimeError:  # stopped outside its loop: let go here
+            self._remove_hooks()
+            self.sampler = None
+            process_sampler.release()
+            return
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def apply(self, opts: SamplerOptions) -> None:
         """Hold the sampler, running with `opts`: acquired the first time, reconfigured after."""
@@ -45,12 +76,15 @@ class SamplerHold:
             await self.release()
 
     async def release(self) -> None:
-        if self.hooks is not None:
-            self.hooks.remove()
-            self.hooks = None
+        self._remove_hooks()
         if self.sampler is not None:
             self.sampler = None
             await off_loop(process_sampler.release)
+
+    def _remove_hooks(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
 
 
 def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..., Any]]) -> None:
