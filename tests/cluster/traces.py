@@ -1,0 +1,183 @@
+"""What a process holds (descriptors, threads), before and after our servers ran in
+it. Each scenario runs in a fresh interpreter, so the counts are the process's own:
+`python -m tests.cluster.traces SCENARIO` prints them as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import dask
+from distributed import Client, Scheduler, Worker
+
+PRELOADS = {"distributed.scheduler.preload": ["dask_pyspy"], "distributed.worker.preload": ["dask_pyspy"]}
+DEADLINE_S = 30.0
+
+
+def thread_names() -> list[str]:
+    """Every thread of the process, Python's or not, by its kernel name."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # it ended meanwhile
+            pass
+    return names
+
+
+def fds() -> list[str]:
+    """Where each open descriptor of the process points."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own, closed since
+            pass
+    return out
+
+
+def thread_files() -> list[str]:
+    """Descriptors on some thread's /proc files, of threads alive or not."""
+    return [f for f in fds() if "/task/" in f]
+
+
+def counts() -> dict[str, int]:
+    gc.collect()
+    return {"fds": len(fds()), "threads": len(thread_names())}
+
+
+def steady() -> dict[str, int]:
+    """The counts once unchanged for half a second (threads and files of servers just
+    closed take a moment to go), or as they are at the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    last = counts()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if (now := counts()) == last:
+            break
+        last = now
+    return last
+
+
+def settled(expected: dict[str, int]) -> dict[str, int]:
+    """The counts once at `expected`, or as they are at the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (now := counts()) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
+
+
+async def run_cluster(preload: bool, end: str) -> dict[str, Any]:
+    """A scheduler and a worker in this process run a task; the worker closes, the
+    scheduler closes (`end="close"`) or only stops (`"stop"`, as some of distributed's
+    own tests leave it)."""
+    with dask.config.set(PRELOADS if preload else {}):
+        s = await Scheduler(host="127.0.0.1", dashboard_address=":0")
+        w = await Worker(s.address, nthreads=2, host="127.0.0.1")
+        async with Client(s.address, asynchronous=True) as c:
+            assert await c.submit(sum, range(1000)) == 499500
+            seen: dict[str, Any] = {"thread_files": len(thread_files())}
+            if preload:
+                seen["sampling"] = await until_sampled(s)
+                # A collection runs in our job threads, on the servers and in the client.
+                seen["processes_profiled"] = len((await c.pyspy_profile()).processes)
+        await w.close()
+        if end == "close":
+            await s.close()
+        else:
+            s.stop()
+            await asyncio.sleep(0)  # the release it scheduled starts
+        return seen
+
+
+async def until_sampled(s: Scheduler) -> dict[str, Any]:
+    """The process sampler's stats once it has read some thread's system call."""
+    from dask_pyspy.sampler import process_sampler
+
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        sampler = process_sampler.sampler
+        stats = sampler.stats() if sampler is not None else {}
+        if stats.get("states", {}).get("syscall_files", 0) > 0 or time.monotonic() > deadline:
+            return {"running": stats.get("running"), "syscall_files": stats.get("states", {}).get("syscall_files")}
+        await asyncio.sleep(0.05)
+
+
+def server_ends(end: str) -> dict[str, Any]:
+    """The counts after a plain cluster, after a second plain one, and after a
+    preloaded one: what the preloaded one leaves beyond distributed's own (its first
+    servers start process-wide threads; a scheduler only stopped keeps a descriptor)
+    is ours."""
+    asyncio.run(run_cluster(preload=False, end=end))
+    first = steady()
+    asyncio.run(run_cluster(preload=False, end=end))
+    plain = steady()
+    during = asyncio.run(run_cluster(preload=True, end=end))
+    expected = {k: 2 * v - first[k] for k, v in plain.items()}
+    after = settled(expected)
+    from dask_pyspy.sampler import process_sampler
+
+    sampler = process_sampler.sampler
+    return {
+        "plain": [first, plain],
+        "expected": expected,
+        "after": after,
+        "during": during,
+        "sampler_running": sampler is not None and sampler.is_running,
+        "thread_files_after": thread_files(),
+        "threads_after": sorted(t.name for t in threading.enumerate()),
+    }
+
+
+def short_threads(n: int = 1000, at_once: int = 50) -> dict[str, Any]:
+    """`n` threads, `at_once` at a time, each computing then sleeping, under a sampler
+    reading every thread (and their native stacks)."""
+    from dask_pyspy import Sampler
+
+    s = Sampler(rate=500, idle=True, native=True, cpu_budget=1.0)
+    s.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while s.stats()["states"]["syscall_files"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before = counts()
+    peak = 0
+
+    def work_then_wait() -> None:
+        sum(range(20_000))
+        time.sleep(0.05)
+
+    for _ in range(n // at_once):
+        batch = [threading.Thread(target=work_then_wait) for _ in range(at_once)]
+        for t in batch:
+            t.start()
+        while any(t.is_alive() for t in batch):
+            peak = max(peak, s.stats()["states"]["syscall_files"])
+            time.sleep(0.005)
+    after = settled(before)
+    stats = s.stats()
+    s.stop()
+    return {
+        "before": before,
+        "after": after,
+        "peak_syscall_files": peak,
+        "syscall_files_after": stats["states"]["syscall_files"],
+        "native": stats["native"],
+        "threads_started": n,
+    }
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "close": lambda: server_ends("close"),
+    "stop": lambda: server_ends("stop"),
+    "short-threads": short_threads,
+}
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]]()))
