@@ -196,6 +196,7 @@ trap cleanup EXIT
 if ! command -v debootstrap >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
+bash ci/speedscope.sh  # test_report.py opens our files in speedscope's app
 
 echo "matrix: wheel and roots"
 WHEEL=${1:-}

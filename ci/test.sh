@@ -23,13 +23,7 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-# speedscope's own app (its npm release), to open our speedscope files in the browser.
-SPEEDSCOPE_VERSION=1.25.0
-if [ "$(cat .cache/speedscope/version 2>/dev/null)" != "$SPEEDSCOPE_VERSION" ]; then
-    rm -rf .cache/speedscope && mkdir -p .cache/speedscope
-    (cd .cache/speedscope && npm pack --silent "speedscope@$SPEEDSCOPE_VERSION" >/dev/null && tar xzf speedscope-*.tgz)
-    echo "$SPEEDSCOPE_VERSION" >.cache/speedscope/version
-fi
+bash ci/speedscope.sh
 
 python3 -m venv .venv
 source .venv/bin/activate
