@@ -107,9 +107,9 @@ fn classify(line: &str, gil: &GilAt) -> Wait {
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct StateStats {
     pub syscall_reads: u64,
-    /// Threads past `MAX_OPEN`, whose states fell back to their CPU clock alone.
+    /// Threads past `MAX_OPEN` at a tick, whose states fell back to their CPU clock alone.
     pub unopened: u64,
-    /// Syscall files open now: one per live thread read lately.
+    /// Syscall files open now: one per live thread.
     pub syscall_files: usize,
 }
 
@@ -151,7 +151,7 @@ impl States {
             return if t.holds_gil { State::CpuGil } else { State::Cpu };
         }
         let Some(tid) = t.native_tid else { return guess(t) };
-        let Some(files) = files_of(&mut self.files, &mut self.stats, tid) else { return guess(t) };
+        let Some(files) = self.files.get_mut(&tid) else { return guess(t) };
         let native = self.native_cores >= NATIVE_BUSY;
         // One that has not run since it was seen blocked is still in the same call.
         let still = t.cpu_ns == 0 && t.ran.is_some();
@@ -190,9 +190,21 @@ impl States {
         self.files.get(&tid).is_some_and(|f| lately(f.futex_at) && !lately(f.other_at))
     }
 
-    /// Closes the files of threads that exited: those not in `live` (sorted).
-    pub fn keep_threads(&mut self, live: &[u64]) {
+    /// Keeps a file open for each thread of `live` (sorted), and only for those: a
+    /// thread's file opens at the first tick that lists it and closes at the first that
+    /// does not, so a process holds as many as it has threads, whether they were read.
+    pub fn track_threads(&mut self, live: &[u64]) {
         self.files.retain(|tid, _| live.binary_search(tid).is_ok());
+        for &tid in live {
+            if self.files.contains_key(&tid) {
+                continue;
+            }
+            if self.files.len() >= MAX_OPEN {
+                self.stats.unopened += 1;
+            } else if let Some(files) = Files::open(tid) {
+                self.files.insert(tid, files);
+            }
+        }
     }
 
     pub fn stats(&self) -> StateStats {
@@ -216,17 +228,6 @@ fn guess(t: &ThreadStack) -> State {
         (true, false) => State::Cpu,
         (false, _) => State::Blocked,
     }
-}
-
-fn files_of<'a>(files: &'a mut FxHashMap<u64, Files>, stats: &mut StateStats, tid: u64) -> Option<&'a mut Files> {
-    if !files.contains_key(&tid) {
-        if files.len() >= MAX_OPEN {
-            stats.unopened += 1;
-            return None;
-        }
-        files.insert(tid, Files::open(tid)?);
-    }
-    files.get_mut(&tid)
 }
 
 fn process_cpu_ns() -> u64 {

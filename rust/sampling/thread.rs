@@ -141,8 +141,10 @@ pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result:
             shared.stats.lock().native = Some(stats);
             started.ok()
         });
+        let mut ticks = Loop::new(&shared, config, reader, native);
+        ticks.open_thread_files();
         let _ = ready.send(Ok(()));
-        Loop::new(&shared, config, reader, native).run();
+        ticks.run();
     }));
     let mut stats = shared.stats.lock();
     if let Err(panic) = outcome {
@@ -273,7 +275,7 @@ impl<'a> Loop<'a> {
         let time_ns = now_ns();
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
             Ok(()) => {
-                self.close_files_of_exited_threads();
+                self.track_threads();
                 self.read_states(time_ns);
                 self.capture_native();
                 self.record(time_ns, weight);
@@ -292,10 +294,19 @@ impl<'a> Loop<'a> {
         self.shared.stats.lock().ticks += 1;
     }
 
-    /// A thread's files go with it: the read listed every live thread.
-    fn close_files_of_exited_threads(&mut self) {
+    /// Opens the files of the threads alive now, before `start` returns: a server's
+    /// descriptor count taken once it started is then the one it comes back to.
+    fn open_thread_files(&mut self) {
+        let all = Want { idle: true, gil_only: false };
+        if self.reader.read(all, &self.shared.tags, &mut self.stacks).is_ok() {
+            self.track_threads();
+        }
+    }
+
+    /// A thread's files come and go with it: the read listed every live thread.
+    fn track_threads(&mut self) {
         let live = self.reader.live_tids();
-        self.kernel.keep_threads(live);
+        self.kernel.track_threads(live);
         if let Some(native) = self.native.as_mut() {
             native.keep_threads(live);
         }

@@ -36,6 +36,18 @@ def test_a_preloaded_server_leaves_nothing_behind(end):
     assert not [t for t in out["threads_after"] if t.startswith("pyspy")], out["threads_after"]
 
 
+def test_a_worker_leaves_a_running_sampler_as_it_found_it():
+    out = scenario("worker")
+    assert out["during"]["fds"] > out["before"]["fds"]
+    assert out["after"] == out["before"], out
+
+
+def test_a_thread_asleep_at_the_start_costs_no_descriptor_later():
+    out = scenario("sleeper")
+    assert out["samples"] > 0, "its work was sampled"
+    assert out["after"] == out["before"], out
+
+
 def test_a_threads_files_go_with_it():
     out = scenario("short-threads")
     assert out["peak_syscall_files"] > 10, "threads' files were open while they ran"

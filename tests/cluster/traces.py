@@ -136,6 +136,51 @@ def server_ends(end: str) -> dict[str, Any]:
     }
 
 
+async def worker_comes_and_goes() -> dict[str, Any]:
+    """A worker starts and closes beside a preloaded scheduler whose sampler runs on:
+    the process comes back to the descriptors it had once the scheduler started (as
+    distributed's test_worker_fds asks)."""
+    # The worker would start the loop's executor thread, which stays, with its file
+    # (as any live thread's): started first, as in distributed's test.
+    await asyncio.get_running_loop().run_in_executor(None, gc.collect)
+    with dask.config.set(PRELOADS):
+        async with Scheduler(host="127.0.0.1", dashboard_address=":0") as s:
+            before = counts()
+            async with Worker(s.address, nthreads=2, host="127.0.0.1"):
+                during = counts()
+            return {"before": before, "during": during, "after": settled(before)}
+
+
+def a_sleeper_wakes() -> dict[str, Any]:
+    """A thread asleep when the sampler starts (so not read: idle threads are not
+    kept) later works: the descriptors stay those counted once the sampler started."""
+    from dask_pyspy import Sampler
+
+    wake, worked, end = threading.Event(), threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        wake.wait()
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until:
+            sum(range(1000))
+        worked.set()
+        end.wait()
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    s = Sampler(rate=200)
+    s.start()
+    before = counts()
+    wake.set()
+    worked.wait()
+    after = settled(before)
+    samples = s.profile().n_samples
+    s.stop()
+    end.set()
+    thread.join()
+    return {"before": before, "after": after, "samples": samples}
+
+
 def short_threads(n: int = 1000, at_once: int = 50) -> dict[str, Any]:
     """`n` threads, `at_once` at a time, each computing then sleeping, under a sampler
     reading every thread (and their native stacks)."""
@@ -176,6 +221,8 @@ def short_threads(n: int = 1000, at_once: int = 50) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "close": lambda: server_ends("close"),
     "stop": lambda: server_ends("stop"),
+    "worker": lambda: asyncio.run(worker_comes_and_goes()),
+    "sleeper": a_sleeper_wakes,
     "short-threads": short_threads,
 }
 
