@@ -8,7 +8,7 @@ import importlib
 import os
 import time
 
-from benchmarks.common import machine
+from benchmarks.common import kept_sections, machine
 
 SECTIONS = [
     "overhead",
@@ -28,6 +28,9 @@ SECTIONS = [
     "free_threaded",
     "native",
 ]
+# Sections their own scripts write (they need what a plain run has not: a checkout of
+# distributed for peer_suite); a run keeps them as they are.
+STANDALONE = ["peer_suite"]
 
 
 def main() -> None:
@@ -62,21 +65,10 @@ def main() -> None:
         )
         sections[name] = f"<!-- section: {name} -->\n{section.markdown()}"
         print(section.markdown(), flush=True)
-    parts += [sections[name] for name in SECTIONS if name in sections]
+    parts += [sections[name] for name in SECTIONS + STANDALONE if name in sections]
     with open(args.output, "w") as f:
         f.write("\n\n".join(parts) + "\n")
     print(f"wrote {args.output}")
-
-
-def kept_sections(path: str) -> dict[str, str]:
-    """The sections an earlier run wrote, by name, so a partial run keeps the others."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return {}
-    chunks = text.split("<!-- section: ")[1:]
-    return {c.split(" -->", 1)[0]: "<!-- section: " + c.rstrip() for c in chunks}
 
 
 if __name__ == "__main__":

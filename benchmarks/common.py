@@ -94,3 +94,24 @@ def machine() -> str:
             ["py-spy CLI", pyspy],
         ],
     )
+
+
+def kept_sections(path: str) -> dict[str, str]:
+    """The sections an earlier run wrote, by name, so a partial run keeps the others."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return {}
+    chunks = text.split("<!-- section: ")[1:]
+    return {c.split(" -->", 1)[0]: "<!-- section: " + c.rstrip() for c in chunks}
+
+
+def write_section(path: str, name: str, markdown: str) -> None:
+    """Puts section `name` into the results at `path`, over its earlier text or after the others."""
+    with open(path) as f:
+        head = f.read().split("<!-- section: ")[0].rstrip()
+    sections = kept_sections(path)
+    sections[name] = f"<!-- section: {name} -->\n{markdown}"
+    with open(path, "w") as f:
+        f.write("\n\n".join([head, *sections.values()]) + "\n")

@@ -8,8 +8,10 @@ Python with dask, distributed, dask_pyspy and the test suite's needs (pytest,
 pytest-timeout, pandas, numpy, pyarrow, bokeh, ...; `pip install -e CHECKOUT --no-deps`
 keeps the installed metadata in line with the tests).
 
-    python benchmarks/peer_suite.py CHECKOUT [--python PY] [--runs 2] [--files F ...]
-        [--tests NODEID ...] [--timeout 300] [--out results.json] [-- extra pytest args]
+    python -m benchmarks.peer_suite CHECKOUT [--python PY] [--runs 2] [--files F ...]
+        [--tests NODEID ...] [--timeout 300] [--out results.json] [--results RESULTS.md]
+        [-- extra pytest args]
+    python -m benchmarks.peer_suite --render results.json --results benchmarks/RESULTS.md
 
 Runs pytest from the checkout's root with its own config, once per mode and run,
 alternating: "plain", then "preload" with `distributed.{scheduler,worker}.preload:
@@ -17,7 +19,8 @@ alternating: "plain", then "preload" with `distributed.{scheduler,worker}.preloa
 disabled, its `flaky` marker still registered) so they hide no difference. Prints the
 counts per mode, the tests whose set of outcomes differs between modes (with counts),
 and the tests that failed in both (the machine's own). Logs and junit files go to
---logs (a new temporary directory by default).
+--logs (a new temporary directory by default). --results writes the section
+`peer_suite` of benchmarks/RESULTS.md; --render writes it from a saved --out file.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import Section, table, write_section
 
 # The 13 files of issue 33.
 FILES = [
@@ -144,7 +149,7 @@ def describe(outcomes: list[str]) -> str:
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkout", type=Path, help="root of a distributed source checkout")
+    parser.add_argument("checkout", type=Path, nargs="?", help="root of a distributed source checkout")
     parser.add_argument("--python", default=sys.executable, help="interpreter to run pytest with")
     parser.add_argument("--runs", type=int, default=2, help="runs per mode")
     parser.add_argument("--files", nargs="+", default=FILES, help="test files, relative to the checkout")
@@ -152,7 +157,15 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
     parser.add_argument("--logs", type=Path, help="directory for pytest logs and junit files")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--results", type=Path, help="write the section peer_suite of this RESULTS.md")
+    parser.add_argument("--render", type=Path, help="a saved --out file to write --results from, without running")
     args, extra = parser.parse_known_args()
+    if args.render:
+        if not args.results:
+            parser.error("--render needs --results: the RESULTS.md to write")
+        return args, extra
+    if args.checkout is None:
+        parser.error("checkout: the root of a distributed source checkout is required (or --render)")
     args.checkout = args.checkout.resolve()
     args.targets = args.tests or args.files
     for t in args.targets:
@@ -240,8 +253,44 @@ def print_summary(results: Results, differ: list[dict[str, Any]], failed_both: l
                 print(f"      {m}: {msg}")
 
 
+def markdown(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    minutes = {m: sum(r["seconds"] for r in runs if r["mode"] == m) / 60 for m in MODES}
+    counts = {m: Counter(o for per_run in result["outcomes"][m].values() for o in per_run) for m in MODES}
+    kinds = ("passed", "failed", "error", "skipped", "xfailed")
+    section = Section(
+        "distributed's own suite, preloaded",
+        f"distributed's tests ({result['checkout_tag']}; installed dask, distributed "
+        f"{' '.join(result['versions'].split()[:2])}), {len(result['targets'])} files, "
+        f"{max(r['run'] for r in runs) + 1} run(s) per mode, alternating: plain, and with "
+        "`distributed.{scheduler,worker}.preload: [dask_pyspy]`; reruns off. "
+        "`python -m benchmarks.peer_suite CHECKOUT`.",
+    )
+    rows = [[m, *(counts[m][k] for k in kinds), f"{minutes[m]:.0f}"] for m in MODES]
+    section.tables.append(table(["mode", *kinds, "minutes"], rows))
+
+    def listed(entries: list[dict[str, Any]]) -> list[list[object]]:
+        return [
+            [f"`{e['test']}`", *(describe(e[m]) or "not run" for m in MODES), e["messages"].get("preload", "")]
+            for e in entries
+        ]
+
+    for title, entries in (("Outcomes that differ", result["differ"]), ("Failed in both", result["failed_both"])):
+        section.tables.append(f"{title}: {len(entries)}")
+        if entries:
+            section.tables.append(table(["test", *MODES, "message (preload)"], listed(entries)))
+    section.notes.append("Deselected (they dial addresses off this machine): " + ", ".join(result["deselected"]))
+    section.notes.append("Selected: " + ", ".join(f"`{t}`" for t in result["targets"]))
+    section.notes.append(f"Run {result.get('date', '?')} on {os.cpu_count()} cores.")
+    return section.markdown()
+
+
 def main() -> None:
     args, extra = parse_args()
+    if args.render:
+        write_section(str(args.results), "peer_suite", markdown(json.loads(args.render.read_text())))
+        print(f"wrote {args.results}")
+        return
     logs = args.logs or Path(tempfile.mkdtemp(prefix="peer-suite-"))
     logs.mkdir(parents=True, exist_ok=True)
     (logs / "_peer_suite_plugin.py").write_text(PLUGIN)
@@ -256,22 +305,26 @@ def main() -> None:
     results = run_modes(args, extra, logs, env)
     differ, failed_both = results.compare()
     print_summary(results, differ, failed_both)
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "checkout": str(args.checkout),
+        "python": args.python,
+        "versions": installed,
+        "checkout_tag": tag,
+        "targets": args.targets,
+        "extra_pytest_args": extra,
+        "deselected": DESELECTED,
+        "runs": results.runs,
+        "differ": differ,
+        "failed_both": failed_both,
+        "outcomes": results.outcomes,
+    }
     if args.out:
-        result = {
-            "checkout": str(args.checkout),
-            "python": args.python,
-            "versions": installed,
-            "checkout_tag": tag,
-            "targets": args.targets,
-            "extra_pytest_args": extra,
-            "deselected": DESELECTED,
-            "runs": results.runs,
-            "differ": differ,
-            "failed_both": failed_both,
-            "outcomes": results.outcomes,
-        }
         args.out.write_text(json.dumps(result, indent=1))
         print(f"\nwrote {args.out}")
+    if args.results:
+        write_section(str(args.results), "peer_suite", markdown(result))
+        print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":
