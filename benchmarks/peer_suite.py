@@ -281,7 +281,7 @@ def markdown(result: dict[str, Any]) -> str:
             section.tables.append(table(["test", *MODES, "message (preload)"], listed(entries)))
     section.notes.append("Deselected (they dial addresses off this machine): " + ", ".join(result["deselected"]))
     section.notes.append("Selected: " + ", ".join(f"`{t}`" for t in result["targets"]))
-    section.notes.append(f"Run {result.get('date', '?')} on {os.cpu_count()} cores.")
+    section.notes.append(f"Run {result.get('date', '?')} on {result.get('cores', '?')} cores.")
     return section.markdown()
 
 
@@ -307,6 +307,7 @@ def main() -> None:
     print_summary(results, differ, failed_both)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cores": os.cpu_count(),
         "checkout": str(args.checkout),
         "python": args.python,
         "versions": installed,
