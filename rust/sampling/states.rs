@@ -293,6 +293,19 @@ mod tests {
     }
 
     #[test]
+    fn a_threads_file_is_open_while_reads_list_the_thread() {
+        let mut states = States::new();
+        let tid = nix::unistd::gettid().as_raw() as u64;
+        let gone = u64::from(i32::MAX as u32); // no such thread: its file cannot open
+        states.track_threads(&[tid, gone]);
+        assert_eq!(states.stats().syscall_files, 1);
+        states.track_threads(&[tid]);
+        assert_eq!(states.stats().syscall_files, 1, "opened once");
+        states.track_threads(&[]);
+        assert_eq!(states.stats().syscall_files, 0, "closed once not listed");
+    }
+
+    #[test]
     fn cpu_series_sums_the_seconds_of_a_window() {
         let mut s = CpuSeries::default();
         for i in 0..30u64 {
