@@ -28,9 +28,6 @@ SECTIONS = [
     "free_threaded",
     "native",
 ]
-# Sections their own scripts write (they need what a plain run has not: a checkout of
-# distributed for peer_suite); a run keeps them as they are.
-STANDALONE = ["peer_suite"]
 
 
 def main() -> None:
@@ -65,7 +62,9 @@ def main() -> None:
         )
         sections[name] = f"<!-- section: {name} -->\n{section.markdown()}"
         print(section.markdown(), flush=True)
-    parts += [sections[name] for name in SECTIONS + STANDALONE if name in sections]
+    parts += [sections[name] for name in SECTIONS if name in sections]
+    # Sections their own scripts wrote (peer_suite needs a checkout of distributed) stay.
+    parts += [text for name, text in sections.items() if name not in SECTIONS]
     with open(args.output, "w") as f:
         f.write("\n\n".join(parts) + "\n")
     print(f"wrote {args.output}")

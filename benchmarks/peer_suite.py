@@ -9,8 +9,8 @@ pytest-timeout, pandas, numpy, pyarrow, bokeh, ...; `pip install -e CHECKOUT --n
 keeps the installed metadata in line with the tests).
 
     python -m benchmarks.peer_suite CHECKOUT [--python PY] [--runs 2] [--files F ...]
-        [--tests NODEID ...] [--timeout 300] [--out results.json] [--results RESULTS.md]
-        [-- extra pytest args]
+        [--tests NODEID ...] [--timeout 300] [--env KEY=VALUE] [--out results.json]
+        [--results RESULTS.md [--section NAME]] [-- extra pytest args]
     python -m benchmarks.peer_suite --render results.json --results benchmarks/RESULTS.md
 
 Runs pytest from the checkout's root with its own config, once per mode and run,
@@ -19,8 +19,10 @@ alternating: "plain", then "preload" with `distributed.{scheduler,worker}.preloa
 disabled, its `flaky` marker still registered) so they hide no difference. Prints the
 counts per mode, the tests whose set of outcomes differs between modes (with counts),
 and the tests that failed in both (the machine's own). Logs and junit files go to
---logs (a new temporary directory by default). --results writes the section
-`peer_suite` of benchmarks/RESULTS.md; --render writes it from a saved --out file.
+--logs (a new temporary directory by default). `--env DASK_PYSPY__NATIVE=True` adds to
+the preloaded mode's environment (here: native frames on). --results writes the
+section `peer_suite` (or --section) of benchmarks/RESULTS.md; --render writes it from a
+saved --out file.
 """
 
 from __future__ import annotations
@@ -157,9 +159,16 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
     parser.add_argument("--logs", type=Path, help="directory for pytest logs and junit files")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--results", type=Path, help="write the section peer_suite of this RESULTS.md")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="more environment for the preloaded mode"
+    )
+    parser.add_argument("--results", type=Path, help="write the section --section of this RESULTS.md")
+    parser.add_argument("--section", default="peer_suite", help="its name there")
     parser.add_argument("--render", type=Path, help="a saved --out file to write --results from, without running")
     args, extra = parser.parse_known_args()
+    if any("=" not in e for e in args.env):
+        parser.error(f"--env: KEY=VALUE expected, got {args.env}")
+    args.preload_env = dict(e.split("=", 1) for e in args.env)
     if args.render:
         if not args.results:
             parser.error("--render needs --results: the RESULTS.md to write")
@@ -226,7 +235,7 @@ def run_modes(args: argparse.Namespace, extra: list[str], logs: Path, env: dict[
             t0 = time.monotonic()
             with open(log, "w") as f:
                 command = pytest_command(args.python, args.targets, junit, args.timeout, extra)
-                env_here = {**env, **mode_env}
+                env_here = {**env, **mode_env, **(args.preload_env if mode == "preload" else {})}
                 rc = subprocess.run(command, cwd=args.checkout, env=env_here, stdout=f, stderr=subprocess.STDOUT)
             info: dict[str, Any] = {"mode": mode, "run": run, "rc": rc.returncode, "log": str(log)}
             info["seconds"] = round(time.monotonic() - t0, 1)
@@ -263,7 +272,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"distributed's tests ({result['checkout_tag']}; installed dask, distributed "
         f"{' '.join(result['versions'].split()[:2])}), {len(result['targets'])} files, "
         f"{max(r['run'] for r in runs) + 1} run(s) per mode, alternating: plain, and with "
-        "`distributed.{scheduler,worker}.preload: [dask_pyspy]`; reruns off. "
+        "`distributed.{scheduler,worker}.preload: [dask_pyspy]`"
+        + "".join(f", `{k}={v}`" for k, v in result.get("preload_env", {}).items())
+        + "; reruns off. "
         "`python -m benchmarks.peer_suite CHECKOUT`.",
     )
     rows = [[m, *(counts[m][k] for k in kinds), f"{minutes[m]:.0f}"] for m in MODES]
@@ -288,7 +299,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     args, extra = parse_args()
     if args.render:
-        write_section(str(args.results), "peer_suite", markdown(json.loads(args.render.read_text())))
+        write_section(str(args.results), args.section, markdown(json.loads(args.render.read_text())))
         print(f"wrote {args.results}")
         return
     logs = args.logs or Path(tempfile.mkdtemp(prefix="peer-suite-"))
@@ -315,6 +326,7 @@ def main() -> None:
         "targets": args.targets,
         "extra_pytest_args": extra,
         "deselected": DESELECTED,
+        "preload_env": args.preload_env,
         "runs": results.runs,
         "differ": differ,
         "failed_both": failed_both,
@@ -324,7 +336,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1))
         print(f"\nwrote {args.out}")
     if args.results:
-        write_section(str(args.results), "peer_suite", markdown(result))
+        write_section(str(args.results), args.section, markdown(result))
         print(f"wrote {args.results}")
 
 
