@@ -164,6 +164,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--results", type=Path, help="write the section --section of this RESULTS.md")
     parser.add_argument("--section", default="peer_suite", help="its name there")
+    parser.add_argument("--note", action="append", default=[], help="a line for the section (why tests failed)")
     parser.add_argument("--render", type=Path, help="a saved --out file to write --results from, without running")
     args, extra = parser.parse_known_args()
     if any("=" not in e for e in args.env):
@@ -290,6 +291,7 @@ def markdown(result: dict[str, Any]) -> str:
         section.tables.append(f"{title}: {len(entries)}")
         if entries:
             section.tables.append(table(["test", *MODES, "message (preload)"], listed(entries)))
+    section.notes += result.get("notes", [])
     section.notes.append("Deselected (they dial addresses off this machine): " + ", ".join(result["deselected"]))
     section.notes.append("Selected: " + ", ".join(f"`{t}`" for t in result["targets"]))
     section.notes.append(f"Run {result.get('date', '?')} on {result.get('cores', '?')} cores.")
@@ -299,7 +301,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     args, extra = parse_args()
     if args.render:
-        write_section(str(args.results), args.section, markdown(json.loads(args.render.read_text())))
+        saved = json.loads(args.render.read_text())
+        saved["notes"] = saved.get("notes", []) + args.note
+        write_section(str(args.results), args.section, markdown(saved))
         print(f"wrote {args.results}")
         return
     logs = args.logs or Path(tempfile.mkdtemp(prefix="peer-suite-"))
@@ -327,6 +331,7 @@ def main() -> None:
         "extra_pytest_args": extra,
         "deselected": DESELECTED,
         "preload_env": args.preload_env,
+        "notes": args.note,
         "runs": results.runs,
         "differ": differ,
         "failed_both": failed_both,
