@@ -269,7 +269,7 @@ def markdown(result: dict[str, Any]) -> str:
     counts = {m: Counter(o for per_run in result["outcomes"][m].values() for o in per_run) for m in MODES}
     kinds = ("passed", "failed", "error", "skipped", "xfailed")
     section = Section(
-        "distributed's own suite, preloaded",
+        "distributed's own suite, preloaded" + "".join(f", {k}={v}" for k, v in result.get("preload_env", {}).items()),
         f"distributed's tests ({result['checkout_tag']}; installed dask, distributed "
         f"{' '.join(result['versions'].split()[:2])}), {len(result['targets'])} files, "
         f"{max(r['run'] for r in runs) + 1} run(s) per mode, alternating: plain, and with "
