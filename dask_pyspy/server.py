@@ -49,13 +49,11 @@ class SamplerHold:
         self.server.stop = stop_and_release  # type: ignore[method-assign]
 
     def _server_stopped(self) -> None:
-        if self.sampler is None:
+        if not self._let_go():
             return
         try:
-            task = asyncio.get_running_loop().create_task(self.release())
+            task = asyncio.get_running_loop().create_task(off_loop(process_sampler.release))
         except RuntimeError:  # stopped outside its loop: let go here
-            self._remove_hooks()
-            self.sampler = None
             process_sampler.release()
             return
         self._releasing.add(task)
@@ -76,15 +74,17 @@ class SamplerHold:
             await self.release()
 
     async def release(self) -> None:
-        self._remove_hooks()
-        if self.sampler is not None:
-            self.sampler = None
+        if self._let_go():
             await off_loop(process_sampler.release)
 
-    def _remove_hooks(self) -> None:
+    def _let_go(self) -> bool:
+        """Removes the hooks and drops the sampler; true if this hold had one, whose
+        process-wide hold the caller then releases."""
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
+        held, self.sampler = self.sampler is not None, None
+        return held
 
 
 def install_handlers(server: Scheduler | Worker, handlers: dict[str, Callable[..., Any]]) -> None:
