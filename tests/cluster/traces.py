@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import dask
@@ -20,27 +21,25 @@ PRELOADS = {"distributed.scheduler.preload": ["dask_pyspy"], "distributed.worker
 DEADLINE_S = 30.0
 
 
+def each(folder: str, read: Callable[[str], str]) -> list[str]:
+    """`read` of each entry of a /proc folder, skipping those gone since it was listed."""
+    out = []
+    for name in os.listdir(folder):
+        try:
+            out.append(read(f"{folder}/{name}"))
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def thread_names() -> list[str]:
     """Every thread of the process, Python's or not, by its kernel name."""
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # it ended meanwhile
-            pass
-    return names
+    return each("/proc/self/task", lambda task: Path(task, "comm").read_text().strip())
 
 
 def fds() -> list[str]:
     """Where each open descriptor of the process points."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except FileNotFoundError:  # the listing's own, closed since
-            pass
-    return out
+    return each("/proc/self/fd", os.readlink)
 
 
 def python_threads() -> list[str]:
@@ -91,7 +90,7 @@ async def run_cluster(preload: bool, end: str) -> dict[str, Any]:
             assert await c.submit(sum, range(1000)) == 499500
             seen: dict[str, Any] = {"thread_files": len(thread_files())}
             if preload:
-                seen["sampling"] = await until_sampled(s)
+                seen["sampling"] = await until_sampled()
                 # A collection runs in our job threads, on the servers and in the client.
                 seen["processes_profiled"] = len((await c.pyspy_profile()).processes)
         await w.close()
@@ -103,7 +102,7 @@ async def run_cluster(preload: bool, end: str) -> dict[str, Any]:
         return seen
 
 
-async def until_sampled(s: Scheduler) -> dict[str, Any]:
+async def until_sampled() -> dict[str, Any]:
     """The process sampler's stats once it has read some thread's system call."""
     from dask_pyspy.sampler import process_sampler
 
