@@ -100,9 +100,12 @@ def kept_sections(path: str) -> dict[str, str]:
     """The sections an earlier run wrote, by name, so a partial run keeps the others."""
     try:
         with open(path) as f:
-            text = f.read()
+            return sections_of(f.read())
     except FileNotFoundError:
         return {}
+
+
+def sections_of(text: str) -> dict[str, str]:
     chunks = text.split("<!-- section: ")[1:]
     return {c.split(" -->", 1)[0]: "<!-- section: " + c.rstrip() for c in chunks}
 
@@ -110,8 +113,9 @@ def kept_sections(path: str) -> dict[str, str]:
 def write_section(path: str, name: str, markdown: str) -> None:
     """Puts section `name` into the results at `path`, over its earlier text or after the others."""
     with open(path) as f:
-        head = f.read().split("<!-- section: ")[0].rstrip()
-    sections = kept_sections(path)
+        text = f.read()
+    head = text.split("<!-- section: ")[0].rstrip()
+    sections = sections_of(text)
     sections[name] = f"<!-- section: {name} -->\n{markdown}"
     with open(path, "w") as f:
         f.write("\n\n".join([head, *sections.values()]) + "\n")
