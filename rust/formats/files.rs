@@ -101,6 +101,7 @@ pub mod tests {
         data.spans.insert("s1".into(), Span { names: vec!["load".into()], ids: vec!["s1".into()] });
         data.samples[0].time_ns = 1_700_000_000_123_456_789;
         data.samples[1].cpu_us = 4321;
+        data.samples[1].cover = 42; // a folded row's part
         data.processes[1].stats = json!({"achieved_rate": 99.999_999_123, "tiny": 1e-300});
         data
     }

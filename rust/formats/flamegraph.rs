@@ -1,7 +1,8 @@
 //! Flame graph SVG (inferno) over any subset of a profile's samples, as `views` shows them.
 
 use crate::profile::intern::Interner;
-use crate::profile::model::{Frame, ProfileData, Sample};
+use crate::profile::model::{Frame, ProfileData};
+use crate::profile::sample::Sample;
 use crate::profile::spans::SpanFilter;
 use crate::profile::views::{By, Shown, View};
 use inferno::flamegraph::color::{Color, PaletteMap};

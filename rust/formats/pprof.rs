@@ -5,7 +5,8 @@
 //! One Location per frame (its line), one Function per (name, file).
 
 use crate::formats::compress;
-use crate::profile::model::{ProfileData, State, Tag};
+use crate::profile::model::{ProfileData, Tag};
+use crate::profile::sample::State;
 use crate::profile::views::Weight;
 use prost::Message;
 use rustc_hash::FxHashMap;

@@ -6,7 +6,8 @@
 //! which is what `speedscope_read.rs` loads back.
 
 use crate::formats::compress::Kept;
-use crate::profile::model::{Metadata, Process, ProfileData, Sample, Thread};
+use crate::profile::model::{Metadata, Process, ProfileData, Thread};
+use crate::profile::sample::Sample;
 use crate::profile::views::{By, Shown, View, Weight, NO_TASK};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};

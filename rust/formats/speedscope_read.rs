@@ -13,7 +13,8 @@ use crate::error::Error;
 use crate::formats::limits::{self, Limits};
 use crate::formats::speedscope::{Extension, ThreadProfile, ACTIVITY_FILE, SPAN_FILE, TASK_FILE};
 use crate::profile::build::Builder;
-use crate::profile::model::{Frame, ProfileData, Sample, Span, Tag, FLAG_ACTIVE};
+use crate::profile::model::{Frame, ProfileData, Span, Tag};
+use crate::profile::sample::{Sample, FLAG_ACTIVE};
 use crate::profile::views::By;
 use crate::profile::views::NO_SPAN;
 use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
@@ -251,6 +252,7 @@ impl Reader<'_> {
                     cpu_us: 0,
                     count: 1,
                     flags: FLAG_ACTIVE,
+                    cover: 0,
                 });
             }
         }

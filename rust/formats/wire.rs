@@ -7,7 +7,8 @@
 use crate::error::Error;
 use crate::formats::compress;
 use crate::profile::build::Merger;
-use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Span, Tag, Thread};
+use crate::profile::sample::Sample;
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -106,6 +107,9 @@ struct Columns {
     /// Empty: no sample has one.
     #[prost(uint32, repeated, tag = "9")]
     activity: Vec<u32>,
+    /// Empty: no sample stands for a stretch (`Sample::cover`).
+    #[prost(uint32, repeated, tag = "10")]
+    cover: Vec<u32>,
 }
 
 impl Columns {
@@ -128,6 +132,9 @@ impl Columns {
         if samples.iter().any(|s| s.count != 1) {
             c.count = samples.iter().map(|s| s.count).collect();
         }
+        if samples.iter().any(|s| s.cover != 0) {
+            c.cover = samples.iter().map(|s| s.cover.into()).collect();
+        }
         c
     }
 
@@ -143,7 +150,7 @@ impl Columns {
             c.cpu_us.len(),
             c.flags.len(),
         ])?;
-        if [c.count.len(), c.activity.len()].iter().any(|&l| l != 0 && l != n) {
+        if [c.count.len(), c.activity.len(), c.cover.len()].iter().any(|&l| l != 0 && l != n) {
             return Err("columns differ in length".into());
         }
         let mut time = 0i64;
@@ -159,6 +166,7 @@ impl Columns {
                 cpu_us: c.cpu_us[i],
                 count: c.count.get(i).copied().unwrap_or(1),
                 flags: c.flags[i] as u8,
+                cover: c.cover.get(i).map_or(0, |&c| c.min(u16::MAX.into()) as u16),
             }
         });
         Ok(samples.collect())

@@ -3,7 +3,8 @@
 //! aggregating samples that differ only in time.
 
 use crate::profile::intern::Interner;
-use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Span, Tag, Thread};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Span, Tag, Thread};
+use crate::profile::sample::Sample;
 use rustc_hash::FxHashMap;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -64,6 +65,9 @@ impl Aggregator {
 /// microseconds, and samples.
 pub trait Summed {
     fn sums(&mut self) -> [&mut u32; 3];
+
+    /// Takes in what else `other` keeps of where its time went.
+    fn widen(&mut self, _other: &Self) {}
 }
 
 impl Summed for Sample {
@@ -79,6 +83,7 @@ pub fn sum_into<T: Summed>(samples: &mut Vec<T>, slot: &mut usize, mut s: T) {
         let ([weight, cpu, count], [add_weight, add_cpu, add_count]) = (into.sums(), s.sums());
         if let (Some(w), Some(n)) = (weight.checked_add(*add_weight), count.checked_add(*add_count)) {
             (*weight, *cpu, *count) = (w, cpu.saturating_add(*add_cpu), n);
+            into.widen(&s);
             return;
         }
     }
@@ -161,9 +166,20 @@ impl Builder {
         // another's gap.
         s.cpu_us = s.cpu_us.min(s.weight_us);
         let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
-        sum_into(&mut self.samples, slot, s);
-        if !aggregator.celled.get(src.thread(sample.thread).process as usize).copied().unwrap_or(false) {
-            self.sum_cell(Sample { time_ns: s.time_ns - s.time_ns % CELL_NS, ..s }, aggregator);
+        sum_into(&mut self.samples, slot, Sample { cover: 0, ..s }); // its time says little once summed
+        if aggregator.celled.get(src.thread(sample.thread).process as usize).copied().unwrap_or(false) {
+            return;
+        }
+        match s.extent() {
+            // A folded row's time goes to the cells it went in, in proportion.
+            Some((from, to)) => {
+                for cell in (from - from % CELL_NS..to).step_by(CELL_NS as usize) {
+                    if let Some(part) = s.part((from, to), (cell, cell + CELL_NS)) {
+                        self.sum_cell(Sample { time_ns: cell, ..part }, aggregator);
+                    }
+                }
+            }
+            None => self.sum_cell(Sample { time_ns: s.time_ns - s.time_ns % CELL_NS, ..s }, aggregator),
         }
     }
 
@@ -179,7 +195,7 @@ impl Builder {
     fn sum_cell(&mut self, s: Sample, aggregator: &mut Aggregator) {
         let stack = *aggregator.empty_stack.get_or_insert_with(|| self.stacks.intern(Vec::new()));
         let slot = aggregator.cells.entry((s.thread, s.tag, s.activity, s.time_ns)).or_insert(usize::MAX);
-        sum_into(&mut self.timeline, slot, Sample { stack, flags: 0, ..s });
+        sum_into(&mut self.timeline, slot, Sample { stack, flags: 0, cover: 0, ..s });
     }
 
     /// `sample` with its ids in this builder's tables, interning what it uses; `tag`

@@ -4,6 +4,7 @@
 //! of millions of samples stays small and exporters never re-hash strings.
 
 use crate::profile::intern::{Footprint, Interner};
+use crate::profile::sample::Sample;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -65,182 +66,6 @@ pub struct Process {
     pub stats: Value,
 }
 
-/// A sample's state at its moment, drawn in proportion to what the kernel says the
-/// thread did over the tick (see `states.rs`). None of the state bits: blocked.
-pub const FLAG_ACTIVE: u8 = 1;
-/// Holding the GIL; with no other bit, blocked while holding it (a C call that kept it).
-pub const FLAG_GIL: u8 = 2;
-pub const FLAG_CPU_WAIT: u8 = 4;
-pub const FLAG_GIL_WAIT: u8 = 8;
-pub const FLAG_NATIVE: u8 = 16;
-
-/// What a thread was doing when sampled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum State {
-    /// On a CPU, holding the GIL: running Python (or C that kept the GIL).
-    CpuGil,
-    /// On a CPU without the GIL: a C kernel, compression, I/O in C.
-    Cpu,
-    /// Runnable, waiting for a CPU: more busy threads than cores.
-    CpuWait,
-    /// Waiting to take the GIL from another thread.
-    GilWait,
-    /// Waiting on a lock while threads Python does not know (BLAS, arrow) used the CPU.
-    Native,
-    /// Blocked: I/O, a lock, a sleep.
-    Blocked,
-}
-
-impl State {
-    pub const ALL: [State; 6] =
-        [State::CpuGil, State::Cpu, State::CpuWait, State::GilWait, State::Native, State::Blocked];
-
-    pub fn of(flags: u8) -> State {
-        if flags & FLAG_ACTIVE != 0 {
-            if flags & FLAG_GIL != 0 {
-                State::CpuGil
-            } else {
-                State::Cpu
-            }
-        } else if flags & FLAG_CPU_WAIT != 0 {
-            State::CpuWait
-        } else if flags & FLAG_GIL_WAIT != 0 {
-            State::GilWait
-        } else if flags & FLAG_NATIVE != 0 {
-            State::Native
-        } else {
-            State::Blocked
-        }
-    }
-
-    /// The flags of this state, with the GIL bit where the thread held it.
-    pub fn flags(self, holds_gil: bool) -> u8 {
-        let gil = if holds_gil { FLAG_GIL } else { 0 };
-        match self {
-            State::CpuGil => FLAG_ACTIVE | FLAG_GIL,
-            State::Cpu => FLAG_ACTIVE,
-            State::CpuWait => FLAG_CPU_WAIT | gil,
-            State::GilWait => FLAG_GIL_WAIT,
-            State::Native => FLAG_NATIVE,
-            State::Blocked => gil,
-        }
-    }
-
-    /// The name in dumps and pprof labels.
-    pub fn name(self) -> &'static str {
-        match self {
-            State::CpuGil => "cpu-gil",
-            State::Cpu => "cpu",
-            State::CpuWait => "cpu-wait",
-            State::GilWait => "gil-wait",
-            State::Native => "native",
-            State::Blocked => "blocked",
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Sample {
-    /// Capture time, nanoseconds since the Unix epoch.
-    pub time_ns: u64,
-    pub thread: u32,
-    pub stack: u32,
-    pub tag: Option<u32>,
-    /// What the thread's event loop was doing, where it ran no task.
-    pub activity: Option<u32>,
-    /// The wall time this sample stands for.
-    pub weight_us: u32,
-    /// CPU time the thread used since the previous tick (0 where not measured).
-    pub cpu_us: u32,
-    /// Samples this one stands for: 1, or more in an aggregated profile (see `Aggregator`).
-    pub count: u32,
-    pub flags: u8,
-}
-
-/// Samples travel as columns, times as differences: most samples of a tick share
-/// its time, so the wire carries a 0 instead of a 19-digit timestamp.
-mod sample_columns {
-    use super::Sample;
-    use serde::{de::Error, Deserialize, Deserializer, Serialize, Serializer};
-
-    #[derive(Serialize, Deserialize)]
-    struct Columns {
-        time_delta_ns: Vec<i64>,
-        thread: Vec<u32>,
-        stack: Vec<u32>,
-        /// -1: no task.
-        tag: Vec<i64>,
-        /// -1: no activity; empty: none has one.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        activity: Vec<i64>,
-        weight_us: Vec<u32>,
-        cpu_us: Vec<u32>,
-        /// Empty: every sample counts once.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        count: Vec<u32>,
-        flags: Vec<u8>,
-    }
-
-    pub fn serialize<S: Serializer>(samples: &[Sample], s: S) -> Result<S::Ok, S::Error> {
-        let mut last = 0i64;
-        let columns = Columns {
-            time_delta_ns: samples
-                .iter()
-                .map(|x| {
-                    let t = x.time_ns as i64;
-                    let d = t - last;
-                    last = t;
-                    d
-                })
-                .collect(),
-            thread: samples.iter().map(|x| x.thread).collect(),
-            stack: samples.iter().map(|x| x.stack).collect(),
-            tag: samples.iter().map(|x| x.tag.map_or(-1, i64::from)).collect(),
-            activity: if samples.iter().all(|x| x.activity.is_none()) {
-                Vec::new()
-            } else {
-                samples.iter().map(|x| x.activity.map_or(-1, i64::from)).collect()
-            },
-            weight_us: samples.iter().map(|x| x.weight_us).collect(),
-            cpu_us: samples.iter().map(|x| x.cpu_us).collect(),
-            count: if samples.iter().all(|x| x.count == 1) {
-                Vec::new()
-            } else {
-                samples.iter().map(|x| x.count).collect()
-            },
-            flags: samples.iter().map(|x| x.flags).collect(),
-        };
-        columns.serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Sample>, D::Error> {
-        let c = Columns::deserialize(d)?;
-        let n = c.time_delta_ns.len();
-        let columns = [c.thread.len(), c.stack.len(), c.tag.len(), c.weight_us.len(), c.cpu_us.len(), c.flags.len()];
-        let optional = [c.count.len(), c.activity.len()];
-        if columns.iter().any(|&l| l != n) || optional.iter().any(|&l| l != 0 && l != n) {
-            return Err(D::Error::custom("sample columns differ in length"));
-        }
-        let mut time = 0i64;
-        Ok((0..n)
-            .map(|i| {
-                time += c.time_delta_ns[i];
-                Sample {
-                    time_ns: time as u64,
-                    thread: c.thread[i],
-                    stack: c.stack[i],
-                    tag: u32::try_from(c.tag[i]).ok(),
-                    activity: c.activity.get(i).and_then(|&a| u32::try_from(a).ok()),
-                    weight_us: c.weight_us[i],
-                    cpu_us: c.cpu_us[i],
-                    count: c.count.get(i).copied().unwrap_or(1),
-                    flags: c.flags[i],
-                }
-            })
-            .collect())
-    }
-}
-
 /// The run's facts. Rust combines `tasks` in merges and adds to `missing` in wire
 /// merges; every other key is kept as Python gave it. Python checks the types of
 /// them all where a profile is loaded, so any JSON value is kept here as it came.
@@ -285,12 +110,12 @@ pub struct ProfileData {
     pub activity_calls: Vec<Option<u64>>,
     pub threads: Vec<Thread>,
     pub processes: Vec<Process>,
-    #[serde(with = "sample_columns")]
+    #[serde(with = "crate::profile::sample::columns")]
     pub samples: Vec<Sample>,
     /// When an aggregated profile's time went, since its samples keep no times: per
     /// thread, tag, activity and 10 s step (or folded bucket), its samples summed into
     /// one with an empty stack. Empty in a raw profile. See `timeline.rs`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "sample_columns")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "crate::profile::sample::columns")]
     pub timeline: Vec<Sample>,
     pub metadata: Metadata,
     /// The spans tags name, by id, as far as known; an unknown id is its own name.
@@ -474,6 +299,7 @@ impl ProfileData {
 pub mod tests {
     use super::*;
     use crate::profile::build::Builder;
+    use crate::profile::sample::FLAG_ACTIVE;
 
     pub fn frame(name: &str) -> Frame {
         Frame::python(name.into(), format!("{name}.py"), 1)
@@ -498,6 +324,7 @@ pub mod tests {
                 cpu_us: 0,
                 count: 1,
                 flags: FLAG_ACTIVE,
+                cover: 0,
             });
         }
         let proc = Process { name: token.into(), pid: 1, host: "h".into(), token: token.into(), stats: Value::Null };

@@ -3,7 +3,8 @@
 //! wall time by thread state (see `model::State`), beside the CPU time its threads used.
 
 use crate::profile::intern::Interner;
-use crate::profile::model::{ProfileData, Sample, State};
+use crate::profile::model::ProfileData;
+use crate::profile::sample::{Sample, State};
 use crate::profile::views::{split_activity, Weight, NO_TASK};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -343,7 +344,8 @@ pub fn summarize(data: &ProfileData) -> Summary {
 mod tests {
     use super::*;
     use crate::profile::model::tests::profile;
-    use crate::profile::model::{Span, FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
+    use crate::profile::model::Span;
+    use crate::profile::sample::{FLAG_ACTIVE, FLAG_CPU_WAIT, FLAG_GIL};
 
     #[test]
     fn totals_by_prefix_state_and_function() {

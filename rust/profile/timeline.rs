@@ -8,13 +8,15 @@
 //! their time; a coarse sample standing for a whole bucket (time at the bucket's start,
 //! weight the thread's time in it) spreads over the bucket instead of piling up in the
 //! step its start falls in, so a timeline finer than the buckets shows no comb of
-//! spikes. Either way every sample's time is counted once: the steps add up to the
-//! profile's totals.
+//! spikes. A folded history row's part knows where its samples fell (`Sample::cover`)
+//! and spreads over that alone. Either way every sample's time is counted once: the
+//! steps add up to the profile's totals.
 
 use crate::error::{Error, Result};
 use crate::names::choose;
 use crate::profile::build::CELL_NS;
-use crate::profile::model::{ProfileData, Sample};
+use crate::profile::model::ProfileData;
+use crate::profile::sample::Sample;
 use crate::profile::views::{Weight, NO_SPAN, NO_TASK};
 use serde::Serialize;
 use std::borrow::Cow;
@@ -149,7 +151,7 @@ impl Timed<'_> {
     /// covers its weight, and at least its thread's least cover.
     fn for_each_instant(&self, mut each: impl FnMut(u64, u64, &[usize])) {
         let mut open: Vec<Instant> = self.least_us.iter().map(|_| Instant::default()).collect();
-        let mut flush = |i: &mut Instant, least_us: u64| {
+        let flush = |i: &mut Instant, least_us: u64, each: &mut dyn FnMut(u64, u64, &[usize])| {
             if !i.samples.is_empty() {
                 each(i.time_ns, i.weight_us.max(least_us), &i.samples);
                 i.samples.clear();
@@ -157,16 +159,21 @@ impl Timed<'_> {
             }
         };
         for (index, s) in self.samples.iter().enumerate() {
+            if let Some((from, to)) = s.extent() {
+                // A folded row's part: its time went over its extent, on its own.
+                each(from, ((to - from) / 1000).max(s.weight_us.into()), &[index]);
+                continue;
+            }
             let instant = &mut open[s.thread as usize];
             if instant.time_ns != s.time_ns {
-                flush(instant, self.least_us[s.thread as usize]);
+                flush(instant, self.least_us[s.thread as usize], &mut each);
                 instant.time_ns = s.time_ns;
             }
             instant.weight_us += s.weight_us as u64;
             instant.samples.push(index);
         }
         for (instant, &least_us) in open.iter_mut().zip(&self.least_us) {
-            flush(instant, least_us);
+            flush(instant, least_us, &mut each);
         }
     }
 }
@@ -415,6 +422,24 @@ mod tests {
         assert!(close(series(&whole, "load").steps.wall[0], 45.0), "a step as coarse as the bucket holds it whole");
         let total: f64 = t.kinds[WORKER].steps.wall.iter().sum();
         assert!(close(total, data.total_seconds()));
+    }
+
+    #[test]
+    fn a_folded_rows_part_spreads_over_where_it_ran() {
+        // A history row's part: 15 s of load that ran 20 to 35 s after BASE.
+        let mut data = timed(&[(1, 20.0, Some("load-1")), (2, 0.0, None)]);
+        (data.samples[0].weight_us, data.samples[0].cover) = (15_000_000, 150);
+        let t = timeline(&data, Some(5.0), SeriesBy::Prefix, None).unwrap();
+        let load = &series(&t, "load").steps.wall;
+        assert!(
+            load.iter().enumerate().all(|(i, &w)| close(w, if (4..7).contains(&i) { 5.0 } else { 0.0 })),
+            "{load:?}"
+        );
+        // Aggregated, it goes to the 10 s cells it ran in: 10 s in 20..30, 5 s in 30..40.
+        let aggregated = data.aggregated(false);
+        let load =
+            series(&timeline(&aggregated, Some(10.0), SeriesBy::Prefix, None).unwrap(), "load").steps.wall.clone();
+        assert!(close(load[2], 10.0) && close(load[3], 5.0) && close(load.iter().sum(), 15.0), "{load:?}");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 
 use crate::error::Error;
 use crate::names::choose;
-use crate::profile::model::{ProfileData, Sample};
+use crate::profile::model::ProfileData;
+use crate::profile::sample::Sample;
 use std::collections::HashMap;
 use std::str::FromStr;
 

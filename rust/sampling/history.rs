@@ -1,12 +1,15 @@
 //! Folded history: samples older than the store's recent window, summed into buckets
 //! of one step (a minute by default) per thread, stack, task prefix and span,
-//! activity and state. A bucket's samples carry its start as their time and their
-//! summed wall and CPU time as their weight, so every view and export reads them as
-//! it reads aggregated samples. When memory is tight, the oldest pairs of buckets
-//! merge into buckets twice as long before anything is dropped.
+//! activity and state. Each row keeps where in its bucket its samples fell (the
+//! first's start and the last's end, in 65,536ths of the bucket, coarsened as
+//! buckets merge), so a window takes the share of a row that lies inside it, and
+//! the row's samples say where their time went (`Sample::cover`): a phase that ran
+//! in one corner of a bucket is placed there, not smeared over it nor dropped. When
+//! memory is tight, the oldest pairs of buckets merge into buckets twice as long
+//! before anything is dropped.
 
 use crate::profile::build::{sum_into, Summed};
-use crate::profile::model::Sample;
+use crate::profile::sample::Sample;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -24,8 +27,11 @@ pub const FOLDED_BYTES: usize = std::mem::size_of::<Folded>();
 const NONE: u32 = u32::MAX;
 /// Activity ids past this lose their activity when folded (a process names a few dozen).
 const NO_ACTIVITY: u16 = u16::MAX;
+/// A bucket's length in the units a row's extent is kept in.
+const UNITS: u64 = 1 << 16;
 
-/// A folded sample without its time (its bucket's start).
+/// A folded sample without its time: its bucket's, and the units of it its samples
+/// fell in, `first..=last`.
 #[derive(Clone, Copy, Debug)]
 struct Folded {
     thread: u32,
@@ -35,6 +41,8 @@ struct Folded {
     cpu_us: u32,
     count: u32,
     activity: u16,
+    first: u16,
+    last: u16,
     flags: u8,
 }
 
@@ -42,10 +50,15 @@ impl Summed for Folded {
     fn sums(&mut self) -> [&mut u32; 3] {
         [&mut self.weight_us, &mut self.cpu_us, &mut self.count]
     }
+
+    fn widen(&mut self, other: &Folded) {
+        (self.first, self.last) = (self.first.min(other.first), self.last.max(other.last));
+    }
 }
 
 impl Folded {
-    fn of(s: &Sample) -> Folded {
+    /// `s` folded, its samples in units `first..=last` of its bucket.
+    fn of(s: &Sample, (first, last): (u16, u16)) -> Folded {
         let activity = s.activity.and_then(|a| u16::try_from(a).ok()).filter(|&a| a != NO_ACTIVITY);
         Folded {
             thread: s.thread,
@@ -55,6 +68,8 @@ impl Folded {
             cpu_us: s.cpu_us.min(s.weight_us), // as views cap it, per raw sample
             count: s.count,
             activity: activity.unwrap_or(NO_ACTIVITY),
+            first,
+            last,
             flags: s.flags,
         }
     }
@@ -70,12 +85,19 @@ impl Folded {
             cpu_us: self.cpu_us,
             count: self.count,
             flags: self.flags,
+            cover: 0,
         }
     }
 
     fn key(&self) -> Key {
         let s = self.at(0);
         (s.thread, s.stack, s.tag, s.activity, s.flags)
+    }
+
+    /// The extent as a bucket twice as long has it, this one its `half` (0 or 1).
+    fn coarsened(self, half: u16) -> Folded {
+        let (first, last) = (self.first / 2 + half * (UNITS / 2) as u16, self.last / 2 + half * (UNITS / 2) as u16);
+        Folded { first, last, ..self }
     }
 }
 
@@ -95,8 +117,27 @@ impl Bucket {
         sum_into(&mut self.samples, index.entry(s.key()).or_insert(usize::MAX), s);
     }
 
-    fn samples(&self) -> impl Iterator<Item = Sample> + Clone + '_ {
-        self.samples.iter().map(|f| f.at(self.start_ns))
+    /// The time `units` into the bucket.
+    fn time_at(&self, units: u64) -> u64 {
+        self.start_ns + (u128::from(units) * u128::from(self.step_ns) / u128::from(UNITS)) as u64
+    }
+
+    /// The units of the bucket `[time_ns, time_ns + weight)` falls in.
+    fn units_of(&self, time_ns: u64, weight_us: u32) -> (u16, u16) {
+        let units = |ns: u64| u128::from(ns.min(self.step_ns)) * u128::from(UNITS);
+        let step = u128::from(self.step_ns);
+        let from = time_ns.saturating_sub(self.start_ns);
+        let first = (units(from) / step).min(u128::from(UNITS - 1)) as u64;
+        let end = (units(from + u64::from(weight_us) * 1000).div_ceil(step) as u64).max(first + 1);
+        (first as u16, (end - 1).min(UNITS - 1) as u16)
+    }
+
+    /// Its rows' parts in `[lo, hi)`, each placed where its samples fell.
+    fn parts(&self, lo: u64, hi: u64) -> impl Iterator<Item = Sample> + Clone + '_ {
+        self.samples.iter().filter_map(move |f| {
+            let extent = (self.time_at(f.first.into()), self.time_at(u64::from(f.last) + 1));
+            f.at(extent.0).part(extent, (lo, hi))
+        })
     }
 }
 
@@ -121,6 +162,11 @@ pub struct History {
     pub dropped_samples: u64,
 }
 
+/// `[start_ns, stop_ns]` as a half-open range.
+fn half_open(start_ns: u64, stop_ns: u64) -> (u64, u64) {
+    (start_ns, stop_ns.saturating_add(1))
+}
+
 impl History {
     /// Folds `s` (its tag already a prefix's) into the bucket of `step_ns` its time
     /// falls in; returns the bucket it closed by opening a newer one, as (start, end).
@@ -136,7 +182,8 @@ impl History {
         let newest = self.buckets.back_mut().expect("just made");
         let before = newest.samples.len();
         self.standing += u64::from(s.count);
-        newest.add(&mut self.open, Folded::of(&s));
+        let units = newest.units_of(s.time_ns, s.weight_us);
+        newest.add(&mut self.open, Folded::of(&s, units));
         self.held += newest.samples.len() - before;
         closed
     }
@@ -168,7 +215,8 @@ impl History {
         let mut index = FxHashMap::default();
         let samples = std::mem::take(&mut first.samples);
         let held = samples.len() + second.samples.len();
-        for s in samples.into_iter().chain(second.samples) {
+        let halves = samples.into_iter().map(|s| s.coarsened(0));
+        for s in halves.chain(second.samples.into_iter().map(|s| s.coarsened(1))) {
             first.add(&mut index, s);
         }
         self.held = self.held - held + first.samples.len();
@@ -189,22 +237,28 @@ impl History {
         Some(oldest.end_ns())
     }
 
-    /// The samples of buckets that start in `[start_ns, stop_ns]`.
+    /// The parts of the rows that lie in `[start_ns, stop_ns]`, each at where its
+    /// samples began in the window and covering where they went (`Sample::cover`).
     pub fn range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = Sample> + Clone + '_ {
-        self.in_range(start_ns, stop_ns).flat_map(|b| b.samples())
+        let (lo, hi) = half_open(start_ns, stop_ns);
+        self.in_range(start_ns, stop_ns).flat_map(move |b| b.parts(lo, hi))
     }
 
+    /// The buckets that overlap `[start_ns, stop_ns]`.
     fn in_range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = &Bucket> + Clone {
-        self.buckets.iter().filter(move |b| b.start_ns >= start_ns && b.start_ns <= stop_ns)
+        self.buckets.iter().filter(move |b| b.start_ns <= stop_ns && b.end_ns() > start_ns)
     }
 
-    /// The stretches of `[start_ns, stop_ns]` the buckets cover, one per run of one step.
+    /// The stretches of `[start_ns, stop_ns]` the buckets cover, one per run of one
+    /// step: there, a row's time is placed in proportion to where its samples fell.
     pub fn resolution(&self, start_ns: u64, stop_ns: u64) -> Vec<Resolution> {
+        let (lo, hi) = half_open(start_ns, stop_ns);
         let mut out: Vec<Resolution> = Vec::new();
         for b in self.in_range(start_ns, stop_ns) {
+            let (from_ns, to_ns) = (b.start_ns.max(lo), b.end_ns().min(hi));
             match out.last_mut() {
-                Some(last) if last.step_ns == b.step_ns && last.to_ns == b.start_ns => last.to_ns = b.end_ns(),
-                _ => out.push(Resolution { from_ns: b.start_ns, to_ns: b.end_ns(), step_ns: b.step_ns }),
+                Some(last) if last.step_ns == b.step_ns && last.to_ns == from_ns => last.to_ns = to_ns,
+                _ => out.push(Resolution { from_ns, to_ns, step_ns: b.step_ns }),
             }
         }
         out
@@ -215,7 +269,7 @@ impl History {
         self.open.clear(); // keys change: the newest bucket starts a fresh index
         for b in &mut self.buckets {
             for f in &mut b.samples {
-                *f = Folded::of(&renumber(f.at(b.start_ns)));
+                *f = Folded::of(&renumber(f.at(b.start_ns)), (f.first, f.last));
             }
         }
     }
@@ -242,6 +296,7 @@ mod tests {
             cpu_us: 20_000,
             count: 1,
             flags: 1,
+            cover: 0,
         }
     }
 
@@ -256,7 +311,7 @@ mod tests {
         h.fold(sample(MIN + 7, 1), MIN);
         h.fold(sample(MIN + 9, 2), MIN);
         assert_eq!(h.fold(sample(2 * MIN, 1), MIN), Some((MIN, 2 * MIN)), "a newer step closes the bucket");
-        let first: Vec<Sample> = h.range(MIN, MIN).collect();
+        let first: Vec<Sample> = h.range(MIN, 2 * MIN - 1).collect();
         assert_eq!(first.len(), 2);
         assert_eq!((first[0].time_ns, first[0].weight_us, first[0].count), (MIN, 20_000, 2));
         assert_eq!(first[0].cpu_us, 20_000, "CPU capped per sample at its wall time");
@@ -285,6 +340,53 @@ mod tests {
                 Resolution { from_ns: 4 * MIN, to_ns: 5 * MIN, step_ns: MIN }
             ]
         );
+    }
+
+    const SEC: u64 = 1_000_000_000;
+
+    /// Seconds of `stack` the parts of `[lo, hi]` hold.
+    fn seconds_of(h: &History, stack: u32, lo: u64, hi: u64) -> f64 {
+        h.range(lo, hi).filter(|s| s.stack == stack).map(|s| u64::from(s.weight_us)).sum::<u64>() as f64 / 1e6
+    }
+
+    /// Stack 1 for the first 10 s of the minute from `MIN`, 100 samples a second; stack
+    /// 2 once in the next minute, which closes the first.
+    fn a_phase_in_a_corner() -> History {
+        let mut h = History::default();
+        (0..1000).for_each(|i| _ = h.fold(sample(MIN + i * SEC / 100, 1), MIN));
+        h.fold(sample(2 * MIN, 2), MIN);
+        h
+    }
+
+    #[test]
+    fn a_window_takes_the_share_of_a_row_that_lies_in_it() {
+        let h = a_phase_in_a_corner();
+        assert_eq!(h.samples_held(), 2, "one row for the phase");
+        assert_eq!(seconds_of(&h, 1, 0, u64::MAX), 10.0);
+        assert_eq!(seconds_of(&h, 1, MIN - SEC, 3 * MIN), 10.0, "a padded window takes it whole");
+        assert!((seconds_of(&h, 1, 0, MIN + 5 * SEC - 1) - 5.0).abs() < 0.01, "half of it ran by then");
+        assert_eq!(seconds_of(&h, 1, MIN + 11 * SEC, 2 * MIN - 1), 0.0, "none where it did not run");
+        let part = h.range(MIN + 5 * SEC, u64::MAX).find(|s| s.stack == 1).unwrap();
+        assert_eq!((part.time_ns, part.cover), (MIN + 5 * SEC, 50), "where it went on from there");
+        // Windows that partition the run add up to it, to the microsecond and the sample.
+        let cuts = [0, MIN + 1_234_567, MIN + 3 * SEC, MIN + 7 * SEC + 1, MIN + 9_999_999_999, 3 * MIN];
+        let parts: Vec<Sample> = cuts.windows(2).flat_map(|w| h.range(w[0], w[1] - 1)).collect();
+        let sum = |f: fn(&Sample) -> u32| parts.iter().filter(|s| s.stack == 1).map(|s| u64::from(f(s))).sum::<u64>();
+        assert_eq!((sum(|s| s.weight_us), sum(|s| s.cpu_us), sum(|s| s.count)), (10_000_000, 10_000_000, 1000));
+    }
+
+    #[test]
+    fn merged_buckets_keep_where_their_rows_ran() {
+        // Stack 1 in the last 10 s of minute 2; minutes 3 and 4 hold stack 2 at their starts.
+        let mut h = History::default();
+        (0..1000).for_each(|i| _ = h.fold(sample(2 * MIN + 50 * SEC + i * SEC / 100, 1), MIN));
+        (3..5).for_each(|m| _ = h.fold(sample(m * MIN, 2), MIN));
+        assert_eq!(h.merge_oldest(), Some((2 * MIN, 4 * MIN)));
+        let before = seconds_of(&h, 1, 2 * MIN, 2 * MIN + 50 * SEC - 1);
+        assert!(before < 0.002, "not smeared over the merged bucket: {before} s (at most a unit of it)");
+        assert!((seconds_of(&h, 1, 2 * MIN + 55 * SEC, 4 * MIN) - 5.0).abs() < 0.01);
+        assert_eq!(seconds_of(&h, 2, 2 * MIN, 3 * MIN - 1), 0.0, "the second half's rows stay in it");
+        assert_eq!(seconds_of(&h, 2, 3 * MIN, 3 * MIN + SEC), 0.01);
     }
 
     #[test]

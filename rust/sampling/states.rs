@@ -12,7 +12,7 @@
 //!
 //! Also the CPU time of threads Python does not know (BLAS, arrow).
 
-use crate::profile::model::State;
+use crate::profile::sample::State;
 use crate::reader::{thread_cpu_ns, GilAt, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;

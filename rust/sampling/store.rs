@@ -7,7 +7,8 @@
 //! what the remaining samples still use.
 
 use crate::profile::build::{Aggregator, Builder, Remap};
-use crate::profile::model::{Frame, Metadata, Process, ProfileData, Sample, Tag, Thread};
+use crate::profile::model::{Frame, Metadata, Process, ProfileData, Tag, Thread};
+use crate::profile::sample::Sample;
 use crate::sampling::calls::{Buckets, Pending, NS_PER_S};
 use crate::sampling::history::{History, Resolution};
 use rustc_hash::FxHashSet;
@@ -187,7 +188,18 @@ impl Store {
         let thread = Thread { process: 0, ident: r.ident, name: r.name };
         let thread = t.threads.find(&thread).unwrap_or_else(|| t.threads.intern(thread));
         let (time_ns, weight_us, cpu_us, flags) = (r.time_ns, r.weight_us, r.cpu_us, r.flags);
-        self.ring.push_back(Sample { time_ns, thread, stack, tag, activity, weight_us, cpu_us, count: 1, flags });
+        self.ring.push_back(Sample {
+            time_ns,
+            thread,
+            stack,
+            tag,
+            activity,
+            weight_us,
+            cpu_us,
+            count: 1,
+            flags,
+            cover: 0,
+        });
         self.recorded += 1;
         self.fold_older_than(time_ns.saturating_sub(self.retention.recent_ns));
         self.enforce_cap();
@@ -500,8 +512,9 @@ mod tests {
         s.set_max_bytes(cap);
         let st = s.stats();
         assert!(st.bytes <= cap && st.samples_held > 0 && st.samples_evicted == 0, "{st:?}");
-        let raw = s.window(all(1, u64::MAX), proc(), Metadata::default());
-        assert_eq!(raw.samples.first().unwrap().time_ns, 20_000 - st.samples_held as u64, "the newest stay raw");
+        let w = s.window(all(0, u64::MAX), proc(), Metadata::default());
+        let first_raw = w.samples.iter().find(|s| s.count == 1).unwrap();
+        assert_eq!(first_raw.time_ns, 20_000 - st.samples_held as u64, "the newest stay raw");
     }
 
     #[test]
@@ -524,6 +537,44 @@ mod tests {
         let straddling = s.window(all(15 * minute, 25 * minute), proc(), Metadata::default());
         assert_eq!(total_us(&straddling), (10 * 60 + 1) * 10_000, "buckets by their start, raw by their time");
         assert_eq!(straddling.processes[0].stats["resolution"].as_array().unwrap().len(), 2);
+    }
+
+    /// Seconds of each leaf in `w`.
+    fn seconds_by_leaf(w: &ProfileData) -> std::collections::BTreeMap<String, f64> {
+        let mut by = std::collections::BTreeMap::new();
+        for s in &w.samples {
+            let leaf = &w.frames[*w.stacks[s.stack as usize].last().unwrap() as usize].name;
+            *by.entry(leaf.clone()).or_insert(0.0) += f64::from(s.weight_us) / 1e6;
+        }
+        by
+    }
+
+    #[test]
+    fn windows_over_folded_buckets_are_right_at_their_edges() {
+        // 4 threads at 1000 Hz: 10 s of early, then 40 s of late, starting 20 s into a
+        // minute, in a store too small to keep them raw.
+        let mut s = Store::new(512 * 1024);
+        let t0 = 1_000 * 60 * NS_PER_S + 20 * NS_PER_S;
+        let (t1, t2) = (t0 + 10 * NS_PER_S, t0 + 50 * NS_PER_S);
+        for t in (t0..t2).step_by(1_000_000) {
+            for thread in 0..4 {
+                let leaf = if t < t1 { "early" } else { "late" };
+                s.record(t, thread, ["main", leaf].iter().map(|n| frame(n)), None, 1_000, 1);
+            }
+        }
+        assert!(s.stats().buckets > 0, "{:?}", s.stats());
+        let padded = seconds_by_leaf(&s.window(all(t0 - NS_PER_S, t2 + NS_PER_S), proc(), Metadata::default()));
+        assert!((padded["early"] - 40.0).abs() < 0.1 && (padded["late"] - 160.0).abs() < 0.1, "{padded:?}");
+        let cuts = [t0 - NS_PER_S, t0 + 3 * NS_PER_S, t1, t0 + 35 * NS_PER_S + 7, t2 + NS_PER_S];
+        let mut parts = std::collections::BTreeMap::new();
+        for w in cuts.windows(2) {
+            for (leaf, seconds) in seconds_by_leaf(&s.window(all(w[0], w[1] - 1), proc(), Metadata::default())) {
+                *parts.entry(leaf).or_insert(0.0) += seconds;
+            }
+        }
+        assert!(parts.iter().all(|(leaf, &sum)| (sum - padded[leaf]).abs() < 1e-6), "{parts:?} != {padded:?}");
+        let early = seconds_by_leaf(&s.window(all(t0, t0 + 5 * NS_PER_S - 1), proc(), Metadata::default()));
+        assert!((early["early"] - 20.0).abs() < 0.1 && !early.contains_key("late"), "{early:?}");
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!
 //! It never touches the GIL: the readers read interpreter memory directly.
 
-use crate::profile::model::{Frame, State};
+use crate::profile::model::Frame;
+use crate::profile::sample::State;
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
 use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
