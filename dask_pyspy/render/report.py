@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from dask_pyspy import timeline
-from dask_pyspy.pages import render, when
+from dask_pyspy.render import timeline
+from dask_pyspy.render.pages import render, when
 
 if TYPE_CHECKING:  # the model imports this module to render itself
     from dask_pyspy.model import Profile

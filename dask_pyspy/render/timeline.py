@@ -13,7 +13,7 @@ import datetime
 import math
 from typing import TYPE_CHECKING, Any
 
-from dask_pyspy.pages import when
+from dask_pyspy.render.pages import when
 
 if TYPE_CHECKING:  # the model imports the report, which imports this module
     from dask_pyspy.model import Profile
