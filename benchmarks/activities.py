@@ -14,7 +14,7 @@ import dask_pyspy
 from benchmarks.common import Section, interleave, spread, table, verdict
 from benchmarks.workload import run_workloads, tiny
 from dask_pyspy import _native, config
-from dask_pyspy.activities import Named, NamedHandlers, Shared
+from dask_pyspy.server.activities import Named, NamedHandlers, Shared
 
 ACTIVITY_FILE = "dask activity"
 BASE = ": event loop"

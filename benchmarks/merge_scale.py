@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from dask_pyspy import Profile, _native
-from dask_pyspy.report import render_html
+from dask_pyspy.render.report import render_html
 
 WORKER_COUNTS = (16, 64, 256, 1000)
 

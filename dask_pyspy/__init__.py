@@ -6,11 +6,11 @@ from dask_pyspy.client import dump, get_profile, profile, pyspy_report
 from dask_pyspy.local import PySpyProfiler
 from dask_pyspy.model import Profile
 from dask_pyspy.options import SamplerOptions
-from dask_pyspy.preload import dask_setup, dask_teardown
 from dask_pyspy.protocol import StackDump
 from dask_pyspy.sampler import Sampler
-from dask_pyspy.scheduler import PySpyPlugin
-from dask_pyspy.worker import PySpyWorkerPlugin
+from dask_pyspy.server.preload import dask_setup, dask_teardown
+from dask_pyspy.server.scheduler import PySpyPlugin
+from dask_pyspy.server.worker import PySpyWorkerPlugin
 
 __all__ = [
     "PySpyPlugin",

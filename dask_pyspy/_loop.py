@@ -1,4 +1,4 @@
-"""Keeping blocking work off the server's event loop."""
+"""Keeping blocking work off an event loop: a server's, or an asynchronous client's."""
 
 from __future__ import annotations
 

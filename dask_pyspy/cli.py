@@ -138,7 +138,7 @@ def record(
 ) -> None:
     from dask_pyspy.client import get_profile, save_or_keep
     from dask_pyspy.files import check_writable
-    from dask_pyspy.scheduler import PySpyPlugin
+    from dask_pyspy.server.scheduler import PySpyPlugin
 
     try:
         check_writable(output)
@@ -206,8 +206,8 @@ def demo(output: str, n_workers: int, threads: int, days: int) -> None:
 @click.argument("new")
 @click.option("-o", "--output", default="pyspy-diff.html", show_default=True, help="Output file (.html).")
 def diff(base: str, new: str, output: str) -> None:
-    from dask_pyspy.diff import check_output
     from dask_pyspy.model import Profile
+    from dask_pyspy.render.diff import check_output
 
     try:
         check_output(output)

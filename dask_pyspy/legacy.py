@@ -19,7 +19,7 @@ from distributed import Client, default_client
 from dask_pyspy import client as client_api
 from dask_pyspy.files import check_writable
 from dask_pyspy.model import Profile
-from dask_pyspy.scheduler import PySpyPlugin
+from dask_pyspy.server.scheduler import PySpyPlugin
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from dask_pyspy import _native, config, metadata, options
-from dask_pyspy.diff import ProfileDiff
 from dask_pyspy.files import check_writable, file_kind, read_regular, write_atomic
-from dask_pyspy.report import render_html, render_notebook
+from dask_pyspy.render.diff import ProfileDiff
+from dask_pyspy.render.report import render_html, render_notebook
 
 TIMELINE_MAX_WINDOW = 7 * 86400.0  # seconds; a longer collection window is not drawn whole
 

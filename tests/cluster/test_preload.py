@@ -82,14 +82,14 @@ def test_preloaded_scheduler_and_worker_profile_with_config(preloaded_cluster):
 def worker_profilers(dask_worker) -> list[tuple[int, int, bool]]:
     """(holders, users of the process sampler, tasks tagged) of each profiler in this worker."""
     from dask_pyspy.sampler import process_sampler
-    from dask_pyspy.worker import TaskTagger, _profilers
+    from dask_pyspy.server.worker import TaskTagger, _profilers
 
     tagged = isinstance(dask_worker.active_threads, TaskTagger)
     return [(p.holders, process_sampler._users, tagged) for p in _profilers.values()]
 
 
 def our_plugins(dask_worker) -> list[str]:
-    from dask_pyspy.worker import PySpyWorkerPlugin
+    from dask_pyspy.server.worker import PySpyWorkerPlugin
 
     return sorted(name for name, plugin in dask_worker.plugins.items() if isinstance(plugin, PySpyWorkerPlugin))
 

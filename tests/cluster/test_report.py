@@ -22,7 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 import dask_pyspy
 from dask_pyspy import Sampler
-from dask_pyspy.report import FREE_THREADED_STATES, STATES
+from dask_pyspy.render.tables import FREE_THREADED_STATES, STATES
 from tests.cluster.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
 from tests.cluster.workload import alpha, beta, gamma, recurse, spin
 from tests.conftest import FREE_THREADED

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dask_pyspy import Profile, Sampler
-from dask_pyspy.activities import Named
+from dask_pyspy.server.activities import Named
 
 BUSY = 0.02  # seconds of work per call step: at 500 Hz, several samples each
 SAMPLED = 0.1  # seconds sampled per activity before the calls stop

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dask_pyspy import Sampler
-from dask_pyspy.report import render_html
+from dask_pyspy.render.report import render_html
 from tests.conftest import FREE_THREADED, frame_names
 
 pytestmark = pytest.mark.skipif(not FREE_THREADED, reason="needs a free-threaded CPython (ci/matrix.sh runs 3.13t)")
@@ -69,7 +69,7 @@ def test_importing_and_sampling_keep_the_gil_off():
 import json, sys, time
 before = sys._is_gil_enabled()
 from dask_pyspy import Sampler
-from dask_pyspy.report import render_html
+from dask_pyspy.render.report import render_html
 s = Sampler(rate=100)
 s.start()
 deadline = time.monotonic() + 60

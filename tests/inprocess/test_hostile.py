@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dask_pyspy import Sampler
-from dask_pyspy.report import render_html
+from dask_pyspy.render.report import render_html
 from tests.inprocess.test_sampler import wait_for
 
 

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from click.testing import CliRunner
 
-from dask_pyspy import Profile, Sampler, _native, report
+from dask_pyspy import Profile, Sampler, _native
 from dask_pyspy.cli import pyspy
+from dask_pyspy.render import report
 from tests.conftest import frame_names
 
 SECONDS = 0.1  # sampled per activity and task: enough that each has a graph and a clear row

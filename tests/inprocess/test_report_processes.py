@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from dask_pyspy import Profile, Sampler, _native, report
+from dask_pyspy import Profile, Sampler, _native
+from dask_pyspy.render.tables import MAX_PROCESS_ROWS
 from tests.inprocess.test_report_activities import rows, section
 
-N = report.MAX_PROCESS_ROWS + 5
-HIDDEN = N - report.MAX_PROCESS_ROWS
+N = MAX_PROCESS_ROWS + 5
+HIDDEN = N - MAX_PROCESS_ROWS
 
 
 def busy_body() -> None:
@@ -60,7 +61,7 @@ def test_a_large_cluster_lists_its_busiest_processes_and_sums_the_rest(processes
     cluster = Profile.merge(processes)
     summary = cluster.summary()
     procs, states = tables(cluster)
-    assert len(procs) == len(states) == report.MAX_PROCESS_ROWS + 1
+    assert len(procs) == len(states) == MAX_PROCESS_ROWS + 1
     more = f"+ {HIDDEN} more processes"
     assert procs[-1][0] == states[-1][0] == more
     seconds = {p["name"]: p["seconds"] for p in summary["processes"]}

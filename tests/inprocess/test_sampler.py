@@ -268,7 +268,7 @@ def test_save_and_wire_round_trip(sampler, tmp_path):
 
 
 def test_aggregated_profiles_and_reports_keep_the_totals(sampler, monkeypatch):
-    from dask_pyspy import report
+    from dask_pyspy.render import report
 
     sampler.start()
     with Threads(("alpha", busy_alpha, ()), ("beta", busy_beta, ())):

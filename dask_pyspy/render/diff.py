@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dask_pyspy.files import check_writable, write_atomic
-from dask_pyspy.pages import render
+from dask_pyspy.render.pages import render
 
 
 def check_output(path: str | os.PathLike) -> Path:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dask_pyspy.pages import when
-
-if TYPE_CHECKING:  # the model imports the report, which imports this module
-    from dask_pyspy.model import Profile
+from dask_pyspy.render.pages import when
 
 TOP_SERIES = 10  # per kind; the rest sum into "other"
 OTHER = "other"
@@ -125,12 +122,9 @@ def _chart(timeline: dict[str, Any], kind: str, weight: str, top: list[dict[str,
     return {"weight": weight, "label": WEIGHTS[weight], "layers": drawn, "ticks": _value_ticks(ymax)}
 
 
-def charts(profile: Profile) -> dict[str, Any] | None:
-    """The report's timeline: per process kind, a wall and a CPU chart with a shared
-    legend; None when the profile has no sample or keeps no sample times."""
-    if not profile.n_samples or not profile.keeps_times:
-        return None
-    timeline = profile.timeline()
+def charts(timeline: dict[str, Any]) -> dict[str, Any]:
+    """The report's timeline, from a profile's `timeline()`: per process kind, a wall and
+    a CPU chart with a shared legend."""
     start, step, steps = timeline["start"], timeline["step"], timeline["steps"]
     stop = start + step * steps
     kinds = []

@@ -10,9 +10,9 @@ from typing import Any, Callable
 from distributed import Scheduler, Worker
 
 from dask_pyspy._loop import off_loop
-from dask_pyspy.activities import Hooks
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler, process_sampler
+from dask_pyspy.server.activities import Hooks
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """Self-contained HTML reports: summary, flame graphs, task prefixes, the raw profile;
 and the scheduler dashboard's page, which is a report with a header.
 
-This module turns a Profile into the figures the templates show (templates/report.html,
-dashboard.html, notebook.html); the markup, and escaping every name from user code, is
-the templates'. Flame graphs are rendered in Rust (inferno).
+This module turns a profile into the figures the templates show (templates/report.html,
+dashboard.html, notebook.html), the per-process tables in `tables`; the markup, and
+escaping every name from user code, is the templates'. Flame graphs are rendered in
+Rust (inferno).
 """
 
 from __future__ import annotations
@@ -12,51 +13,54 @@ import base64
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from dask_pyspy import timeline
-from dask_pyspy.pages import render, when
-
-if TYPE_CHECKING:  # the model imports this module to render itself
-    from dask_pyspy.model import Profile
+from dask_pyspy.render import tables, timeline
+from dask_pyspy.render.pages import render, when
 
 
-def _lost_reads(stats: dict[str, Any]) -> tuple[int, int]:
-    """Thread-reads left out (stacks that kept changing through every re-read, or a whole
-    failed tick), and reads."""
-    reader = stats.get("reader_stats") or {}
-    # Profiles saved before re-reads were counted dropped reads as "torn_reads".
-    lost = reader.get("lost_reads", reader.get("torn_reads", 0)) + stats["failed_ticks"]
-    return lost, reader.get("thread_reads") or stats["ticks"]
+class Drawable(Protocol):
+    """What a report reads of a `dask_pyspy.Profile`, named here so that rendering needs
+    no import of the model (which imports this module to render itself)."""
+
+    by: str
+    weight: str
+
+    @property
+    def metadata(self) -> dict[str, Any]: ...
+
+    @property
+    def processes(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def n_samples(self) -> int: ...
+
+    @property
+    def keeps_times(self) -> bool: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+    def timeline(self) -> dict[str, Any]: ...
+
+    def flamegraph_svg(
+        self,
+        title: str,
+        *,
+        by: str = ...,
+        prefix: str | None = ...,
+        tasks: bool | None = ...,
+        span: list[str] | None = ...,
+        activity: str | None = ...,
+    ) -> str | None: ...
+
+    def process_flamegraph_svgs(self, titles: dict[int, str]) -> dict[int, str | None]: ...
+
+    def aggregated(self, keys: bool = ...) -> Drawable: ...
+
+    def to_bytes(self, compress: bool = ...) -> bytes: ...
 
 
-def _lost(lost: int, reads: int, title: str = "") -> dict[str, str]:
-    """Reads left out as a rate, with `title` (the last whole-tick error) as its tooltip."""
-    return {"text": f"{100 * lost / max(reads, 1):.1f}%", "title": title}
-
-
-def _errors(stats: dict[str, Any]) -> str:
-    """Real failures only: a panic, or the fast reader not used where it was wanted."""
-    fallback = (stats.get("reader_stats") or {}).get("fallback_reason")
-    return "; ".join(e for e in (stats.get("panic"), fallback and f"fast reader not used: {fallback}") if e)
-
-
-def _rate_note(stats: dict[str, Any]) -> str:
-    """Why the achieved rate is below the requested one, and what to do about it."""
-    requested, achieved = stats["requested_rate"], stats["achieved_rate"]
-    if achieved >= 0.9 * requested:
-        return ""
-    if stats["throttled_ticks"]:
-        budget = 100 * stats["config"]["cpu_budget"]
-        return (
-            f"held to the CPU budget ({budget:g}% of a core) on {stats['throttled_ticks']:,} of "
-            f"{stats['ticks']:,} ticks: raise it with PySpyPlugin(cpu_budget=...) or "
-            f"dask config pyspy.cpu-budget, or ask for a lower rate"
-        )
-    return "the sampling thread fell behind its schedule (a busy machine)"
-
-
-def _overview(profile: Profile, summary: dict[str, Any]) -> list[Any]:
+def _overview(profile: Drawable, summary: dict[str, Any]) -> list[Any]:
     window = profile.metadata.get("window") or [summary["first"], summary["last"]]
     duration = (window[1] - window[0]) if None not in window else 0.0
     return [
@@ -67,160 +71,6 @@ def _overview(profile: Profile, summary: dict[str, Any]) -> list[Any]:
         summary["samples"],
         float(summary["seconds"]),
     ]
-
-
-MAX_PROCESS_ROWS = 20  # per-process tables show the busiest; one line sums the rest
-Pair = tuple[dict[str, Any], dict[str, Any]]  # a process and its totals in the summary
-
-
-def _busiest(summary: dict[str, Any]) -> list[int]:
-    """Indices of the summary's processes, the most sampled seconds first."""
-    return sorted(range(len(summary["processes"])), key=lambda i: -summary["processes"][i]["seconds"])
-
-
-def _table_processes(profile: Profile, summary: dict[str, Any]) -> tuple[list[Pair], list[Pair]]:
-    """The processes a table lists, with their totals, and the rest: all, in the profile's
-    order, up to MAX_PROCESS_ROWS; else the busiest MAX_PROCESS_ROWS, busiest first."""
-    pairs = list(zip(profile.processes, summary["processes"]))
-    if len(pairs) <= MAX_PROCESS_ROWS:
-        return pairs, []
-    order = _busiest(summary)
-    shown = set(order[:MAX_PROCESS_ROWS])
-    return [pairs[i] for i in order[:MAX_PROCESS_ROWS]], [p for i, p in enumerate(pairs) if i not in shown]
-
-
-def _more(rest: list[Pair]) -> str:
-    return f"+ {len(rest):,} more processes"
-
-
-def _processes(profile: Profile, summary: dict[str, Any]) -> Iterator[list[Any]]:
-    """A row per process: its sampler's rate, cost, losses and errors; then the rest
-    summed, if there are more than MAX_PROCESS_ROWS."""
-    shown, rest = _table_processes(profile, summary)
-    for proc, totals in shown:
-        s = proc["stats"]
-        errors = _errors(s)
-        yield [
-            proc["name"],
-            proc["pid"],
-            s.get("reader") or "-",
-            totals["threads"],
-            totals["samples"],
-            float(s["requested_rate"]),
-            float(s["achieved_rate"]),
-            _rate_note(s),
-            float(100 * s["cpu_fraction"]),
-            _lost(*_lost_reads(s), s.get("last_error") or ""),
-            s["store"]["samples_evicted"],
-            {"text": errors, "class": "warn"} if errors else "",
-        ]
-    if rest:
-        yield _processes_rest(rest)
-
-
-def _processes_rest(rest: list[Pair]) -> list[Any]:
-    """The rest's sums; rates and costs per process do not sum, so they are left out."""
-    stats = [p["stats"] for p, _ in rest]
-    lost, reads = (sum(column) for column in zip(*map(_lost_reads, stats)))
-    failing = sum(bool(_errors(s)) for s in stats)
-    return [
-        _more(rest),
-        "",
-        "",
-        sum(t["threads"] for _, t in rest),
-        sum(t["samples"] for _, t in rest),
-        "",
-        "",
-        "",
-        "",
-        _lost(lost, reads),
-        sum(s["store"]["samples_evicted"] for s in stats),
-        {"text": f"{failing:,} with errors", "class": "warn"} if failing else "",
-    ]
-
-
-# Thread states, as the summary names them, and their column headings.
-STATES = {
-    "gil": "on CPU, GIL",
-    "no_gil": "on CPU, no GIL",
-    "cpu_wait": "waiting for a CPU",
-    "gil_wait": "waiting for the GIL",
-    "native": "native threads",
-    "blocked": "blocked",
-}
-# Free-threaded processes run Python without a GIL: running Python or C is one state
-# there, and nothing waits for a GIL.
-FREE_THREADED_STATES = {"on_cpu": "on CPU", **{k: STATES[k] for k in ("cpu_wait", "native", "blocked")}}
-SUMMED = {"on_cpu": ("gil", "no_gil")}
-
-
-def _free_threaded(profile: Profile) -> bool:
-    """Every process ran on a free-threaded build with its GIL off."""
-    readers = [p["stats"].get("reader_stats") or {} for p in profile.processes]
-    return bool(readers) and all(r.get("free_threaded") and not r.get("gil_enabled") for r in readers)
-
-
-def _columns(profile: Profile) -> dict[str, str]:
-    return FREE_THREADED_STATES if _free_threaded(profile) else STATES
-
-
-OVERSUBSCRIBED = 0.2  # a process waiting this share of its time for a CPU is told so,
-OVERSUBSCRIBED_SAMPLES = 50  # once it has this many samples
-
-
-def _split(row: dict[str, Any], columns: dict[str, str]) -> list[Any]:
-    """CPU seconds, then the share of wall time in each state of `columns`."""
-    wall = row["seconds"] or 1.0
-    seconds = [sum(row.get(s, 0.0) for s in SUMMED.get(k, (k,))) for k in columns]
-    return [float(row["cpu"]), *(f"{100 * s / wall:.0f}%" for s in seconds)]
-
-
-def _window_cpu(proc: dict[str, Any], key: str) -> float:
-    return float((proc["stats"].get("window_cpu") or {}).get(key, 0.0))
-
-
-def _states_row(name: str, pairs: list[Pair], columns: dict[str, str]) -> list[Any]:
-    """The time by thread state of `pairs` together, and the CPU of their native threads."""
-    totals = {k: sum(t.get(k, 0.0) for _, t in pairs) for k in ("seconds", "cpu", *STATES)}
-    return [
-        name,
-        float(totals["seconds"]),
-        *_split(totals, columns),
-        sum(_window_cpu(p, "process_cpu_s") for p, _ in pairs),
-        sum(_window_cpu(p, "native_cpu_s") for p, _ in pairs),
-    ]
-
-
-def _states(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) -> Iterator[list[Any]]:
-    """Each process's time by thread state, and the CPU of its native threads; then
-    the rest together, if there are more than MAX_PROCESS_ROWS."""
-    shown, rest = _table_processes(profile, summary)
-    for pair in shown:
-        yield _states_row(pair[0]["name"], [pair], columns)
-    if rest:
-        yield _states_row(_more(rest), rest, columns)
-
-
-def _oversubscribed(profile: Profile, summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Each host whose processes waited for a CPU more than OVERSUBSCRIBED of the time."""
-    hosts: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-    for proc, totals in zip(profile.processes, summary["processes"]):
-        hosts.setdefault(proc.get("host") or "?", []).append((proc, totals))
-    for host, procs in sorted(hosts.items()):
-        waiting = [
-            p["name"]
-            for p, t in procs
-            if t["samples"] >= OVERSUBSCRIBED_SAMPLES and t.get("cpu_wait", 0.0) > OVERSUBSCRIBED * t["seconds"]
-        ]
-        if waiting:
-            yield {
-                "host": host,
-                "waiting": waiting,
-                "percent": f"{100 * OVERSUBSCRIBED:.0f}",
-                "processes": len(procs),
-                "threads": sum(t["task_threads"] for _, t in procs),
-                "cores": max(p["stats"].get("cores") or 0 for p, _ in procs),
-            }
 
 
 def _top(functions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,7 +94,7 @@ def _prefixes(
             p["prefix"],
             float(p["seconds"]),
             float(100 * p["seconds"] / total),
-            *_split(p, columns),
+            *tables.split(p, columns),
             int(count),
             float(secs),
             _top(p["top"]),
@@ -254,7 +104,7 @@ def _prefixes(
         "(no task)",
         float(untagged["seconds"]),
         float(100 * untagged["seconds"] / total),
-        *_split(untagged, columns),
+        *tables.split(untagged, columns),
         "",
         "",
         _top(untagged["top"]),
@@ -298,7 +148,7 @@ def _activities(rows: list[dict[str, Any]], gil: bool) -> list[list[Any]]:
     return [_gil_columns(row, gil) for row in table]
 
 
-def _activity_graphs(profile: Profile, summary: dict[str, Any]) -> list[dict[str, Any]]:
+def _activity_graphs(profile: Drawable, summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Graphs of the busiest activities; "(no task)", with no activity, is in the outside graph."""
     least = ACTIVITY_GRAPH_SHARE * summary["seconds"]
     busiest = [a for a in summary["activities"] if a["kind"] and a["seconds"] >= least][:MAX_ACTIVITY_GRAPHS]
@@ -335,7 +185,7 @@ def _scheduler(summary: dict[str, Any], gil: bool) -> dict[str, Any] | None:
 GROUPS = {"task": "task", "prefix": "task prefix", "span": "span"}
 
 
-def _lead_by(profile: Profile) -> str:
+def _lead_by(profile: Drawable) -> str:
     """The grouping of the leading graph: task keys or spans if asked for, else task prefixes."""
     return profile.by if profile.by in ("task", "span") else "prefix"
 
@@ -344,7 +194,7 @@ def _graph(svg: str | None, title: str, summary: str) -> dict[str, Any]:
     return {"svg": svg, "title": title, "summary": summary}
 
 
-def _graphs(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+def _graphs(profile: Drawable, summary: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
     """The whole cluster by task (or prefix), outside tasks and by thread; one graph per
     prefix, per span, per busy activity and per process; the activities' tables."""
     by = _lead_by(profile)
@@ -370,7 +220,7 @@ def _graphs(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) 
             )
             for p in summary["prefixes"]
         ],
-        "spans": [[name, float(s["seconds"]), *_split(s, columns), _top(s["top"])] for name, s in spans],
+        "spans": [[name, float(s["seconds"]), *tables.split(s, columns), _top(s["top"])] for name, s in spans],
         "span_graphs": [
             _graph(
                 profile.flamegraph_svg(f"Span {name}", by="prefix", span=s["path"]),
@@ -386,9 +236,9 @@ def _graphs(profile: Profile, summary: dict[str, Any], columns: dict[str, str]) 
 MAX_PROCESS_GRAPHS = 32  # a 1000-worker report stays a page, not a thousand graphs
 
 
-def _process_graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]:
+def _process_graphs(profile: Drawable, summary: dict[str, Any]) -> dict[str, Any]:
     """A graph per process, the busiest first, at most MAX_PROCESS_GRAPHS."""
-    busiest, processes = _busiest(summary), profile.processes
+    busiest, processes = tables.busiest(summary), profile.processes
     names = {i: processes[i]["name"] for i in busiest[:MAX_PROCESS_GRAPHS]}
     svgs = profile.process_flamegraph_svgs({i: f"Process {name}" for i, name in names.items()})
     graphs = [_graph(svgs[i], name, f"Flame graph of {name}, raw stacks") for i, name in names.items()]
@@ -398,18 +248,18 @@ def _process_graphs(profile: Profile, summary: dict[str, Any]) -> dict[str, Any]
 AGGREGATE_ABOVE = 200_000  # samples; a report of more reads an aggregated copy: same totals, minutes less
 
 
-def _for_views(profile: Profile) -> Profile:
+def _for_views(profile: Drawable) -> Drawable:
     # Collected with aggregate=True, its samples are already at most one per aggregate.
     large = profile.n_samples > AGGREGATE_ABOVE and not profile.metadata.get("aggregate")
     return profile.aggregated(keys=True) if large else profile
 
 
-def _speedscope(profile: Profile) -> str:
+def _speedscope(profile: Drawable) -> str:
     """The speedscope file to download, in base64; none for an empty profile."""
     return base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else ""
 
 
-def _report(profile: Profile, title: str) -> dict[str, Any]:
+def _report(profile: Drawable, title: str) -> dict[str, Any]:
     """What the report template shows."""
     raw, profile = profile, _for_views(profile)
     with ThreadPoolExecutor(1) as pool:
@@ -419,29 +269,29 @@ def _report(profile: Profile, title: str) -> dict[str, Any]:
         return {**_figures(raw, profile, title), "speedscope": speedscope.result()}
 
 
-def _figures(raw: Profile, profile: Profile, title: str) -> dict[str, Any]:
+def _figures(raw: Drawable, profile: Drawable, title: str) -> dict[str, Any]:
     """What the report template shows but the speedscope file; `profile` is `raw` or
     its aggregated copy."""
     summary = profile.summary()
-    columns = _columns(profile)
+    columns = tables.state_columns(profile.processes)
     return {
         "title": title,
         # From the raw samples: finer than an aggregated copy's 10 s cells.
-        "timeline": timeline.charts(raw),
+        "timeline": timeline.charts(raw.timeline()) if raw.n_samples and raw.keeps_times else None,
         "summary": summary,
         # Whether the speedscope file's samples are aggregated.
         "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
         "overview": _overview(profile, summary),
-        "processes": list(_processes(profile, summary)),
+        "processes": list(tables.process_rows(profile.processes, summary)),
         "split_header": ["CPU s", *columns.values()],
         "free_threaded": "gil" not in columns,
-        "states": list(_states(profile, summary, columns)),
-        "oversubscribed": list(_oversubscribed(profile, summary)),
+        "states": list(tables.state_rows(profile.processes, summary, columns)),
+        "oversubscribed": list(tables.oversubscribed(profile.processes, summary)),
         "missing": [[k, v] for k, v in (profile.metadata.get("missing") or {}).items()],
         "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
         **_graphs(profile, summary, columns),
-        "functions": [[f["name"], _where(f), float(f["seconds"]), *_split(f, columns)] for f in summary["top"]],
-        "everything": ["every sample", float(summary["seconds"]), *_split(summary, columns)],
+        "functions": [[f["name"], _where(f), float(f["seconds"]), *tables.split(f, columns)] for f in summary["top"]],
+        "everything": ["every sample", float(summary["seconds"]), *tables.split(summary, columns)],
         "idle_sampled": any(p["stats"]["config"]["idle"] for p in profile.processes),
     }
 
@@ -453,7 +303,7 @@ def _where(function: dict[str, Any]) -> str:
     return os.path.basename(function["file"])
 
 
-def render_html(profile: Profile, title: str = "dask-pyspy report") -> str:
+def render_html(profile: Drawable, title: str = "dask-pyspy report") -> str:
     """The whole report as one HTML page that needs no network."""
     return render("report.html", **_report(profile, title))
 
@@ -463,7 +313,7 @@ WINDOWS = (10, 30, 60, 300, 900)  # seconds the dashboard page links to
 
 
 def render_dashboard(
-    profile: Profile, window: tuple[float, float], last: float | None, stacks: str, refresh: int = 0
+    profile: Drawable, window: tuple[float, float], last: float | None, stacks: str, refresh: int = 0
 ) -> str:
     """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the
     report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None."""
@@ -479,7 +329,7 @@ def render_dashboard(
     )
 
 
-def render_notebook(profile: Profile) -> str:
+def render_notebook(profile: Drawable) -> str:
     """A compact view for Jupyter: the headline numbers and the whole-cluster flame graph."""
     profile = _for_views(profile)
     summary = profile.summary()

@@ -8,9 +8,9 @@ from typing import Any
 from distributed import Scheduler, Worker
 
 from dask_pyspy import config
-from dask_pyspy.scheduler import PySpyPlugin
-from dask_pyspy.server import PLUGIN_NAME
-from dask_pyspy.worker import PySpyWorkerPlugin, WorkerProfiler
+from dask_pyspy.server.scheduler import PySpyPlugin
+from dask_pyspy.server.shared import PLUGIN_NAME
+from dask_pyspy.server.worker import PySpyWorkerPlugin, WorkerProfiler
 
 
 async def dask_setup(server: Any) -> None:

@@ -21,8 +21,8 @@ from dask_pyspy._loop import off_loop
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.protocol import EVENT_TOPIC
 from dask_pyspy.sampler import Sampler
-from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, rejected, remove_handlers
-from dask_pyspy.worker import PySpyWorkerPlugin
+from dask_pyspy.server.shared import PLUGIN_NAME, SamplerHold, install_handlers, rejected, remove_handlers
+from dask_pyspy.server.worker import PySpyWorkerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class ClusterProfiler:
 
     async def start(self, opts: SamplerOptions) -> None:
         # Imported here, on the scheduler only: workers start (and restart) without the pages.
-        from dask_pyspy.dashboard import add_routes
+        from dask_pyspy.server.dashboard import add_routes
 
         self.sampler_options = opts
         await self.hold.apply(opts)

@@ -11,14 +11,14 @@ from tornado import web
 
 from dask_pyspy._loop import off_loop
 from dask_pyspy.protocol import StackDump, assemble
-from dask_pyspy.report import REFRESH_CHOICES, render_dashboard
+from dask_pyspy.render.report import REFRESH_CHOICES, render_dashboard
 
 DEFAULT_LAST = 30.0
 MAX_LAST = 24 * 3600.0
 
 
 class Handlers(Protocol):
-    """The scheduler's handlers the pages call (`dask_pyspy.scheduler.ClusterProfiler`'s),
+    """The scheduler's handlers the pages call (`dask_pyspy.server.scheduler.ClusterProfiler`'s),
     named here so the pages need no import of the scheduler's code."""
 
     async def profile(self, *, start: float, stop: float) -> dict[str, Any]: ...

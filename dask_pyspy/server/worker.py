@@ -20,7 +20,7 @@ from dask_pyspy._loop import off_loop
 from dask_pyspy.model import RunLog, task_totals
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler
-from dask_pyspy.server import PLUGIN_NAME, SamplerHold, install_handlers, remove_handlers
+from dask_pyspy.server.shared import PLUGIN_NAME, SamplerHold, install_handlers, remove_handlers
 
 MAX_SPANS = 10_000  # span names a worker keeps for its profiles; the scheduler knows them all
 

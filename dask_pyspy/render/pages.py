@@ -43,7 +43,7 @@ def number(v: float) -> str:
 
 
 ENV = jinja2.Environment(
-    loader=jinja2.PackageLoader("dask_pyspy", "templates"),
+    loader=jinja2.PackageLoader("dask_pyspy.render", "templates"),
     autoescape=True,
     trim_blocks=True,
     lstrip_blocks=True,
