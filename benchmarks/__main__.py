@@ -24,6 +24,7 @@ SECTIONS = [
     "collection",
     "activities",
     "retention",
+    "history_windows",
     "bounded_loads",
     "free_threaded",
     "native",
