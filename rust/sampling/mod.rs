@@ -4,6 +4,7 @@
 pub mod calls;
 pub mod config;
 pub mod history;
+pub mod lateness;
 pub mod sampler;
 pub mod states;
 pub mod store;

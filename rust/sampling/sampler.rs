@@ -170,6 +170,7 @@ impl Sampler {
             "requested_rate": config.rate,
             "achieved_rate": per_sec(run.ticks),
             "interval_s": run.interval_s,
+            "tick_lateness_s": run.lateness,
             "cpu_s": run.cpu_ns as f64 / 1e9,
             "cpu_fraction": per_sec(run.cpu_ns) / 1e9,
             "last_error": run.last_error,

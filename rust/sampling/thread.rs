@@ -16,6 +16,7 @@ use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
+use crate::sampling::lateness::Lateness;
 use crate::sampling::states::{CpuSeries, StateStats, States};
 use crate::sampling::store::{Recorded, Store};
 use crate::sync::{Condvar, Mutex};
@@ -53,6 +54,7 @@ pub struct RunStats {
     pub states: StateStats,
     /// Native capture's counters, when asked for.
     pub native: Option<NativeStats>,
+    pub lateness: Lateness,
 }
 
 /// One thread of a live dump.
@@ -216,6 +218,7 @@ impl<'a> Loop<'a> {
             let cost = thread_cpu_ns().saturating_sub(cpu0);
             self.adapt(cost, weight);
             let mut stats = self.shared.stats.lock();
+            stats.lateness.add(now.saturating_duration_since(at));
             stats.cpu_ns += cost;
             stats.wall_ns = started.elapsed().as_nanos() as u64;
             stats.interval_s = self.interval.as_secs_f64();
