@@ -25,6 +25,7 @@ SECTIONS = [
     "activities",
     "retention",
     "history_windows",
+    "export_lateness",
     "bounded_loads",
     "free_threaded",
     "native",
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         metavar="PYTHON",
-        help="an interpreter with another build of dask-pyspy installed, run beside this one (bias)",
+        help="an interpreter with another build of dask-pyspy installed, run beside this one (bias, export_lateness)",
     )
     args = parser.parse_args()
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -47,7 +48,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--only: unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     if args.baseline:
-        importlib.import_module("benchmarks.bias").BASELINE = args.baseline
+        for name in ("bias", "export_lateness"):
+            importlib.import_module(f"benchmarks.{name}").BASELINE = args.baseline
     parts = ["# dask-pyspy benchmarks", machine(), "Each section says when and in which mode it last ran."]
     sections = kept_sections(args.output)
     for name in chosen:

@@ -7,7 +7,7 @@
 //! sampling thread itself), and a condvar waits on `&mut` guard until a deadline.
 
 use std::ops::{Deref, DerefMut};
-use std::sync::PoisonError;
+use std::sync::{PoisonError, TryLockError};
 use std::time::Instant;
 
 #[derive(Debug, Default)]
@@ -23,6 +23,15 @@ impl<T> Mutex<T> {
 
     pub fn lock(&self) -> MutexGuard<'_, T> {
         MutexGuard(Some(self.0.lock().unwrap_or_else(PoisonError::into_inner)))
+    }
+
+    /// The lock, if no other thread holds it now.
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        match self.0.try_lock() {
+            Ok(guard) => Some(MutexGuard(Some(guard))),
+            Err(TryLockError::Poisoned(poisoned)) => Some(MutexGuard(Some(poisoned.into_inner()))),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 
     pub fn get_mut(&mut self) -> &mut T {

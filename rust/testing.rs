@@ -18,6 +18,13 @@ fn inject_panic(sampler: PyRef<'_, PySampler>) {
     sampler.inner.inject_panic()
 }
 
+/// Holds `sampler`'s store for `seconds`, as a slow export would.
+#[pyfunction]
+fn hold_store(py: Python<'_>, sampler: PyRef<'_, PySampler>, seconds: f64) -> PyResult<()> {
+    let sampler = &sampler.inner;
+    detached(py, || sampler.with_store(|_| std::thread::sleep(std::time::Duration::from_secs_f64(seconds))))
+}
+
 /// A hash of every table and sample, equal only for equal profiles (in any process
 /// running this build).
 #[pyfunction]
@@ -142,6 +149,7 @@ pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     let m = PyModule::new(py, "_testing")?;
     m.add_function(wrap_pyfunction!(panic_in_call, &m)?)?;
     m.add_function(wrap_pyfunction!(inject_panic, &m)?)?;
+    m.add_function(wrap_pyfunction!(hold_store, &m)?)?;
     m.add_function(wrap_pyfunction!(digest, &m)?)?;
     m.add_function(wrap_pyfunction!(as_process, &m)?)?;
     m.add_function(wrap_pyfunction!(replay, &m)?)?;

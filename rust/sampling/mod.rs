@@ -1,6 +1,7 @@
 //! Sampling: the thread that reads stacks on a clock, the thread states it draws,
 //! and the store that keeps the samples until a window is exported.
 
+pub mod backlog;
 pub mod calls;
 pub mod config;
 pub mod history;

@@ -167,6 +167,7 @@ impl Sampler {
             "failed_ticks": run.failed_ticks,
             "throttled_ticks": run.throttled_ticks,
             "boundary_samples": run.boundary_samples,
+            "deferred_samples": run.deferred_samples,
             "requested_rate": config.rate,
             "achieved_rate": per_sec(run.ticks),
             "interval_s": run.interval_s,

@@ -14,6 +14,7 @@ use crate::profile::sample::State;
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
 use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
+use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::lateness::Lateness;
@@ -55,6 +56,8 @@ pub struct RunStats {
     /// Native capture's counters, when asked for.
     pub native: Option<NativeStats>,
     pub lateness: Lateness,
+    /// Samples kept aside while an export held the store, recorded a tick later.
+    pub deferred_samples: u64,
 }
 
 /// One thread of a live dump.
@@ -104,6 +107,10 @@ fn thread_cpu_ns() -> u64 {
     clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
         .map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
 }
+fn cpu_us(t: &ThreadStack) -> u32 {
+    (t.cpu_ns / 1000).min(u32::MAX as u64) as u32
+}
+
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
@@ -177,6 +184,7 @@ struct Loop<'a> {
     /// (reader epoch, native epoch, store generation).
     store_ids: FxHashMap<u64, u32>,
     ids_valid_for: (u64, u64, u64),
+    backlog: Backlog,
 }
 
 impl<'a> Loop<'a> {
@@ -196,6 +204,7 @@ impl<'a> Loop<'a> {
             rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
             ids_valid_for: (0, 0, 0),
+            backlog: Backlog::default(),
         }
     }
 
@@ -232,6 +241,7 @@ impl<'a> Loop<'a> {
             // stall never leads to a burst of ticks.
             slot = (slot + length).max(now);
         }
+        self.backlog.flush(&mut self.shared.store.lock());
         let mut stats = self.shared.stats.lock();
         stats.wall_ns = started.elapsed().as_nanos() as u64;
         self.copy_counters(&mut stats);
@@ -240,6 +250,7 @@ impl<'a> Loop<'a> {
     /// The reader's and native capture's counters, into the stats.
     fn copy_counters(&self, stats: &mut RunStats) {
         stats.reader_stats = self.reader.stats();
+        stats.deferred_samples = self.backlog.deferred;
         if let Some(native) = &self.native {
             stats.native = Some(native.stats());
         }
@@ -294,7 +305,9 @@ impl<'a> Loop<'a> {
                 stats.last_error = Some(e);
             }
         }
-        self.shared.fold_calls(&mut self.shared.store.lock());
+        if let Some(mut store) = self.shared.store.try_lock() {
+            self.shared.fold_calls(&mut store); // else the next tick, or the export, folds them
+        }
         self.shared.stats.lock().ticks += 1;
     }
 
@@ -345,35 +358,39 @@ impl<'a> Loop<'a> {
         native.capture(&mut wanted);
     }
 
+    /// Records the tick's samples; while an export holds the store, keeps them in the
+    /// backlog instead of waiting, and records them first at the next tick that gets it.
     fn record(&mut self, time_ns: u64, weight: Duration) {
         let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
-        let config = &self.config;
-        let keep = Want { idle: config.idle, gil_only: config.gil_only };
         let mut boundary = 0;
-        let mut store = self.shared.store.lock();
-        let mut ids = Vec::new();
-        for (t, state) in self.stacks.iter().zip(&self.states) {
-            // Marks that changed during the read (Err) were a task's at selection.
-            let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
-            if !keep.keeps(t.active, t.runs_python, in_task) || t.frames.is_empty() {
-                continue;
+        let kept = self.kept(&mut boundary);
+        self.shared.stats.lock().boundary_samples += boundary;
+        let store = self.shared.store.try_lock();
+        let mut store = match store {
+            Some(store) => store,
+            None if self.backlog.is_full() => self.shared.store.lock(),
+            None => {
+                for (i, marks) in kept {
+                    let taken = self.taken(i, marks, time_ns, weight_us);
+                    self.backlog.push(taken);
+                }
+                return;
             }
-            let marks = t.marks.clone().unwrap_or_else(|()| {
-                boundary += 1;
-                Marks::default()
-            });
+        };
+        self.backlog.flush(&mut store);
+        let mut ids = Vec::new();
+        for (i, marks) in kept {
             let valid_for = (self.reader.epoch(), self.native.as_ref().map_or(0, Native::epoch), store.generation());
             if valid_for != self.ids_valid_for {
                 self.store_ids.clear();
                 self.ids_valid_for = valid_for;
             }
+            let t = &self.stacks[i];
             ids.clear();
             for &f in t.frames.iter().rev() {
                 let frame = || store.frame_id(frame_of(&*self.reader, self.native.as_ref(), f));
                 ids.push(*self.store_ids.entry(f).or_insert_with(frame));
             }
-            let flags = state.flags(t.holds_gil);
-            let cpu_us = (t.cpu_ns / 1000).min(u32::MAX as u64) as u32;
             store.record_ids(Recorded {
                 time_ns,
                 ident: t.ident,
@@ -382,12 +399,45 @@ impl<'a> Loop<'a> {
                 tag: marks.task.as_deref(),
                 activity: marks.activity.as_ref().map(|a| &*a.name),
                 weight_us,
-                cpu_us,
-                flags,
+                cpu_us: cpu_us(t),
+                flags: self.states[i].flags(t.holds_gil),
             });
         }
-        drop(store);
-        self.shared.stats.lock().boundary_samples += boundary;
+    }
+
+    /// The stacks the options keep, by index, with their marks; counts in `boundary`
+    /// those whose marks changed during the read (a task's at selection: left untagged).
+    fn kept(&self, boundary: &mut u64) -> Vec<(usize, Marks)> {
+        let config = &self.config;
+        let keep = Want { idle: config.idle, gil_only: config.gil_only };
+        let mut kept = Vec::new();
+        for (i, t) in self.stacks.iter().enumerate() {
+            let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
+            if !keep.keeps(t.active, t.runs_python, in_task) || t.frames.is_empty() {
+                continue;
+            }
+            let marks = t.marks.clone().unwrap_or_else(|()| {
+                *boundary += 1;
+                Marks::default()
+            });
+            kept.push((i, marks));
+        }
+        kept
+    }
+
+    /// Stack `i`'s sample, its frames resolved, for the backlog.
+    fn taken(&self, i: usize, marks: Marks, time_ns: u64, weight_us: u32) -> Taken {
+        let t = &self.stacks[i];
+        Taken {
+            time_ns,
+            ident: t.ident,
+            name: self.shared.tags.name(t.ident).or_else(|| t.name.clone()),
+            frames: t.frames.iter().rev().map(|&f| frame_of(&*self.reader, self.native.as_ref(), f)).collect(),
+            marks,
+            weight_us,
+            cpu_us: cpu_us(t),
+            flags: self.states[i].flags(t.holds_gil),
+        }
     }
 
     fn keep_for_dump(&self, time_ns: u64) {
