@@ -40,6 +40,7 @@ FLAG = Is("true or false", lambda v: isinstance(v, bool))
 TEXT = Is("a string", lambda v: isinstance(v, str))
 # A Unix time a date can be made of (the report prints them as dates).
 TIME = Is("a Unix time", lambda v: v is None or (_finite(v) and 0 <= v <= 1e11))
+STEPS = Is("a list of numbers or nulls", lambda v: isinstance(v, list) and all(x is None or _finite(x) for x in v))
 WINDOW = Is(
     "[start, stop] in Unix seconds", lambda v: isinstance(v, list) and len(v) == 2 and all(TIME.test(t) for t in v)
 )
@@ -62,6 +63,8 @@ STATS = {
     # Profiles saved before thread states were read have neither.
     "cores": Omittable(COUNT),
     "window_cpu": Omittable({"process_cpu_s": NUMBER, "native_cpu_s": NUMBER}),
+    # CPU and resident memory per step (sampling/series.rs); older profiles have none.
+    "series": Omittable({"start": TIME, "step": NUMBER, "cpu": STEPS, "rss": STEPS}),
     "reader": Omittable(OrNull(TEXT)),
     "last_error": Omittable(OrNull(TEXT)),
     "panic": Omittable(OrNull(TEXT)),

@@ -200,11 +200,15 @@ class Profile:
         "wall": [..], "cpu": [..]}]}`: kinds are "scheduler" (processes whose name
         starts with it) and "worker" (every other), each with its totals per step;
         series, largest total wall `seconds` first, are one per kind and name, with
-        `group` "prefix" or "span" (task time) or "activity" (outside tasks).
+        `group` "prefix" or "span" (task time) or "activity" (outside tasks). Also
+        `"processes": [{"name", "kind", "cpu": [..], "rss": [..]}]`: each process's CPU
+        seconds and most resident memory (bytes) per step, as its sampler kept them
+        each second; None in steps it was not seen.
 
         A thread's samples at one instant cover [time, time + their summed weight], each
         spread over the steps that overlap it: raw samples fall in the step of their
-        time, and a coarse sample standing for a longer bucket spreads over the bucket.
+        time, and a coarse sample standing for a longer bucket spreads over the bucket;
+        a folded history row's part spreads over where its samples fell.
         Every step's series add up to its kind's totals, and the steps to the profile's.
         An aggregated profile (`aggregated()`, `aggregate=True`) keeps no sample times;
         its timeline is drawn from the 10 s cells it carries instead: the default step is

@@ -1,5 +1,6 @@
 """The timeline chart of reports and the dashboard page: stacked areas of the busiest
-series (task prefixes, activities) over time, per process kind, wall and CPU.
+series (task prefixes, activities) over time, per process kind, wall and CPU, and
+under them each process's resident memory.
 
 Drawn here as SVG geometry (the template writes the markup, escaping every name), so
 the report stays one file with no chart library. Heights are seconds per second of the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 from typing import Any
 
 from dask_pyspy.render.pages import when
@@ -32,6 +34,9 @@ TICK_INTERVALS = (
     1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800,
 )  # fmt: skip
 MAX_TICKS = 10
+MOST_LINES = 8  # processes of a kind drawn a memory line each; more as min, median and max
+SPREAD = (("most", "#e15759", max), ("median", "#4e79a7", statistics.median), ("least", "#59a14f", min))
+BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
 
 
 def _top(series: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -122,6 +127,51 @@ def _chart(timeline: dict[str, Any], kind: str, weight: str, top: list[dict[str,
     return {"weight": weight, "label": WEIGHTS[weight], "layers": drawn, "ticks": _value_ticks(ymax)}
 
 
+def _steps_line(values: list[float | None], scale: float) -> str:
+    """A line through `values` (per step), flat across each step, broken where None."""
+    width = WIDTH / len(values)
+    parts, drawing = [], False
+    for i, v in enumerate(values):
+        if v is None:
+            drawing = False
+            continue
+        y = f"{TOP + HEIGHT - v * scale:.1f}"
+        parts.append(f"{'V' if drawing else f'M{LEFT + i * width:.1f}'} {y} H{LEFT + (i + 1) * width:.1f}")
+        drawing = True
+    return " ".join(parts)
+
+
+def _memory_lines(processes: list[dict[str, Any]], steps: int) -> list[tuple[str, str, list[float | None]]]:
+    """A line per process, or the most, median and least across them per step when many."""
+    if len(processes) <= MOST_LINES:
+        return [(p["name"], PALETTE[i % len(PALETTE)], p["rss"]) for i, p in enumerate(processes)]
+    seen = [[p["rss"][i] for p in processes if p["rss"][i] is not None] for i in range(steps)]
+    return [(name, colour, [f(v) if v else None for v in seen]) for name, colour, f in SPREAD]
+
+
+def _memory(timeline: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """The kind's resident memory over time, or None where its processes kept none."""
+    mine = [p for p in timeline.get("processes", []) if p["kind"] == kind and any(v is not None for v in p["rss"])]
+    if not mine:
+        return None
+    lines = _memory_lines(mine, timeline["steps"])
+    top = max(v for _, _, values in lines for v in values if v is not None)
+    unit, size = next((u, s) for u, s in BYTE_UNITS if top >= s or s == 1)
+    ymax = _nice(top / size)
+    drawn = [
+        {
+            "name": name,
+            "colour": colour,
+            "path": _steps_line(values, HEIGHT / ymax / size),
+            "peak": f"{max(v for v in values if v is not None) / size:.3g} {unit}",
+        }
+        for name, colour, values in lines
+    ]
+    spread = len(mine) > MOST_LINES
+    label = f"resident memory ({unit}){f': across {len(mine)} processes' if spread else ''}"
+    return {"label": label, "lines": drawn, "ticks": _value_ticks(ymax)}
+
+
 def charts(timeline: dict[str, Any]) -> dict[str, Any]:
     """The report's timeline, from a profile's `timeline()`: per process kind, a wall and
     a CPU chart with a shared legend."""
@@ -139,7 +189,15 @@ def charts(timeline: dict[str, Any]) -> dict[str, Any]:
             {"name": w["name"], "colour": w["colour"], "wall": w["seconds"], "cpu": c["seconds"]}
             for w, c in zip(wall["layers"], cpu["layers"])
         ]
-        kinds.append({"kind": kind, "processes": totals["processes"], "charts": [wall, cpu], "legend": legend})
+        kinds.append(
+            {
+                "kind": kind,
+                "processes": totals["processes"],
+                "charts": [wall, cpu],
+                "legend": legend,
+                "memory": _memory(timeline, kind),
+            }
+        )
     return {
         "start": start,
         "step": step,

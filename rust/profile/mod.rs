@@ -4,6 +4,7 @@
 pub mod build;
 pub mod intern;
 pub mod model;
+pub mod resources;
 pub mod sample;
 pub mod spans;
 pub mod summary;

@@ -15,7 +15,8 @@
 use crate::error::{Error, Result};
 use crate::names::choose;
 use crate::profile::build::CELL_NS;
-use crate::profile::model::ProfileData;
+use crate::profile::model::{Process, ProfileData};
+use crate::profile::resources::{resources, Resources};
 use crate::profile::sample::Sample;
 use crate::profile::views::{Weight, NO_SPAN, NO_TASK};
 use serde::Serialize;
@@ -38,6 +39,14 @@ pub const MAX_STEPS: usize = 20_000;
 pub const SCHEDULER: &str = "scheduler";
 pub const WORKER: &str = "worker";
 const KINDS: [&str; 2] = [SCHEDULER, WORKER];
+
+fn kind(process: &Process) -> &'static str {
+    if process.name.starts_with(SCHEDULER) {
+        SCHEDULER
+    } else {
+        WORKER
+    }
+}
 
 /// What task time is split by: its task prefix, or its span path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +98,8 @@ pub struct Timeline {
     /// Totals per kind present: its processes and every sample's seconds per step.
     pub kinds: BTreeMap<&'static str, KindTimes>,
     pub series: Vec<Series>,
+    /// Each process's CPU and memory per step, where its sampler kept them.
+    pub processes: Vec<Resources>,
 }
 
 /// The step for a profile spanning `span` seconds: `given` checked, or the default, no
@@ -197,7 +208,7 @@ impl<'a> SeriesIndex<'a> {
         SeriesIndex {
             data,
             by,
-            kind_of_process: data.processes.iter().map(|p| !p.name.starts_with(SCHEDULER) as usize).collect(),
+            kind_of_process: data.processes.iter().map(|p| (kind(p) == WORKER) as usize).collect(),
             named: HashMap::new(),
             series: Vec::new(),
             by_tag: vec![[None; 2]; data.tags.len()],
@@ -332,7 +343,8 @@ pub fn timeline(data: &ProfileData, step: Option<f64>, by: SeriesBy, bounds: Opt
         .filter(|&(_, n)| n > 0)
         .map(|((kind, steps), processes)| (kind, KindTimes { processes, steps }))
         .collect();
-    Ok(Timeline { step, start, steps, kinds, series })
+    let processes = resources(&data.processes, kind, start, step, steps);
+    Ok(Timeline { step, start, steps, kinds, series, processes })
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod config;
 pub mod history;
 pub mod lateness;
 pub mod sampler;
+pub mod series;
 pub mod states;
 pub mod store;
 pub mod thread;

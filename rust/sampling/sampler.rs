@@ -7,7 +7,7 @@ use crate::reader::tags::{Activity, ThreadTags};
 use crate::reader::Chosen;
 use crate::sampling::calls::NS_PER_S;
 use crate::sampling::config::SamplerConfig;
-use crate::sampling::states::CpuSeries;
+use crate::sampling::series::Series;
 use crate::sampling::store::{Store, Window, WindowSize};
 use crate::sampling::thread::{now_ns, run, RunStats, Shared};
 use crate::sync::{Condvar, Mutex};
@@ -52,7 +52,7 @@ impl Sampler {
             tags: Arc::default(),
             store: Mutex::new(store),
             calls: Mutex::default(),
-            cpu: Mutex::new(CpuSeries::default()),
+            series: Mutex::new(Series::default()),
             stats: Mutex::new(RunStats::default()),
             last: Mutex::new(None),
             dumped: Condvar::new(),
@@ -206,8 +206,12 @@ impl Sampler {
             token: self.token.clone(),
             stats: self.stats(),
         };
-        let cpu = self.shared.cpu.lock().totals(window.start_ns, window.stop_ns);
-        process.stats["window_cpu"] = json!(cpu);
+        let series = self.shared.series.lock();
+        process.stats["window_cpu"] = json!(series.totals(window.start_ns, window.stop_ns));
+        if let Some(resources) = series.window(window.start_ns, window.stop_ns) {
+            process.stats["series"] = resources;
+        }
+        drop(series);
         let mut store = self.shared.store.lock();
         self.shared.fold_calls(&mut store);
         let mut data = store.window(window, process, metadata);

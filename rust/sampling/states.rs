@@ -17,7 +17,6 @@ use crate::reader::{thread_cpu_ns, GilAt, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
-use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::time::Instant;
@@ -34,8 +33,6 @@ const NATIVE_BUSY: f64 = 0.1;
 const NATIVE_SECONDS: f64 = 0.1;
 /// How long a wait seen stays in a thread's record (`blocks_on_futexes_only`).
 const WAITS_LATELY: std::time::Duration = std::time::Duration::from_secs(5);
-/// Seconds of per-second CPU totals kept: a day.
-const SERIES_SECONDS: usize = 86_400;
 
 /// What a thread waits in, from its current system call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,45 +234,6 @@ fn process_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// CPU used per second, by the whole process and by its threads Python does not know.
-#[derive(Default)]
-pub struct CpuSeries {
-    /// (second since the epoch, process ns, native ns)
-    seconds: VecDeque<(u64, u64, u64)>,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct CpuTotals {
-    pub process_cpu_s: f64,
-    pub native_cpu_s: f64,
-}
-
-impl CpuSeries {
-    pub fn record(&mut self, time_ns: u64, process_ns: u64, native_ns: u64) {
-        let second = time_ns / 1_000_000_000;
-        match self.seconds.back_mut() {
-            Some(last) if last.0 == second => {
-                last.1 += process_ns;
-                last.2 += native_ns;
-            }
-            _ => {
-                if self.seconds.len() >= SERIES_SECONDS {
-                    self.seconds.pop_front();
-                }
-                self.seconds.push_back((second, process_ns, native_ns));
-            }
-        }
-    }
-
-    /// Totals over the seconds that overlap `[start_ns, stop_ns]`.
-    pub fn totals(&self, start_ns: u64, stop_ns: u64) -> CpuTotals {
-        let (first, last) = (start_ns / 1_000_000_000, stop_ns / 1_000_000_000);
-        let within = self.seconds.iter().filter(|s| (first..=last).contains(&s.0));
-        let (process, native) = within.fold((0, 0), |(p, n), s| (p + s.1, n + s.2));
-        CpuTotals { process_cpu_s: process as f64 / 1e9, native_cpu_s: native as f64 / 1e9 }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,16 +261,5 @@ mod tests {
         assert_eq!(states.stats().syscall_files, 1, "opened once");
         states.track_threads(&[]);
         assert_eq!(states.stats().syscall_files, 0, "closed once not listed");
-    }
-
-    #[test]
-    fn cpu_series_sums_the_seconds_of_a_window() {
-        let mut s = CpuSeries::default();
-        for i in 0..30u64 {
-            s.record(i * 100_000_000, 10_000_000, 4_000_000); // 3 s at 10 ticks a second
-        }
-        let all = s.totals(0, 3_000_000_000);
-        assert!((all.process_cpu_s - 0.3).abs() < 1e-9 && (all.native_cpu_s - 0.12).abs() < 1e-9);
-        assert!((s.totals(1_000_000_000, 1_500_000_000).process_cpu_s - 0.1).abs() < 1e-9);
     }
 }

@@ -18,7 +18,8 @@ use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::lateness::Lateness;
-use crate::sampling::states::{CpuSeries, StateStats, States};
+use crate::sampling::series::Series;
+use crate::sampling::states::{StateStats, States};
 use crate::sampling::store::{Recorded, Store};
 use crate::sync::{Condvar, Mutex};
 use nix::time::{clock_gettime, ClockId};
@@ -80,8 +81,8 @@ pub struct Shared {
     pub store: Mutex<Store>,
     /// Calls counted since the last tick, which folds them into the store.
     pub calls: Mutex<Pending>,
-    /// CPU per second of the whole process and of its threads Python does not know.
-    pub cpu: Mutex<CpuSeries>,
+    /// CPU and memory per second of the whole process.
+    pub series: Mutex<Series>,
     pub stats: Mutex<RunStats>,
     pub last: Mutex<Option<LastTick>>,
     pub dumped: Condvar,
@@ -185,6 +186,8 @@ struct Loop<'a> {
     store_ids: FxHashMap<u64, u32>,
     ids_valid_for: (u64, u64, u64),
     backlog: Backlog,
+    /// Process and native CPU ns not yet in the series.
+    cpu_pending: (u64, u64),
 }
 
 impl<'a> Loop<'a> {
@@ -205,6 +208,7 @@ impl<'a> Loop<'a> {
             store_ids: FxHashMap::default(),
             ids_valid_for: (0, 0, 0),
             backlog: Backlog::default(),
+            cpu_pending: (0, 0),
         }
     }
 
@@ -332,7 +336,12 @@ impl<'a> Loop<'a> {
     /// Each stack's state, and the CPU the process and its native threads used.
     fn read_states(&mut self, time_ns: u64) {
         if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), thread_cpu_ns()) {
-            self.shared.cpu.lock().record(time_ns, process, native);
+            let (p, n) = &mut self.cpu_pending;
+            (*p, *n) = (*p + process, *n + native);
+            // An export may be reading the series: its CPU waits for the next tick, not the sampler.
+            if let Some(mut series) = self.shared.series.try_lock() {
+                series.record(time_ns, std::mem::take(p), std::mem::take(n));
+            }
         }
         let gil = self.reader.gil(&self.stacks);
         self.states.clear();

@@ -185,3 +185,25 @@ def test_steps_cover_the_collection_window_up_to_a_week(recording):
     assert wide["start"] <= load[0] - 100 and wide["start"] + wide["steps"] >= load[0] + 100
     endless = recording.profile.with_metadata(window=[0.0, load[1]]).timeline()
     assert endless["step"] == 1.0 and endless["start"] > load[0] - 5, "not steps back to 1970"
+
+
+def test_many_processes_draw_the_most_median_and_least_memory():
+    from dask_pyspy.render.timeline import MOST_LINES, charts
+
+    mib, steps = 2**20, 4
+    processes = [
+        {"name": f"tcp://w:{i}", "kind": "worker", "cpu": [0.5] * steps, "rss": [i * mib, None, i * mib, 2 * i * mib]}
+        for i in range(1, 11)
+    ]
+    totals = {"processes": len(processes), "wall": [1.0] * steps, "cpu": [0.5] * steps}
+    timeline = {"start": 1e9, "step": 1.0, "steps": steps, "kinds": {"worker": totals}, "series": []}
+    (kind,) = charts({**timeline, "processes": processes})["kinds"]
+    memory = kind["memory"]
+    assert [line["name"] for line in memory["lines"]] == ["most", "median", "least"]
+    assert [line["peak"] for line in memory["lines"]] == ["20 MiB", "11 MiB", "2 MiB"]
+    assert "across 10 processes" in memory["label"]
+    assert all(line["path"].count("M") == 2 for line in memory["lines"]), "broken where no process was seen"
+    (few,) = charts({**timeline, "processes": processes[:MOST_LINES]})["kinds"]
+    assert [line["name"] for line in few["memory"]["lines"]] == [p["name"] for p in processes[:MOST_LINES]]
+    (none,) = charts({**timeline, "processes": []})["kinds"]
+    assert none["memory"] is None

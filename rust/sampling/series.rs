@@ -1,0 +1,146 @@
+//! What the whole process used, second by second, for a day: its CPU (all of it,
+//! and that of threads Python does not know) and its resident memory, kept beside the
+//! samples and exported with each window, resampled to a bounded number of steps.
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+
+/// Seconds kept: a day.
+const SECONDS: usize = 86_400;
+/// Steps a window's series is resampled to at most.
+const MOST_STEPS: u64 = 1_440;
+/// Steps in seconds a window's series may take: the first giving at most `MOST_STEPS`.
+const STEPS: [u64; 13] = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
+const NS: u64 = 1_000_000_000;
+
+#[derive(Clone, Copy, Debug)]
+struct Second {
+    second: u64,
+    process_ns: u64,
+    native_ns: u64,
+    /// Resident memory at the first tick of the second.
+    rss: u64,
+}
+
+#[derive(Default)]
+pub struct Series {
+    seconds: VecDeque<Second>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct CpuTotals {
+    pub process_cpu_s: f64,
+    pub native_cpu_s: f64,
+}
+
+/// The resident memory of this process, from `/proc/self/statm` (0 if unreadable).
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    pages * unsafe { nix::libc::sysconf(nix::libc::_SC_PAGESIZE) }.max(0) as u64
+}
+
+impl Series {
+    /// Adds a tick's CPU to its second; the first tick of a second reads the memory.
+    pub fn record(&mut self, time_ns: u64, process_ns: u64, native_ns: u64) {
+        self.add(time_ns, process_ns, native_ns, resident_bytes);
+    }
+
+    fn add(&mut self, time_ns: u64, process_ns: u64, native_ns: u64, rss: impl FnOnce() -> u64) {
+        let second = time_ns / NS;
+        match self.seconds.back_mut() {
+            Some(last) if last.second == second => {
+                last.process_ns += process_ns;
+                last.native_ns += native_ns;
+            }
+            _ => {
+                if self.seconds.len() >= SECONDS {
+                    self.seconds.pop_front();
+                }
+                self.seconds.push_back(Second { second, process_ns, native_ns, rss: rss() });
+            }
+        }
+    }
+
+    /// The seconds that overlap `[start_ns, stop_ns]`.
+    fn within(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = &Second> {
+        let first = self.seconds.partition_point(|s| s.second < start_ns / NS);
+        let last = self.seconds.partition_point(|s| s.second <= stop_ns / NS);
+        self.seconds.range(first..last.max(first))
+    }
+
+    /// CPU totals over the seconds that overlap `[start_ns, stop_ns]`.
+    pub fn totals(&self, start_ns: u64, stop_ns: u64) -> CpuTotals {
+        let (process, native) =
+            self.within(start_ns, stop_ns).fold((0, 0), |(p, n), s| (p + s.process_ns, n + s.native_ns));
+        CpuTotals { process_cpu_s: process as f64 / 1e9, native_cpu_s: native as f64 / 1e9 }
+    }
+
+    /// The window's seconds in at most `MOST_STEPS` steps, for a process's stats:
+    /// `start` (Unix seconds, a multiple of `step`), `step`, and per step the CPU
+    /// seconds used (`cpu`) and the most resident memory seen (`rss`, bytes); null
+    /// where no second of the step was seen. None if the window holds no second.
+    pub fn window(&self, start_ns: u64, stop_ns: u64) -> Option<Value> {
+        let (first, last) = {
+            let mut seen = self.within(start_ns, stop_ns);
+            let first = seen.next()?.second;
+            (first, seen.last().map_or(first, |s| s.second))
+        };
+        let step = STEPS.into_iter().find(|s| (last - first) / s < MOST_STEPS).unwrap_or(STEPS[STEPS.len() - 1]);
+        let start = first - first % step;
+        let steps = ((last - start) / step + 1) as usize;
+        let (mut cpu, mut rss) = (vec![None; steps], vec![None; steps]);
+        for s in self.within(start_ns, stop_ns) {
+            let at = ((s.second - start) / step) as usize;
+            *cpu[at].get_or_insert(0.0) += s.process_ns as f64 / 1e9;
+            rss[at] = rss[at].max(Some(s.rss));
+        }
+        Some(json!({"start": start, "step": step, "cpu": cpu, "rss": rss}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_the_seconds_of_a_window() {
+        let mut s = Series::default();
+        for i in 0..30u64 {
+            s.add(i * 100_000_000, 10_000_000, 4_000_000, || 1); // 3 s at 10 ticks a second
+        }
+        let all = s.totals(0, 3 * NS);
+        assert!((all.process_cpu_s - 0.3).abs() < 1e-9 && (all.native_cpu_s - 0.12).abs() < 1e-9);
+        assert!((s.totals(NS, NS + NS / 2).process_cpu_s - 0.1).abs() < 1e-9);
+        assert_eq!(s.totals(10 * NS, 20 * NS), CpuTotals::default());
+    }
+
+    #[test]
+    fn a_window_keeps_cpu_and_the_most_memory_per_step() {
+        let mut s = Series::default();
+        for second in 100..100 + 3_600u64 {
+            if second != 107 {
+                s.add(second * NS, NS / 2, 0, || second * 1000); // half a core; memory growing
+            }
+        }
+        let w = s.window(0, u64::MAX).unwrap();
+        assert_eq!((w["start"].as_u64(), w["step"].as_u64()), (Some(100), Some(5)), "at most 1,440 steps");
+        let (cpu, rss) = (w["cpu"].as_array().unwrap(), w["rss"].as_array().unwrap());
+        assert_eq!((cpu.len(), rss.len()), (720, 720));
+        assert_eq!((cpu[0].as_f64(), rss[0].as_u64()), (Some(2.5), Some(104_000)), "seconds 100-104");
+        assert_eq!(cpu[1].as_f64(), Some(2.0), "second 107 was not seen");
+        let short = s.window(200 * NS, 209 * NS).unwrap();
+        assert_eq!(
+            (short["start"].as_u64(), short["step"].as_u64(), short["cpu"].as_array().unwrap().len()),
+            (Some(200), Some(1), 10)
+        );
+        assert!(s.window(0, 50 * NS).is_none());
+        let mut gaps = Series::default();
+        gaps.add(10 * NS, NS, 0, || 5);
+        gaps.add(13 * NS, NS, 0, || 6);
+        let w = gaps.window(0, u64::MAX).unwrap();
+        assert_eq!(w["rss"], json!([5, null, null, 6]), "a second not seen is null");
+    }
+}
