@@ -3,6 +3,7 @@
 
 pub mod backlog;
 pub mod calls;
+pub mod cap;
 pub mod config;
 pub mod history;
 pub mod lateness;
@@ -11,3 +12,4 @@ pub mod series;
 pub mod states;
 pub mod store;
 pub mod thread;
+pub mod window;
