@@ -7,6 +7,7 @@ pub mod model;
 pub mod resources;
 pub mod sample;
 pub mod spans;
+pub mod spread;
 pub mod summary;
 pub mod timeline;
 pub mod views;
