@@ -1,8 +1,10 @@
 //! `_native._testing`: hooks for dask-pyspy's own tests and benchmarks, not an API.
 
+use crate::bind::profile::PyProfile;
+use crate::bind::sampler::PySampler;
+use crate::bind::{detached, no_panic};
 use crate::profile::model::{ProfileData, Tag};
 use crate::sampling::store::{Recorded, Store};
-use crate::{detached, no_panic, PyProfile, PySampler};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 

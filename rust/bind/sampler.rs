@@ -1,0 +1,172 @@
+//! `_native.Sampler`: the process sampler's handle.
+
+use super::{detached, heavy, metadata_arg, no_panic, spans_arg, window};
+use crate::bind::profile::PyProfile;
+use crate::error::Error;
+use crate::formats::wire;
+use crate::profile::model::{Metadata, Tag};
+use crate::sampling::config::SamplerConfig;
+use crate::sampling::sampler::{self, Sampler};
+use crate::values;
+use crate::{reader, steps};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyString};
+use rustc_hash::FxHashSet;
+
+#[pyclass(name = "Sampler", module = "dask_pyspy._native", frozen)]
+pub struct PySampler {
+    pub(crate) inner: Sampler,
+}
+
+#[pymethods]
+impl PySampler {
+    /// `options`: an object with the attributes of `SamplerConfig` (None: defaults).
+    #[new]
+    #[pyo3(signature = (options=None))]
+    fn new(options: Option<SamplerConfig>) -> PyResult<Self> {
+        Ok(PySampler { inner: Sampler::new(options.unwrap_or_default())? })
+    }
+
+    /// New options for a stopped sampler, keeping its samples (see `Sampler::configure`).
+    fn configure(&self, options: SamplerConfig) -> PyResult<()> {
+        no_panic(|| Ok(self.inner.configure(options)?))
+    }
+
+    /// Opens the stack reader (its self-check needs the GIL), then samples without it.
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        if self.inner.is_running() {
+            return Err(Error::Broken(sampler::ALREADY_RUNNING.into()).into());
+        }
+        no_panic(|| {
+            let config = self.inner.config();
+            let chosen = reader::choose(py, config.reader_choice(), config.line_mode())?;
+            Ok(detached(py, || self.inner.start(chosen))??)
+        })
+    }
+
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.inner.stop())
+    }
+
+    #[getter]
+    fn is_running(&self) -> bool {
+        self.inner.is_running()
+    }
+
+    #[getter]
+    fn has_started(&self) -> bool {
+        self.inner.has_started()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        no_panic(|| values::to_py(py, &self.inner.stats()))
+    }
+
+    fn dump<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let dump = detached(py, || self.inner.dump())?;
+        values::to_py(py, &dump)
+    }
+
+    /// Lossy: a key with lone surrogates must not fail the task that is starting.
+    #[pyo3(signature = (ident, key, prefix, span=None))]
+    fn set_thread_tag(
+        &self,
+        ident: u64,
+        key: &Bound<'_, PyString>,
+        prefix: &Bound<'_, PyString>,
+        span: Option<&Bound<'_, PyString>>,
+    ) {
+        let text = |s: &Bound<'_, PyString>| s.to_string_lossy().into_owned();
+        self.inner.tags().set_tag(ident, Tag { key: text(key), prefix: text(prefix), span: span.map(text) })
+    }
+
+    fn clear_thread_tag(&self, ident: u64) {
+        self.inner.tags().clear_tag(ident)
+    }
+
+    /// Puts the calling thread in `activity`; returns what `leave_activity` goes back to.
+    fn enter_activity(&self, activity: &Bound<'_, steps::PyActivity>) -> Option<steps::PyActivity> {
+        steps::enter(self.inner.tags(), activity.get())
+    }
+
+    #[pyo3(signature = (previous))]
+    fn leave_activity(&self, previous: Option<&Bound<'_, steps::PyActivity>>) {
+        steps::leave(self.inner.tags(), previous.map(|p| p.get()))
+    }
+
+    /// Counts one dispatched call of `activity`, for the calls of `summary()["activities"]`.
+    fn count_call(&self, activity: &Bound<'_, steps::PyActivity>) {
+        self.inner.count_call(&activity.get().inner)
+    }
+
+    /// The activity the calling thread is in.
+    fn current_activity(&self) -> Option<steps::PyActivity> {
+        steps::current(self.inner.tags())
+    }
+
+    /// `coro` run in `activity` (an Activity, or a callable giving each step's).
+    fn steps(&self, coro: Py<PyAny>, activity: Py<PyAny>) -> steps::Steps {
+        steps::Steps::new(self.inner.tags().clone(), coro, activity)
+    }
+
+    #[pyo3(signature = (ident, name, native_id=None))]
+    fn set_thread_name(&self, ident: u64, name: &Bound<'_, PyString>, native_id: Option<u64>) {
+        self.inner.tags().set_name(ident, name.to_string_lossy().into_owned(), native_id)
+    }
+
+    fn clear_thread_name(&self, ident: u64) {
+        self.inner.tags().clear_name(ident)
+    }
+
+    /// Names threads that nothing named yet (the fast reader reads no names).
+    fn name_threads(&self, names: Vec<(u64, Bound<'_, PyString>, Option<u64>)>) {
+        for (ident, name, native_id) in names {
+            self.inner.tags().set_name_if_unnamed(ident, name.to_string_lossy().into_owned(), native_id)
+        }
+    }
+
+    /// The samples captured in `bounds` (Unix seconds), as process `process_name`.
+    fn profile(&self, py: Python<'_>, bounds: (f64, f64), process_name: String) -> PyResult<PyProfile> {
+        let data = heavy(py, || self.inner.profile(window(bounds, false, None), process_name, Metadata::default()))?;
+        Ok(PyProfile::new(data))
+    }
+
+    /// The samples in `bounds` (aggregated if `aggregate`; only those tagged with one
+    /// of `span_ids` if given) in the wire format, with `metadata` and `spans`: one
+    /// copy of the window, straight to bytes.
+    #[pyo3(signature = (bounds, aggregate, process_name, metadata=None, spans=None, span_ids=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords
+    fn export<'py>(
+        &self,
+        py: Python<'py>,
+        bounds: (f64, f64),
+        aggregate: bool,
+        process_name: String,
+        metadata: Option<&Bound<'py, PyDict>>,
+        spans: Option<&Bound<'py, PyDict>>,
+        span_ids: Option<Vec<String>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
+        let span_ids = span_ids.map(FxHashSet::from_iter);
+        let bytes = heavy(py, || {
+            let mut data = self.inner.profile(window(bounds, aggregate, span_ids.as_ref()), process_name, metadata);
+            data.spans = spans;
+            wire::encode(&data)
+        })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// What `export` would hold: (samples taken, approximate memory in bytes).
+    #[pyo3(signature = (bounds, aggregate, span_ids=None))]
+    fn window_size(
+        &self,
+        py: Python<'_>,
+        bounds: (f64, f64),
+        aggregate: bool,
+        span_ids: Option<Vec<String>>,
+    ) -> PyResult<(u64, u64)> {
+        let span_ids = span_ids.map(FxHashSet::from_iter);
+        let size = heavy(py, || self.inner.window_size(window(bounds, aggregate, span_ids.as_ref())))?;
+        Ok((size.samples, size.bytes))
+    }
+}
