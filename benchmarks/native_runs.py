@@ -1,0 +1,147 @@
+"""The native benchmark's children: native_child.py runs each measurement in a process of its
+own (py-spy records the agreement runs from outside), and what a run's stats say: lost reads,
+native signals, fidelity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+CHILD = os.path.join(os.path.dirname(__file__), "native_child.py")
+PYSPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
+# The child imports numpy after setting this too; here it also holds for its start-up.
+ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+PYSPY_RATE = 50
+
+Doc = dict[str, Any]
+
+
+def run_child(args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, CHILD, json.dumps(args)], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"native_child {args} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@dataclass
+class Recording:
+    """One agreement run: dask-pyspy's profile and stats, and py-spy's profile if it ran."""
+
+    doc: Doc
+    stats: dict[str, Any]
+    pyspy: Doc | None = None
+    complaint: str = ""
+
+    @property
+    def captured(self) -> float:
+        """The share of the kept samples that carry native frames."""
+        return self.stats["native"]["merged"] / max(self.stats["store"]["samples_recorded"], 1)
+
+
+def record(layout: str, seconds: float, tmp: str, with_pyspy: bool) -> Recording:
+    """The workload recorded by dask-pyspy inside it for about `seconds`, and by py-spy
+    --native from outside at the same time if `with_pyspy`."""
+    ours = os.path.join(tmp, f"{layout}-{with_pyspy}-ours.json")
+    theirs = os.path.join(tmp, f"{layout}-pyspy.json")
+    args = json.dumps({"mode": "agreement", "layout": layout, "out": ours})
+    child = subprocess.Popen(
+        [sys.executable, CHILD, args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    assert child.stdin is not None and child.stdout is not None
+    spy = None
+    try:
+        assert child.stdout.readline().strip() == "ready", "the agreement child did not start"
+        if with_pyspy:
+            spy = subprocess.run(
+                [PYSPY, "record", "--native", "--rate", str(PYSPY_RATE), "--pid", str(child.pid)]
+                + ["--duration", str(round(seconds)), "--format", "speedscope", "--output", theirs],
+                capture_output=True,
+                text=True,
+                timeout=seconds + 120,
+            )
+        else:
+            time.sleep(seconds)
+        child.stdin.write("stop\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    if child.returncode != 0:
+        raise RuntimeError(f"agreement child ({layout}) exited with {child.returncode}")
+    with open(ours) as f:
+        got = Recording(json.load(f), json.loads(out.splitlines()[-1])["stats"])
+    if spy is not None and spy.returncode == 0 and os.path.exists(theirs):
+        with open(theirs) as f:
+            got.pyspy = json.load(f)
+    elif spy is not None:
+        got.complaint = spy.stderr.strip()[-300:]
+    return got
+
+
+def cost_run(native: bool, seconds: float, budget: float | None = None) -> dict[str, float]:
+    stats = run_child({"mode": "cost", "native": native, "seconds": seconds, "budget": budget})["stats"]
+    out = {
+        "rate": stats["achieved_rate"],
+        "cpu": stats["cpu_fraction"],
+        "throttled": stats["throttled_ticks"] / max(stats["ticks"], 1),
+        **lost_reads(stats),
+    }
+    if native:
+        n = stats["native"]
+        out.update(zip(("round_trip", "unwind", "symbols"), n["median_us"]))
+        out.update({k: float(n[k]) for k in ("asked", "answered", "timed_out", "merged", "mismatched")})
+    return out
+
+
+#: Counters of threads not signalled, by the names the build at hand uses.
+NOT_ASKED = ("in_syscall", "blocked", "blocked_lately", "still_pending")
+
+
+def signals(n: dict[str, Any]) -> str:
+    """What native capture did with the threads it considered, as counts."""
+    counted = ("asked", "answered", "timed_out", *NOT_ASKED)
+    return ", ".join(f"{k.replace('_', ' ')} {n[k]}" for k in counted if k in n)
+
+
+def lost_reads(stats: dict[str, Any]) -> dict[str, float]:
+    r = stats["reader_stats"]
+    return {"lost": float(r.get("lost_reads", 0)), "reads": float(r.get("thread_reads", 0))}
+
+
+@dataclass
+class Fidelity:
+    """One run's lost reads and native mismatches."""
+
+    run: str
+    lost: float
+    reads: float
+    mismatched: float | None  # None: native capture off
+    merged: float
+    rate: str
+
+    @classmethod
+    def of(cls, run: str, stats: dict[str, Any]) -> Fidelity:
+        n = stats.get("native")
+        return cls(
+            run,
+            **lost_reads(stats),
+            mismatched=n["mismatched"] if n else None,
+            merged=n["merged"] if n else 0,
+            rate=f"{stats['achieved_rate']:.1f}",
+        )
+
+    @property
+    def lost_share(self) -> float:
+        return self.lost / self.reads if self.reads else 0.0
+
+    def row(self) -> list[object]:
+        mismatched = "-" if self.mismatched is None else f"{self.mismatched:.0f} / {self.merged:.0f}"
+        return [self.run, f"{100 * self.lost_share:.2f}% ({self.lost:.0f} of {self.reads:.0f})", mismatched, self.rate]
