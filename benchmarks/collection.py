@@ -4,19 +4,12 @@ the scheduler's transient memory, and event-loop stalls, with a task stream runn
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,11 +19,10 @@ import dask_pyspy
 import dask_pyspy.client
 from benchmarks.common import Section, spread, table, verdict
 from benchmarks.merge_scale import scale_rows
+from benchmarks.process_cluster import N_WORKERS, THREADS, cluster
 from benchmarks.stacks import PREFIXES, TASKS
 from benchmarks.stacks import VARIANTS as PATHS_PER_PREFIX
 
-N_WORKERS = 16
-THREADS = 4
 RATE = 1000  # 10x the default: time runs 10x faster where the machine keeps up
 TARGET = 240_000  # samples per worker: 10 minutes at 100 Hz x 4 busy threads
 IN_FLIGHT = 8 * N_WORKERS * THREADS  # tasks kept queued or running: the scheduler never runs dry
@@ -38,104 +30,7 @@ BYS = ("thread", "task", "prefix")
 MEASURE_TASK_SECONDS = (2.0, 4.0)  # ~20 tasks/s on 64 threads while measuring
 # Each entry is one set of rows; `aggregate` is new, and rows without it say "not available".
 VARIANTS: list[dict[str, Any]] = [{}, {"aggregate": True}]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
-
-
-# --- the cluster: real processes, so the scheduler's memory is its own ---
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(args: list[str], log: str) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-        # distributed's own profiler walks every stack 100 times a second in each worker: on 2 cores it
-        # slowed the fill by a fifth, and it is beside the point here.
-        DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED="False",
-    )
-    with open(log, "wb") as out:
-        # The benchmark's session, as one script or shell starts them: in sessions of their own
-        # (PYSPY_BENCH_SESSIONS=apart), Linux's autogroups share the CPU out per session, and the
-        # scheduler's loop waited 100-600 ms runnable, not running, in some collections (RESULTS). A
-        # process group of its own: the whole group (nannies' workers too) goes at teardown.
-        apart = os.environ.get("PYSPY_BENCH_SESSIONS") == "apart"
-        return subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=apart,
-            process_group=None if apart else 0,
-            preexec_fn=_die_with_parent,
-        )
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the benchmark dies, even killed outright (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):  # stragglers, the leader gone or not
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-@contextlib.contextmanager
-def cluster(logs: str) -> Iterator[tuple[str, int]]:
-    """A scheduler and N_WORKERS worker processes; yields the address and the scheduler's pid."""
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    dask = os.path.join(os.path.dirname(sys.executable), "dask")
-    procs = []
-    # A SIGTERM to the benchmark unwinds through the teardown below instead of ending it on the spot.
-    previous = signal.signal(signal.SIGTERM, _exit_on_term)
-    try:
-        procs.append(
-            spawn(
-                [dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
-                os.path.join(logs, "scheduler.log"),
-            )
-        )
-        procs.append(
-            spawn(
-                [
-                    dask,
-                    "worker",
-                    address,
-                    "--nworkers",
-                    str(N_WORKERS),
-                    "--nthreads",
-                    str(THREADS),
-                    "--memory-limit",
-                    "0",
-                    "--no-dashboard",
-                ],
-                os.path.join(logs, "workers.log"),
-            )
-        )
-        yield address, procs[0].pid
-    finally:
-        for proc in reversed(procs):
-            stop_group(proc)
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _exit_on_term(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 # --- the task stream ---

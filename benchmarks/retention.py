@@ -25,8 +25,8 @@ from typing import Any
 from distributed import Client
 
 import dask_pyspy
-from benchmarks.collection import cluster
 from benchmarks.common import Section, run_for, spread, table, verdict
+from benchmarks.process_cluster import cluster
 from benchmarks.stacks import PREFIXES, TASKS, VARIANTS
 from dask_pyspy import Profile, Sampler, _native
 from dask_pyspy.sampler import process_sampler
