@@ -33,7 +33,7 @@ class Timespec(ctypes.Structure):
 
 
 def compare(a: Any, b: Any) -> int:
-    """The Python comparator qsort calls back (native.py looks for this name)."""
+    """The Python comparator qsort calls back (native_agreement.py looks for this name)."""
     return a[0] - b[0]
 
 

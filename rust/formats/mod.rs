@@ -10,3 +10,4 @@ pub mod pprof;
 pub mod speedscope;
 pub mod speedscope_read;
 pub mod wire;
+pub mod wire_columns;

@@ -6,9 +6,9 @@
 
 use crate::error::Error;
 use crate::formats::compress;
+use crate::formats::wire_columns::{self as columns, Columns};
 use crate::profile::build::Merger;
 use crate::profile::model::{Frame, Metadata, Process, ProfileData, Span, Tag, Thread};
-use crate::profile::sample::Sample;
 use flate2::Compression;
 use prost::Message;
 use rustc_hash::FxHashMap;
@@ -81,96 +81,6 @@ struct Body {
     /// Indices of the native frames (older parts have none).
     #[prost(uint32, repeated, tag = "24")]
     frame_native: Vec<u32>,
-}
-
-/// Samples, a column per field; tags and activities + 1 (0: none).
-#[derive(Clone, PartialEq, prost::Message)]
-struct Columns {
-    /// Each sample's time minus the previous one's: mostly 0 or one tick.
-    #[prost(sint64, repeated, tag = "1")]
-    time_delta_ns: Vec<i64>,
-    #[prost(uint32, repeated, tag = "2")]
-    thread: Vec<u32>,
-    #[prost(uint32, repeated, tag = "3")]
-    stack: Vec<u32>,
-    #[prost(uint32, repeated, tag = "4")]
-    tag: Vec<u32>,
-    #[prost(uint32, repeated, tag = "5")]
-    weight_us: Vec<u32>,
-    #[prost(uint32, repeated, tag = "6")]
-    cpu_us: Vec<u32>,
-    /// Empty: every sample counts once.
-    #[prost(uint32, repeated, tag = "7")]
-    count: Vec<u32>,
-    #[prost(uint32, repeated, tag = "8")]
-    flags: Vec<u32>,
-    /// Empty: no sample has one.
-    #[prost(uint32, repeated, tag = "9")]
-    activity: Vec<u32>,
-    /// Empty: no sample stands for a stretch (`Sample::cover`).
-    #[prost(uint32, repeated, tag = "10")]
-    cover: Vec<u32>,
-}
-
-impl Columns {
-    fn of(samples: &[Sample]) -> Columns {
-        let mut c = Columns::default();
-        let mut last = 0i64;
-        for s in samples {
-            c.time_delta_ns.push(s.time_ns as i64 - last);
-            last = s.time_ns as i64;
-            c.thread.push(s.thread);
-            c.stack.push(s.stack);
-            c.tag.push(s.tag.map_or(0, |t| t + 1));
-            c.weight_us.push(s.weight_us);
-            c.cpu_us.push(s.cpu_us);
-            c.flags.push(s.flags.into());
-        }
-        if samples.iter().any(|s| s.activity.is_some()) {
-            c.activity = samples.iter().map(|s| s.activity.map_or(0, |a| a + 1)).collect();
-        }
-        if samples.iter().any(|s| s.count != 1) {
-            c.count = samples.iter().map(|s| s.count).collect();
-        }
-        if samples.iter().any(|s| s.cover != 0) {
-            c.cover = samples.iter().map(|s| s.cover.into()).collect();
-        }
-        c
-    }
-
-    fn samples(self) -> Result<Vec<Sample>, String> {
-        let c = self;
-        let n = c.time_delta_ns.len();
-        same_lengths(&[
-            n,
-            c.thread.len(),
-            c.stack.len(),
-            c.tag.len(),
-            c.weight_us.len(),
-            c.cpu_us.len(),
-            c.flags.len(),
-        ])?;
-        if [c.count.len(), c.activity.len(), c.cover.len()].iter().any(|&l| l != 0 && l != n) {
-            return Err("columns differ in length".into());
-        }
-        let mut time = 0i64;
-        let samples = (0..n).map(|i| {
-            time = time.wrapping_add(c.time_delta_ns[i]);
-            Sample {
-                time_ns: time as u64,
-                thread: c.thread[i],
-                stack: c.stack[i],
-                tag: c.tag[i].checked_sub(1),
-                activity: c.activity.get(i).and_then(|a| a.checked_sub(1)),
-                weight_us: c.weight_us[i],
-                cpu_us: c.cpu_us[i],
-                count: c.count.get(i).copied().unwrap_or(1),
-                flags: c.flags[i] as u8,
-                cover: c.cover.get(i).map_or(0, |&c| c.min(u16::MAX.into()) as u16),
-            }
-        });
-        Ok(samples.collect())
-    }
 }
 
 #[derive(Default)]
@@ -350,17 +260,10 @@ fn decode_body(body: &[u8], head: Head) -> Result<ProfileData, String> {
     Ok(data)
 }
 
-fn same_lengths(lengths: &[usize]) -> Result<(), String> {
-    match lengths.windows(2).all(|w| w[0] == w[1]) {
-        true => Ok(()),
-        false => Err("columns differ in length".into()),
-    }
-}
-
 fn tables(b: Body, head: Head) -> Result<ProfileData, String> {
-    same_lengths(&[b.frame_name.len(), b.frame_file.len(), b.frame_line.len()])?;
-    same_lengths(&[b.tag_key.len(), b.tag_prefix.len(), b.tag_span.len()])?;
-    same_lengths(&[b.thread_process.len(), b.thread_ident.len(), b.thread_name.len()])?;
+    columns::same_lengths(&[b.frame_name.len(), b.frame_file.len(), b.frame_line.len()])?;
+    columns::same_lengths(&[b.tag_key.len(), b.tag_prefix.len(), b.tag_span.len()])?;
+    columns::same_lengths(&[b.thread_process.len(), b.thread_ident.len(), b.thread_name.len()])?;
     let strings = &b.strings;
     let string = |i: u32| strings.get(i as usize).cloned().ok_or("a string index out of range");
     let optional = |i: u32| if i == 0 { Ok(None) } else { string(i - 1).map(Some) };
