@@ -20,10 +20,12 @@
 //! drops it, then the fetch reads the dead object (type, names and line table stay
 //! until the memory is reused) and caches it with its free already consumed, so the
 //! next object at that address shows the old name. The per-tick check heals that a
-//! tick later. The 3.11 log has the same window (found by reading the code; the
-//! exec-churn test passed 20 times in a row on 3.11 here). Watchers can come on once
-//! a fetched address whose free was logged since the copy counts as torn (read
-//! again), and the exec-churn test passes 20 times in a row on 3.13, 3.14 and 3.15.
+//! tick later; a log does not, so the cache now drops what it fetched at an address
+//! freed since its last look at the log (`CodeCache::refresh`). 3.11's log had the
+//! same window (found by reading the code, not seen: the exec-churn test passed 20
+//! times in a row here before and after, and 750 churned functions never hit the
+//! drop). Watchers can come on once the exec-churn test passes 20 times in a row
+//! with them on 3.13, 3.14 and 3.15: not run yet.
 //! (3.14+ also count frees in the interpreter's `code_object_generation`, published
 //! in `_Py_DebugOffsets`: it says that some code object was freed, not which.)
 
