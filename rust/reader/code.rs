@@ -130,7 +130,8 @@ impl CodeCache {
         self.tick += 1;
         self.not_code.clear();
         self.trim();
-        let check_all = !self.forget_freed();
+        let freed = self.forget_freed();
+        let check_all = freed.is_none();
         let (span_at, span_len) = layout.code_identity_span();
         let header_len = layout.code_header_len() as usize;
         batch.clear();
@@ -178,25 +179,39 @@ impl CodeCache {
             }
         }
         if !pending.is_empty() {
+            let fetched: Vec<u64> = pending.iter().map(|f| f.addr).collect();
             self.fetch(pending, layout, mem, batch)?;
+            if let Some(mut freed) = freed {
+                // Freed since the log was last read, perhaps after the stacks were
+                // copied: the fetch may have read the dead object, whose free is now
+                // consumed. Not kept; its frames read as torn and are read again.
+                let late = self.forget_freed();
+                freed.extend(late.iter().flatten());
+                for addr in fetched.iter().filter(|a| late.is_none() || freed.contains(a)) {
+                    if let Some(old) = self.codes.remove(addr) {
+                        self.bytes -= old.heap_bytes();
+                    }
+                }
+            }
         }
         Ok(())
     }
 
-    /// Drops the cached objects the interpreter freed since the last call; false if
-    /// the frees are not known, so every cached object must be checked instead.
-    fn forget_freed(&mut self) -> bool {
-        let Some(freed) = self.frees.since_last() else { return false };
+    /// Drops the cached objects the interpreter freed since the last call, and gives
+    /// their addresses; None if the frees are not known, so every cached object must
+    /// be checked instead.
+    fn forget_freed(&mut self) -> Option<FxHashSet<u64>> {
+        let freed: FxHashSet<u64> = self.frees.since_last()?.into_iter().collect();
         if self.freed.len() > MAX_CODES {
             self.freed.clear();
         }
-        for addr in freed {
+        for &addr in &freed {
             if let Some(old) = self.codes.remove(&addr) {
                 self.bytes -= old.heap_bytes();
                 self.freed.insert(addr);
             }
         }
-        true
+        Some(freed)
     }
 
     /// Reads new code objects: headers (if missing), then strings and line tables

@@ -6,9 +6,28 @@
 //! there was freed, and on 3.11 every free goes through a wrapper around
 //! `PyCode_Type.tp_dealloc`, which records the address before the memory is
 //! released, so a stack copied after the reuse finds the free already logged. It is
-//! looked up at run time (the abi3 module must load anywhere). Other versions check
-//! every cached object each tick: a code watcher (`PyCode_AddWatcher`, 3.12+) let a
-//! reused address through once on 3.14, for a reason not yet known.
+//! looked up at run time (the abi3 module must load anywhere).
+//!
+//! 3.12+ check every cached object each tick instead. A code watcher
+//! (`PyCode_AddWatcher`, per interpreter) would see the same frees at the same
+//! moment: `PY_CODE_EVENT_DESTROY` comes from `code_dealloc`, the type's only
+//! deallocator (no free list; free-threaded builds free code in a collection, through
+//! it too), with the object resurrected, before any field or its memory is released.
+//! A missed event is not needed to explain the reuse a watcher let through once on
+//! 3.14 (`churned_0057` read as `churned_0056`); the order of a tick is enough: copy
+//! the stacks, read the log, fetch the code objects not cached. A function that
+//! returns and is freed between the copy and the log read is in the copy; the log
+//! drops it, then the fetch reads the dead object (type, names and line table stay
+//! until the memory is reused) and caches it with its free already consumed, so the
+//! next object at that address shows the old name. The per-tick check heals that a
+//! tick later; a log does not, so the cache now drops what it fetched at an address
+//! freed since its last look at the log (`CodeCache::refresh`). 3.11's log had the
+//! same window (found by reading the code, not seen: the exec-churn test passed 20
+//! times in a row here before and after, and 750 churned functions never hit the
+//! drop). Watchers can come on once the exec-churn test passes 20 times in a row
+//! with them on 3.13, 3.14 and 3.15: not run yet.
+//! (3.14+ also count frees in the interpreter's `code_object_generation`, published
+//! in `_Py_DebugOffsets`: it says that some code object was freed, not which.)
 
 use nix::libc;
 use std::ffi::c_void;

@@ -8,7 +8,8 @@
 //!   kept open and read with `pread`), where a futex inside the GIL's own state is a
 //!   wait for the GIL; or none, which is the run queue if its CPU clock stands still
 //!   between two readings a few microseconds apart. (Run-queue delay from `schedstat`
-//!   would not do: the kernel adds a wait to it only once the wait ends.)
+//!   would not do: the kernel adds a wait to it only once the wait ends.) A thread
+//!   attached to a free-threaded interpreter runs Python and waits in no call: unread.
 //!
 //! Also the CPU time of threads Python does not know (BLAS, arrow).
 
@@ -155,9 +156,17 @@ impl States {
         if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
             return blocked(wait, native);
         }
-        let Some(before) = thread_cpu_ns(tid) else { return guess(t) };
-        let (wait, read) = files.wait(before, gil);
-        self.stats.syscall_reads += read as u64;
+        // Attached with no GIL (free-threaded): running Python, so in no blocking call
+        // (CPython detaches before one). Its file would say "running"; not read, as
+        // every such thread's would be each tick.
+        let (wait, before) = if t.runs_python && !t.holds_gil {
+            (Wait::Running, None)
+        } else {
+            let Some(before) = thread_cpu_ns(tid) else { return guess(t) };
+            let (wait, read) = files.wait(before, gil);
+            self.stats.syscall_reads += read as u64;
+            (wait, Some(before))
+        };
         if wait != Wait::Running {
             files.blocked_in = wait;
         }
@@ -169,9 +178,7 @@ impl States {
             // Off a CPU for the rest of the interval and runnable now: in the run queue,
             // where its clock stands still. Back on a CPU now: the rest was its last wait,
             // or the run queue for one never seen blocked.
-            Wait::Running
-                if thread_cpu_ns(tid).is_some_and(|after| after > before) && files.blocked_in != Wait::Running =>
-            {
+            Wait::Running if files.blocked_in != Wait::Running && on_cpu_now(tid, before) => {
                 blocked(files.blocked_in, native)
             }
             Wait::Running => State::CpuWait,
@@ -216,6 +223,12 @@ fn blocked(wait: Wait, native: bool) -> State {
         Wait::Lock if native => State::Native,
         Wait::Lock | Wait::Other | Wait::Running => State::Blocked,
     }
+}
+
+/// Whether the CPU clock of `tid` moves past `before` (read now if None): on a CPU now.
+fn on_cpu_now(tid: u64, before: Option<u64>) -> bool {
+    let Some(before) = before.or_else(|| thread_cpu_ns(tid)) else { return false };
+    thread_cpu_ns(tid).is_some_and(|after| after > before)
 }
 
 /// Without the kernel's figures: on a CPU if the reader saw it work.
