@@ -159,6 +159,8 @@ def run(quick: bool) -> Section:
         client.close()
 
     workers = [p for p in day.processes if p["name"] in names]
+    if not workers:
+        raise RuntimeError(f"no worker's day was collected: {day.metadata.get('missing')}")
     resolution: list[dict[str, Any]] = workers[0]["stats"]["resolution"]
     first_hour = [r for r in resolution if r["from"] < start + 3600]
     raw = [r for r in resolution if r["step"] == 0]

@@ -4,7 +4,7 @@
 
 use crate::profile::intern::Interner;
 use crate::profile::model::{Frame, Metadata, Process, ProfileData, Span, Tag, Thread};
-use crate::profile::sample::Sample;
+use crate::profile::sample::{Sample, COVER_NS};
 use rustc_hash::FxHashMap;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -73,6 +73,11 @@ pub trait Summed {
 impl Summed for Sample {
     fn sums(&mut self) -> [&mut u32; 3] {
         [&mut self.weight_us, &mut self.cpu_us, &mut self.count]
+    }
+
+    /// Samples summed share their time (a cell's step): the cover of both is the longer.
+    fn widen(&mut self, other: &Sample) {
+        self.cover = self.cover.max(other.cover);
     }
 }
 
@@ -170,17 +175,11 @@ impl Builder {
         if aggregator.celled.get(src.thread(sample.thread).process as usize).copied().unwrap_or(false) {
             return;
         }
-        match s.extent() {
-            // A folded row's time goes to the cells it went in, in proportion.
-            Some((from, to)) => {
-                for cell in (from - from % CELL_NS..to).step_by(CELL_NS as usize) {
-                    if let Some(part) = s.part((from, to), (cell, cell + CELL_NS)) {
-                        self.sum_cell(Sample { time_ns: cell, ..part }, aggregator);
-                    }
-                }
-            }
-            None => self.sum_cell(Sample { time_ns: s.time_ns - s.time_ns % CELL_NS, ..s }, aggregator),
-        }
+        let cell = s.time_ns - s.time_ns % CELL_NS;
+        // A folded row's part keeps where it went: its cell reaches to the part's end, and
+        // the rows summed into one cell (a bucket's, mostly) to the last one's.
+        let cover = s.extent().map_or(0, |(_, to)| (to - cell).div_ceil(COVER_NS).min(u16::MAX.into()) as u16);
+        self.sum_cell(Sample { time_ns: cell, cover, ..s }, aggregator);
     }
 
     /// Adds timeline cell `cell` from `src` into the cell of `aggregator` with the same
@@ -195,7 +194,7 @@ impl Builder {
     fn sum_cell(&mut self, s: Sample, aggregator: &mut Aggregator) {
         let stack = *aggregator.empty_stack.get_or_insert_with(|| self.stacks.intern(Vec::new()));
         let slot = aggregator.cells.entry((s.thread, s.tag, s.activity, s.time_ns)).or_insert(usize::MAX);
-        sum_into(&mut self.timeline, slot, Sample { stack, flags: 0, cover: 0, ..s });
+        sum_into(&mut self.timeline, slot, Sample { stack, flags: 0, ..s });
     }
 
     /// `sample` with its ids in this builder's tables, interning what it uses; `tag`

@@ -248,6 +248,37 @@ mod tests {
     }
 
     #[test]
+    fn an_aggregated_window_of_folded_history_is_no_bigger_than_announced() {
+        // An hour of 4 threads in 6 prefixes x 20 stacks at 10 Hz, all folded: a part's
+        // timeline cells must not outgrow what `window_size` announced.
+        let mut s = Store::new(64 << 20);
+        s.set_retention(Retention { recent_ns: 0, step_ns: 60 * NS_PER_S });
+        for tick in 0..36_000u64 {
+            for thread in 0..4 {
+                let (prefix, leaf) = (format!("p{}", (tick / 50 + thread) % 6), format!("f{}", (tick + thread) % 20));
+                let tag = Tag { key: format!("{prefix}-{tick}"), prefix, span: None };
+                s.record(
+                    tick * NS_PER_S / 10,
+                    thread,
+                    ["main", &leaf].iter().map(|n| frame(n)),
+                    Some(&tag),
+                    100_000,
+                    1,
+                );
+            }
+        }
+        let window = Window { aggregate: true, ..all(0, u64::MAX) };
+        let announced = s.window_size(window).bytes as usize;
+        let data = s.window(window, proc(), Metadata::default());
+        assert!(data.memory_bytes() <= announced, "{} > {announced}", data.memory_bytes());
+        assert!(
+            data.timeline.len() <= 2 * 60 * 4 * 6,
+            "about a cell per thread, prefix and bucket: {}",
+            data.timeline.len()
+        );
+    }
+
+    #[test]
     fn aggregated_window_sums_per_stack_and_prefix() {
         let mut s = Store::new(1 << 20);
         for t in 0..10 {
