@@ -2,7 +2,7 @@
 //! folded rows that lie in it, then raw samples), narrowed to spans, with just the
 //! tables they use; and what such an export would hold, before any is made.
 
-use crate::profile::build::{Aggregator, Builder, Remap};
+use crate::profile::build::{Aggregator, Builder, Remap, CELL_NS};
 use crate::profile::model::{Metadata, Process, ProfileData};
 use crate::profile::sample::Sample;
 use crate::sampling::history::Resolution;
@@ -75,9 +75,11 @@ impl Store {
     pub fn window_size(&self, window: Window<'_>) -> WindowSize {
         let taken = self.samples(window).map(|s| u64::from(s.count)).sum();
         let kept = if window.aggregate {
+            // Its samples, and its timeline cells (`Builder::aggregate_sample`).
             let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
             let keys = self.samples(window).map(|s| (s.thread, s.stack, prefix(s.tag), s.activity, s.flags));
-            keys.collect::<FxHashSet<_>>().len()
+            let cells = self.samples(window).map(|s| (s.thread, prefix(s.tag), s.activity, s.time_ns / CELL_NS));
+            keys.collect::<FxHashSet<_>>().len() + cells.collect::<FxHashSet<_>>().len()
         } else {
             self.samples(window).count()
         };
@@ -249,14 +251,14 @@ mod tests {
 
     #[test]
     fn an_aggregated_window_of_folded_history_is_no_bigger_than_announced() {
-        // An hour of 4 threads in 6 prefixes x 20 stacks at 10 Hz, all folded: a part's
-        // timeline cells must not outgrow what `window_size` announced.
+        // An hour of 4 threads in 6 prefixes x 20 stacks at 10 Hz, all folded: the part,
+        // timeline cells included, must not outgrow what `window_size` announced.
         let mut s = Store::new(64 << 20);
         s.set_retention(Retention { recent_ns: 0, step_ns: 60 * NS_PER_S });
         for tick in 0..36_000u64 {
             for thread in 0..4 {
                 let (prefix, leaf) = (format!("p{}", (tick / 50 + thread) % 6), format!("f{}", (tick + thread) % 20));
-                let tag = Tag { key: format!("{prefix}-{tick}"), prefix, span: None };
+                let tag = Tag { key: format!("{prefix}-1"), prefix, span: None };
                 s.record(
                     tick * NS_PER_S / 10,
                     thread,
