@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -181,7 +181,9 @@ class Sampler:
 
     @staticmethod
     def _bounds(start: float | None, stop: float | None) -> tuple[float, float]:
-        return 0.0 if start is None else start, time.time() if stop is None else stop
+        # An open end is open: "now" would cut a folded row that reaches past it by less
+        # than its extent's unit.
+        return 0.0 if start is None else start, math.inf if stop is None else stop
 
     def dump(self) -> dict[str, Any]:
         """Every thread's stack now (leaf first), with its task and state."""
