@@ -73,16 +73,21 @@ impl Store {
     /// Roughly the memory an export of `window` would take: its samples and at most
     /// the tables; and the samples it stands for.
     pub fn window_size(&self, window: Window<'_>) -> WindowSize {
-        let taken = self.samples(window).map(|s| u64::from(s.count)).sum();
-        let kept = if window.aggregate {
-            // Its samples, and its timeline cells (`Builder::aggregate_sample`).
-            let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
-            let keys = self.samples(window).map(|s| (s.thread, s.stack, prefix(s.tag), s.activity, s.flags));
-            let cells = self.samples(window).map(|s| (s.thread, prefix(s.tag), s.activity, s.time_ns / CELL_NS));
-            keys.collect::<FxHashSet<_>>().len() + cells.collect::<FxHashSet<_>>().len()
-        } else {
-            self.samples(window).count()
-        };
+        // One pass: each folded row's part is cut once, not once per count.
+        let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
+        let (mut taken, mut rows) = (0, 0);
+        let (mut keys, mut cells) = (FxHashSet::default(), FxHashSet::default());
+        for s in self.samples(window) {
+            taken += u64::from(s.count);
+            if window.aggregate {
+                // Its samples, and its timeline cells (`Builder::aggregate_sample`).
+                keys.insert((s.thread, s.stack, prefix(s.tag), s.activity, s.flags));
+                cells.insert((s.thread, prefix(s.tag), s.activity, s.time_ns / CELL_NS));
+            } else {
+                rows += 1;
+            }
+        }
+        let kept = rows + keys.len() + cells.len();
         // Interners hold each item twice; a profile's tables once.
         WindowSize { samples: taken, bytes: (kept * SAMPLE_BYTES + self.tables_bytes() / 2) as u64 }
     }
