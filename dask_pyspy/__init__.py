@@ -2,7 +2,7 @@
 
 from dask_pyspy import config as _config  # noqa: F401  (registers the `pyspy` dask config namespace)
 from dask_pyspy._native import __version__
-from dask_pyspy.client import dump, get_profile, profile, pyspy_report
+from dask_pyspy.client import dump, get_profile, get_stalls, profile, pyspy_report
 from dask_pyspy.local import PySpyProfiler
 from dask_pyspy.model import Profile
 from dask_pyspy.options import SamplerOptions
@@ -25,6 +25,7 @@ __all__ = [
     "dask_teardown",
     "dump",
     "get_profile",
+    "get_stalls",
     "profile",
     "pyspy_report",
 ]

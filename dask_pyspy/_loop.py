@@ -54,6 +54,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def in_background(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run `fn` in a thread of this process's pool, from any thread, without waiting."""
+    return _jobs.submit(fn, *args)
+
+
 async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn` in a thread of this process's pool: export, merge, compression,
     rendering and starting the sampler never block the event loop."""

@@ -179,6 +179,32 @@ def dump(scheduler: str, workers: Any, timeout: float) -> None:
         click.echo(str(_ask(lambda: dump_stacks(client, workers=workers))))
 
 
+@pyspy.command(
+    help="Print the cluster's event-loop stalls, longest first: how long each held its loop, and what held it."
+)
+@click.option("--scheduler", required=True, help="Scheduler address.")
+@click.option(
+    "--last",
+    default=600.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds back from now.",
+)
+@click.option(
+    "--min-duration", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Only stalls this long."
+)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1), help="Stalls printed at most.")
+@workers_option
+@timeout_option
+def stalls(scheduler: str, last: float, min_duration: float, limit: int, workers: Any, timeout: float) -> None:
+    from dask_pyspy.client import get_stalls
+    from dask_pyspy.stalls import table
+
+    with _connect(scheduler, timeout) as client:
+        found = _ask(lambda: get_stalls(client, last=last, min_duration=min_duration, workers=workers, limit=limit))
+    click.echo(table(found))
+
+
 @pyspy.command(help="Profile a realistic workload on a LocalCluster and save the report.")
 @click.option(
     "-o",

@@ -11,7 +11,7 @@ from typing import Any
 from distributed import Client, default_client
 from distributed.core import PooledRPCCall, rpc
 
-from dask_pyspy import config, options
+from dask_pyspy import config, options, stalls
 from dask_pyspy._loop import off_loop
 from dask_pyspy.files import check_writable, file_kind
 from dask_pyspy.model import Profile
@@ -230,6 +230,53 @@ def dump(client: Client | None = None, workers: int | list[str] | None = None, s
     return client.sync(_dump, client, workers=workers, scheduler=options.flag("scheduler", scheduler))
 
 
+async def _stalls(client: Client, min_duration: float, limit: int | None, **kwargs: Any) -> list[dict[str, Any]]:
+    reply = await _call(client, "pyspy_stalls", min_duration=min_duration, limit=limit, **kwargs)
+    if reply["missing"]:
+        logger.warning("dask-pyspy: stalls missing from %s", reply["missing"])
+    return stalls.narrowed(stalls.of_processes(reply["processes"].items()), min_duration, limit)
+
+
+def get_stalls(
+    client: Client | None = None,
+    start: float | None = None,
+    stop: float | None = None,
+    last: float | None = None,
+    min_duration: float = 0.0,
+    workers: int | list[str] | None = None,
+    scheduler: bool = True,
+    limit: int | None = 100,
+    timeout: float | None = None,
+) -> list[dict[str, Any]]:
+    """The cluster's event-loop stalls in a window, longest first, each explained: the
+    loop's activity, stack and time by state and, while it waited for the GIL, who
+    held it (see `dask_pyspy.stalls` for the keys).
+
+    start, stop: Unix seconds; or `last`: the last so many seconds (default: all kept).
+    min_duration: only stalls at least this long (seconds); the servers' threshold is
+    config `pyspy.stall-threshold`. limit: at most so many (None: all).
+    workers, scheduler, timeout: as for `get_profile`. Workers that cannot answer are
+    logged and left out.
+    """
+    client = client or default_client()
+    seconds = options.last(last)
+    if seconds is not None:
+        if start is not None or stop is not None:
+            raise ValueError("give either last or start/stop, not both")
+        start, stop = time.time() - seconds, None
+    start, stop = options.window(start, stop)
+    options.workers(workers)
+    request = dict(
+        start=start,
+        stop=stop,
+        workers=workers,
+        scheduler=options.flag("scheduler", scheduler),
+        timeout=None if timeout is None else options.seconds("timeout", timeout),
+    )
+    min_duration = options.duration_at_least("min_duration", min_duration)
+    return client.sync(_stalls, client, min_duration, options.limit(limit), **request)
+
+
 def _pyspy_profile(self: Client, **kwargs: Any) -> Profile:
     return get_profile(client=self, **kwargs)
 
@@ -238,8 +285,14 @@ def _pyspy_dump(self: Client, **kwargs: Any) -> StackDump:
     return dump(client=self, **kwargs)
 
 
+def _pyspy_stalls(self: Client, **kwargs: Any) -> list[dict[str, Any]]:
+    return get_stalls(client=self, **kwargs)
+
+
 _pyspy_profile.__doc__ = get_profile.__doc__
+_pyspy_stalls.__doc__ = get_stalls.__doc__
 _pyspy_dump.__doc__ = dump.__doc__
 # Methods added to distributed's Client, which does not declare them.
 Client.pyspy_profile = _pyspy_profile  # type: ignore[attr-defined]
 Client.pyspy_dump = _pyspy_dump  # type: ignore[attr-defined]
+Client.pyspy_stalls = _pyspy_stalls  # type: ignore[attr-defined]

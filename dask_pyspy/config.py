@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable
 
@@ -72,3 +73,18 @@ def max_result() -> int:
             f"config pyspy.max-result must be a size in bytes such as '512MiB' or 536870912, got {value!r}"
         )
     return size
+
+
+def stall_threshold() -> float:
+    """Seconds an event loop must be kept from its poll to have stalled: config
+    `pyspy.stall-threshold`, such as '200ms'."""
+    value = get("stall-threshold")
+    try:
+        seconds = parse_timedelta(value) if isinstance(value, str) else value
+    except (ValueError, KeyError, TypeError):
+        seconds = None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise ValueError(
+            f"config pyspy.stall-threshold must be a positive duration such as '200ms' or 0.2, got {value!r}"
+        )
+    return float(seconds)

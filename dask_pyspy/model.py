@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from dask_pyspy import _native, config, metadata, options
+from dask_pyspy import _native, config, metadata, options, stalls
 from dask_pyspy.files import check_writable, file_kind, read_regular, write_atomic
 from dask_pyspy.render.diff import ProfileDiff
 from dask_pyspy.render.report import render_html, render_notebook
@@ -127,6 +127,15 @@ class Profile:
     @property
     def processes(self) -> list[dict[str, Any]]:
         return self._native.processes()
+
+    def stalls(self, min_duration: float = 0.0, limit: int | None = None) -> list[dict[str, Any]]:
+        """The event-loop stalls in this profile, longest first, each explained (see
+        `dask_pyspy.stalls`): the longest 100 of each process, of at least `min_duration`
+        seconds, at most `limit` of them."""
+        min_duration = options.duration_at_least("min_duration", min_duration)
+        limit = options.limit(limit)
+        processes = ((p["name"], (p.get("stats") or {}).get("stalls")) for p in self.processes)
+        return stalls.narrowed(stalls.of_processes(processes), min_duration, limit)
 
     @property
     def n_samples(self) -> int:

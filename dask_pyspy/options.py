@@ -26,6 +26,24 @@ def integer(name: str, value: Any) -> int:
     return int(value)
 
 
+def duration_at_least(name: str, value: Any) -> float:
+    """A number of seconds, 0 or more."""
+    given = number(name, value)
+    if not 0 <= given < math.inf:
+        raise ValueError(f"{name} must be a number of seconds, 0 or more, got {value!r}")
+    return given
+
+
+def limit(value: Any) -> int | None:
+    """How many items to return: None (all) or a positive integer."""
+    if value is None:
+        return None
+    given = integer("limit", value)
+    if given < 1:
+        raise ValueError(f"limit must be a positive integer or None, got {value!r}")
+    return given
+
+
 def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -175,6 +175,14 @@ class Sampler:
         samples, size = self._native.window_size(self._bounds(start, stop), aggregate, span_ids)
         return {"samples": samples, "bytes": size}
 
+    def stalls(
+        self, start: float | None = None, stop: float | None = None, min_duration: float = 0.0, most: int = 100
+    ) -> dict[str, Any]:
+        """This process's event-loop stalls in the window, as a profile's
+        `stats["stalls"]` holds them: `records` ([start, duration] each) and the `most`
+        longest `explained` (see `dask_pyspy.stalls`)."""
+        return self._native.stalls(self._bounds(start, stop), min_duration, most)
+
     def _check_started(self) -> None:
         if not self._native.has_started:
             raise RuntimeError("the sampler was never started: call start() before profile()")

@@ -21,6 +21,7 @@ mod values;
 #[cfg(test)]
 mod hostile_tests;
 
+use bind::loops::PyLoopWatch;
 use bind::profile::PyProfile;
 use bind::sampler::PySampler;
 use pyo3::prelude::*;
@@ -31,6 +32,7 @@ use pyo3::prelude::*;
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
     m.add_class::<PyProfile>()?;
+    m.add_class::<PyLoopWatch>()?;
     m.add_class::<steps::PyActivity>()?;
     m.add_class::<steps::Steps>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -13,7 +13,7 @@ use pyo3::{intern, PyTraverseError, PyVisit};
 use std::sync::Arc;
 
 /// The thread `threading.get_ident()` names: CPython's ident is `pthread_self()`.
-fn ident() -> u64 {
+pub fn ident() -> u64 {
     nix::sys::pthread::pthread_self() as u64
 }
 

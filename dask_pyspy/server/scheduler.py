@@ -9,7 +9,7 @@ import os
 import random
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from distributed import Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -145,7 +145,12 @@ class ClusterProfiler:
 
         self.sampler_options = opts
         await self.hold.apply(opts)
-        install_handlers(self.scheduler, {"pyspy_profile": self.profile_rpc, "pyspy_dump": self.dump})
+        handlers: dict[str, Callable[..., Any]] = {
+            "pyspy_profile": self.profile_rpc,
+            "pyspy_dump": self.dump,
+            "pyspy_stalls": self.stalls,
+        }
+        install_handlers(self.scheduler, handlers)
         self.scheduler.log_event(EVENT_TOPIC, {"action": "start"})
         add_routes(self.scheduler, self)
         await self.scheduler.register_worker_plugin(
@@ -317,6 +322,37 @@ class ClusterProfiler:
                 "pid": os.getpid(),
                 **await off_loop(sampler.dump),
             }
+        return {"processes": replies, "missing": missing}
+
+    async def stalls(
+        self,
+        workers: Any = None,
+        scheduler: bool = True,
+        start: float | None = None,
+        stop: float | None = None,
+        min_duration: float = 0.0,
+        limit: int | None = 100,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Every selected process's stalls in the window, the `limit` longest of each
+        explained (None: all), by process name; processes that could not say are missing."""
+        try:
+            start, stop = options.window(start, stop)
+            addresses = self.select_workers(workers)
+            timeout = config.timeout(timeout)
+            min_duration = options.duration_at_least("min_duration", min_duration)
+            limit = options.limit(limit)
+        except ValueError as e:
+            return rejected(e)
+        most = limit or 2**31
+        window = {"start": start, "stop": stop, "min_duration": min_duration, "most": most}
+        replies, missing = await self._ask_workers(addresses, "pyspy_stalls", timeout, **window)
+        sampler = self.hold.sampler
+        if scheduler and sampler is not None:
+            own = await off_loop(sampler.stalls, start, stop, min_duration, most)
+            replies[f"scheduler {self.scheduler.address}"] = own
+        elif scheduler:
+            missing[SCHEDULER] = f"sampling is off on the scheduler: {self.hold.error}"
         return {"processes": replies, "missing": missing}
 
 

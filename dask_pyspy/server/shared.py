@@ -13,11 +13,12 @@ from dask_pyspy._loop import off_loop
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler, process_sampler
 from dask_pyspy.server.activities import Hooks
+from dask_pyspy.server.stalls import StallWatch
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pyspy"
-HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure")
+HANDLERS = ("pyspy_profile", "pyspy_size", "pyspy_dump", "pyspy_configure", "pyspy_stalls")
 
 
 class SamplerHold:
@@ -34,6 +35,7 @@ class SamplerHold:
         self.sampler: Sampler | None = None
         self.error: str | None = None
         self.hooks: Hooks | None = None
+        self.stalls: StallWatch | None = None
         self._releasing: set[asyncio.Task[None]] = set()
         self._release_when_stopped()
 
@@ -65,6 +67,7 @@ class SamplerHold:
             if self.sampler is None:
                 self.sampler = await off_loop(process_sampler.acquire, opts)
                 self.hooks = Hooks(self.server, self.sampler.native)
+                self.stalls = StallWatch(self.sampler)
             else:
                 await off_loop(process_sampler.configure, opts)
             self.error = None
@@ -78,11 +81,14 @@ class SamplerHold:
             await off_loop(process_sampler.release)
 
     def _let_go(self) -> bool:
-        """Removes the hooks and drops the sampler; true if this hold had one, whose
+        """Removes the hooks and the stall watch and drops the sampler; true if this hold had one, whose
         process-wide hold the caller then releases."""
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
+        if self.stalls is not None:
+            self.stalls.remove()
+            self.stalls = None
         held, self.sampler = self.sampler is not None, None
         return held
 

@@ -156,6 +156,7 @@ class WorkerProfiler:
                     "pyspy_size": self.size,
                     "pyspy_dump": self.dump,
                     "pyspy_configure": self.configure,
+                    "pyspy_stalls": self.stalls,
                 }
                 install_handlers(self.worker, handlers)
 
@@ -223,6 +224,13 @@ class WorkerProfiler:
     async def dump(self) -> dict[str, Any]:
         sampler = self._check()
         return {"process": self.worker.address, "pid": os.getpid(), **await off_loop(sampler.dump)}
+
+    async def stalls(
+        self, start: float | None = None, stop: float | None = None, min_duration: float = 0.0, most: int = 100
+    ) -> dict[str, Any]:
+        """This worker's event-loop stalls in the window (`Sampler.stalls`)."""
+        sampler = self._check()
+        return await off_loop(sampler.stalls, start, stop, min_duration, most)
 
     async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
         """New options from the scheduler (`SamplerOptions.to_dict`), applied in place:

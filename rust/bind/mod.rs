@@ -2,6 +2,7 @@
 //! work, heavy work at low priority, a panic a RuntimeError), the `Sampler` and
 //! `Profile` classes in their own files.
 
+pub mod loops;
 pub mod profile;
 pub mod sampler;
 
@@ -42,7 +43,7 @@ pub fn heavy<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<
 /// `(start, stop)` in Unix seconds, aggregated or not, narrowed to `spans` if given.
 pub fn window((start, stop): (f64, f64), aggregate: bool, spans: Option<&FxHashSet<String>>) -> Window<'_> {
     let ns = |t: f64| (t.max(0.0) * 1e9) as u64;
-    Window { start_ns: ns(start), stop_ns: ns(stop), aggregate, spans }
+    Window { start_ns: ns(start), stop_ns: ns(stop), aggregate, spans, stalls: &[] }
 }
 
 pub fn metadata_arg(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Metadata> {

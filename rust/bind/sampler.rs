@@ -1,6 +1,7 @@
 //! `_native.Sampler`: the process sampler's handle.
 
 use super::{detached, heavy, metadata_arg, no_panic, spans_arg, window};
+use crate::bind::loops::PyLoopWatch;
 use crate::bind::profile::PyProfile;
 use crate::error::Error;
 use crate::formats::wire;
@@ -9,6 +10,7 @@ use crate::sampling::config::SamplerConfig;
 use crate::sampling::sampler::{self, Sampler};
 use crate::values;
 use crate::{reader, steps};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 use rustc_hash::FxHashSet;
@@ -123,6 +125,37 @@ impl PySampler {
         for (ident, name, native_id) in names {
             self.inner.tags().set_name_if_unnamed(ident, name.to_string_lossy().into_owned(), native_id)
         }
+    }
+
+    /// `select` timed for stalls of at least `threshold` seconds of the calling
+    /// thread's event loop: the loop calls the watch in its place.
+    fn watch_loop(&self, select: Py<PyAny>, threshold: f64) -> PyResult<PyLoopWatch> {
+        if !(threshold.is_finite() && threshold > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "threshold must be a positive number of seconds, not {threshold}"
+            )));
+        }
+        let ident = steps::ident();
+        Ok(PyLoopWatch::new(self.inner.watch_loop(ident, (threshold * 1e9) as u64), select))
+    }
+
+    fn unwatch_loop(&self, watch: &Bound<'_, PyLoopWatch>) {
+        self.inner.unwatch_loop(&watch.get().watch)
+    }
+
+    /// The stalls in `bounds` (Unix seconds) of at least `min_duration` seconds, the
+    /// `most` longest explained (see `Sampler::stalls`).
+    fn stalls<'py>(
+        &self,
+        py: Python<'py>,
+        bounds: (f64, f64),
+        min_duration: f64,
+        most: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let w = window(bounds, false, None);
+        let min_ns = (min_duration.max(0.0) * 1e9) as u64;
+        let stalls = heavy(py, || self.inner.stalls(w.start_ns, w.stop_ns, min_ns, most))?;
+        values::to_py(py, &stalls)
     }
 
     /// The samples captured in `bounds` (Unix seconds), as process `process_name`.

@@ -8,6 +8,7 @@ pub mod resources;
 pub mod sample;
 pub mod spans;
 pub mod spread;
+pub mod stalls;
 pub mod summary;
 pub mod timeline;
 pub mod views;

@@ -9,6 +9,11 @@ pub const FLAG_GIL: u8 = 2;
 pub const FLAG_CPU_WAIT: u8 = 4;
 pub const FLAG_GIL_WAIT: u8 = 8;
 pub const FLAG_NATIVE: u8 = 16;
+/// Holding the GIL while an event loop's thread waited for it (recorded at the tick).
+pub const FLAG_BLOCKS_LOOP: u8 = 32;
+/// Inside one of its process's event-loop stalls: the loop's thread, or a thread
+/// holding the GIL the loop waited for (set by a window, from the stalls it overlaps).
+pub const FLAG_STALL: u8 = 64;
 
 /// What a thread was doing when sampled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

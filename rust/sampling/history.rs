@@ -9,7 +9,7 @@
 //! before anything is dropped.
 
 use crate::profile::build::{sum_into, Summed};
-use crate::profile::sample::{Sample, FLAG_NATIVE};
+use crate::profile::sample::{Sample, FLAG_BLOCKS_LOOP};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -26,10 +26,10 @@ pub const FOLDED_BYTES: usize = std::mem::size_of::<Folded>();
 
 const NONE: u32 = u32::MAX;
 /// Activity ids from this on lose their activity when folded (a process names a few
-/// dozen): an activity shares 16 bits with the flags' 5, so a row stays 28 bytes.
-const NO_ACTIVITY: u16 = (1 << 11) - 1;
-const FLAG_BITS: u16 = 5;
-const _: () = assert!((FLAG_NATIVE as u16) < 1 << FLAG_BITS, "a sample's flags fit in FLAG_BITS");
+/// dozen): an activity shares 16 bits with the flags' 6, so a row stays 28 bytes.
+const NO_ACTIVITY: u16 = (1 << 10) - 1;
+const FLAG_BITS: u16 = 6;
+const _: () = assert!((FLAG_BLOCKS_LOOP as u16) < 1 << FLAG_BITS, "a sample's flags fit in FLAG_BITS");
 /// A bucket's length in the units a row's extent is kept in.
 const UNITS: u64 = 1 << 8;
 
@@ -395,7 +395,7 @@ mod tests {
     fn a_row_takes_28_bytes() {
         assert_eq!(FOLDED_BYTES, 28, "a day of history at one-minute steps fits in 64 MiB (retention benchmark)");
         let mut s = sample(0, 1);
-        (s.activity, s.flags) = (Some(NO_ACTIVITY as u32 - 1), 31);
+        (s.activity, s.flags) = (Some(NO_ACTIVITY as u32 - 1), 63);
         let back = Folded::of(&s, (0, 0)).at(0);
         assert_eq!((back.activity, back.flags), (s.activity, s.flags));
         s.activity = Some(NO_ACTIVITY.into());

@@ -3,10 +3,12 @@
 
 use crate::error::{Error, Result};
 use crate::profile::model::{Frame, Metadata, Process, ProfileData};
+use crate::profile::stalls::{Explained, Stall};
 use crate::reader::tags::{Activity, ThreadTags};
 use crate::reader::Chosen;
 use crate::sampling::calls::NS_PER_S;
 use crate::sampling::config::SamplerConfig;
+use crate::sampling::loops::LoopWatch;
 use crate::sampling::series::Series;
 use crate::sampling::store::Store;
 use crate::sampling::thread::{now_ns, run, RunStats, Shared};
@@ -23,6 +25,8 @@ pub const CONFIGURE_RUNNING: &str = "the sampler is running: call stop() before 
 const FORKED: &str = "this sampler was copied into a forked child, where its thread does not exist: make a new one";
 /// How long a live dump waits for the sampling thread to read every thread.
 const DUMP_WAIT: Duration = Duration::from_secs(2);
+/// Stalls a window explains at most per process, the longest.
+pub const EXPLAINED: usize = 100;
 
 pub struct Sampler {
     shared: Arc<Shared>,
@@ -54,6 +58,8 @@ impl Sampler {
             store: Mutex::new(store),
             calls: Mutex::default(),
             series: Mutex::new(Series::default()),
+            loops: Mutex::default(),
+            stalls: Mutex::default(),
             stats: Mutex::new(RunStats::default()),
             last: Mutex::new(None),
             dumped: Condvar::new(),
@@ -213,12 +219,66 @@ impl Sampler {
             process.stats["series"] = resources;
         }
         drop(series);
+        let stalls = self.shared.stalls.lock().window(window.start_ns, window.stop_ns);
+        let window = Window { stalls: &stalls, ..window };
         let mut store = self.shared.store.lock();
         self.shared.fold_calls(&mut store);
+        let explained = store.explain_stalls(&stalls, EXPLAINED);
         let mut data = store.window(window, process, metadata);
         drop(store);
+        data.processes[0].stats["stalls"] = self.stalls_stats(&stalls, explained);
         data.resolve_thread_names(|ident| self.shared.tags.name(ident));
         data
+    }
+
+    /// Watches the calling thread's event loop for stalls of at least `threshold_ns`.
+    pub fn watch_loop(&self, ident: u64, threshold_ns: u64) -> Arc<LoopWatch> {
+        let watch = Arc::new(LoopWatch::new(ident, threshold_ns));
+        self.shared.loops.lock().push(watch.clone());
+        watch
+    }
+
+    pub fn unwatch_loop(&self, watch: &Arc<LoopWatch>) {
+        self.shared.loops.lock().retain(|w| !Arc::ptr_eq(w, watch));
+    }
+
+    /// The stalls in `[start_ns, stop_ns]` of at least `min_ns`, the `most` longest
+    /// explained, as a window's `stats["stalls"]` gives them.
+    pub fn stalls(&self, start_ns: u64, stop_ns: u64, min_ns: u64, most: usize) -> Value {
+        let mut stalls = self.shared.stalls.lock().window(start_ns, stop_ns);
+        stalls.retain(|s| s.duration_ns() >= min_ns);
+        let explained = self.shared.store.lock().explain_stalls(&stalls, most);
+        self.stalls_stats(&stalls, explained)
+    }
+
+    /// A window's stalls: when each began and how long it lasted, the longest explained.
+    fn stalls_stats(&self, stalls: &[Stall], explained: Vec<Explained>) -> Value {
+        let loops = self.shared.loops.lock();
+        let threshold = loops.first().map(|w| w.threshold_ns() as f64 / 1e9);
+        let lost: u64 = loops.iter().map(|w| w.lost.load(Ordering::Relaxed)).sum();
+        drop(loops);
+        let kept = self.shared.stalls.lock();
+        let (dropped, dropped_s) = (kept.dropped, kept.dropped_ns as f64 / 1e9);
+        drop(kept);
+        let stats = self.shared.stats.lock();
+        let holders = match (stats.reader, stats.reader_stats.get("gil_enabled")) {
+            (Some("fast"), Some(Value::Bool(true))) => "known",
+            (Some("fast"), _) => "no GIL: free-threaded",
+            _ => "unknown on py-spy's reader",
+        };
+        drop(stats);
+        let records: Vec<[f64; 2]> =
+            stalls.iter().map(|s| [s.start_ns as f64 / 1e9, s.duration_ns() as f64 / 1e9]).collect();
+        json!({
+            "watched": threshold.is_some(),
+            "threshold": threshold,
+            "holders": holders,
+            "records": records,
+            "explained": explained,
+            "dropped": dropped,
+            "dropped_s": dropped_s,
+            "lost": lost,
+        })
     }
 
     pub fn window_size(&self, window: Window<'_>) -> WindowSize {

@@ -53,8 +53,9 @@ struct Files {
     /// The wait last read, and the CPU clock then: a thread whose clock has not moved
     /// since has not left that system call.
     wait: Option<(u64, Wait)>,
-    /// What it was last seen blocked in (`Running`: never).
+    /// What it was last seen blocked in (`Running`: never), and the system call's number.
     blocked_in: Wait,
+    call: Option<u16>,
     /// When it was last seen blocked on a futex (the GIL, a lock), and in any other call.
     futex_at: Option<Instant>,
     other_at: Option<Instant>,
@@ -63,7 +64,7 @@ struct Files {
 impl Files {
     fn open(tid: u64) -> Option<Files> {
         let syscall = File::open(format!("/proc/self/task/{tid}/syscall")).ok()?;
-        Some(Files { syscall, wait: None, blocked_in: Wait::Running, futex_at: None, other_at: None })
+        Some(Files { syscall, wait: None, blocked_in: Wait::Running, call: None, futex_at: None, other_at: None })
     }
 
     /// What the thread waits in, and whether its syscall file was read for it.
@@ -74,8 +75,11 @@ impl Files {
         let mut buf = [0u8; 160];
         let line =
             self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
-        let wait = line.map_or(Wait::Running, |l| classify(&l, gil));
+        let (wait, call) = line.map_or((Wait::Running, None), |l| classify(&l, gil));
         self.wait = Some((cpu_ns, wait));
+        if call.is_some() {
+            self.call = call;
+        }
         match wait {
             Wait::Gil | Wait::Lock => self.futex_at = Some(Instant::now()),
             Wait::Other => self.other_at = Some(Instant::now()),
@@ -85,21 +89,23 @@ impl Files {
     }
 }
 
-fn classify(line: &str, gil: &GilAt) -> Wait {
+/// The wait a syscall file's line says, and the call's number.
+fn classify(line: &str, gil: &GilAt) -> (Wait, Option<u16>) {
     if line.starts_with("running") {
-        return Wait::Running;
+        return (Wait::Running, None);
     }
     let mut fields = line.split_ascii_whitespace();
     let nr = fields.next().and_then(|f| f.parse::<i64>().ok());
     let addr = fields.next().and_then(|f| u64::from_str_radix(f.trim_start_matches("0x"), 16).ok());
-    match (nr, addr) {
+    let wait = match (nr, addr) {
         (Some(nr), Some(addr)) if nr == libc::SYS_futex => match gil {
             GilAt::Range(r) if r.contains(&addr) => Wait::Gil,
             GilAt::HeldElsewhere(true) => Wait::Gil,
             _ => Wait::Lock,
         },
         _ => Wait::Other,
-    }
+    };
+    (wait, nr.and_then(|n| u16::try_from(n).ok()))
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -186,6 +192,11 @@ impl States {
         }
     }
 
+    /// The system call `tid` was last seen blocked in, by number.
+    pub fn call(&self, tid: u64) -> Option<u16> {
+        self.files.get(&tid).and_then(|f| f.call)
+    }
+
     /// Whether every wait of `tid` seen lately was on a futex (the GIL, a lock), and at
     /// least one was: such waits return no `EINTR` to the code that made them (glibc
     /// and CPython retry), unlike a sleep, a poll or I/O.
@@ -255,12 +266,13 @@ mod tests {
     fn a_futex_wait_is_the_gils_only_inside_its_state() {
         let gil = GilAt::Range(0x1000..0x10e0);
         let futex = |addr: u64| format!("{} 0x{addr:x} 0x89 0x0 0x0 0x0 0xffffffff 0x7ffd 0x7f12\n", libc::SYS_futex);
-        assert_eq!(classify(&futex(0x1030), &gil), Wait::Gil);
-        assert_eq!(classify(&futex(0x2000), &gil), Wait::Lock);
-        assert_eq!(classify("running\n", &gil), Wait::Running);
-        assert_eq!(classify("0 0x3 0x7f 0x20000 0x0 0x0 0x0 0x7ffd 0x7f12\n", &gil), Wait::Other, "read(2): I/O");
-        assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(true)), Wait::Gil);
-        assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(false)), Wait::Lock);
+        assert_eq!(classify(&futex(0x1030), &gil).0, Wait::Gil);
+        assert_eq!(classify(&futex(0x2000), &gil).0, Wait::Lock);
+        assert_eq!(classify("running\n", &gil).0, Wait::Running);
+        assert_eq!(classify("0 0x3 0x7f 0x20000 0x0 0x0 0x0 0x7ffd 0x7f12\n", &gil).0, Wait::Other, "read(2): I/O");
+        assert_eq!(classify("0 0x3 0x7f 0x20000 0x0 0x0 0x0 0x7ffd 0x7f12\n", &gil).1, Some(0), "the call's number");
+        assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(true)).0, Wait::Gil);
+        assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(false)).0, Wait::Lock);
     }
 
     #[test]

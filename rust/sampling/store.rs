@@ -258,7 +258,7 @@ pub mod tests {
     }
 
     pub fn all(start_ns: u64, stop_ns: u64) -> Window<'static> {
-        Window { start_ns, stop_ns, aggregate: false, spans: None }
+        Window { start_ns, stop_ns, aggregate: false, spans: None, stalls: &[] }
     }
 
     pub fn push(store: &mut Store, t: u64, names: &[&str], key: Option<&str>) {

@@ -10,7 +10,7 @@
 //! It never touches the GIL: the readers read interpreter memory directly.
 
 use crate::profile::model::Frame;
-use crate::profile::sample::State;
+use crate::profile::sample::{State, FLAG_BLOCKS_LOOP};
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
 use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
@@ -18,9 +18,12 @@ use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::lateness::Lateness;
+use crate::sampling::loops::LoopWatch;
 use crate::sampling::series::Series;
+use crate::sampling::stalls::Stalls;
 use crate::sampling::states::{StateStats, States};
 use crate::sampling::store::{Recorded, Store};
+use crate::sampling::watching::{LoopsNow, Watching};
 use crate::sync::{Condvar, Mutex};
 use nix::time::{clock_gettime, ClockId};
 use rustc_hash::FxHashMap;
@@ -83,6 +86,9 @@ pub struct Shared {
     pub calls: Mutex<Pending>,
     /// CPU and memory per second of the whole process.
     pub series: Mutex<Series>,
+    /// The event loops watched for stalls, and the stalls they had.
+    pub loops: Mutex<Vec<Arc<LoopWatch>>>,
+    pub stalls: Mutex<Stalls>,
     pub stats: Mutex<RunStats>,
     pub last: Mutex<Option<LastTick>>,
     pub dumped: Condvar,
@@ -188,6 +194,8 @@ struct Loop<'a> {
     backlog: Backlog,
     /// Process and native CPU ns not yet in the series.
     cpu_pending: (u64, u64),
+    watching: Watching,
+    loops_now: LoopsNow,
 }
 
 impl<'a> Loop<'a> {
@@ -209,6 +217,8 @@ impl<'a> Loop<'a> {
             ids_valid_for: (0, 0, 0),
             backlog: Backlog::default(),
             cpu_pending: (0, 0),
+            watching: Watching::default(),
+            loops_now: LoopsNow::default(),
         }
     }
 
@@ -246,6 +256,7 @@ impl<'a> Loop<'a> {
             slot = (slot + length).max(now);
         }
         self.backlog.flush(&mut self.shared.store.lock());
+        self.watching.flush(&self.shared.stalls);
         let mut stats = self.shared.stats.lock();
         stats.wall_ns = started.elapsed().as_nanos() as u64;
         self.copy_counters(&mut stats);
@@ -290,12 +301,18 @@ impl<'a> Loop<'a> {
         }
         let all = self.shared.want_all.swap(false, Ordering::SeqCst);
         let config = &self.config;
-        let want = Want { idle: config.idle || all, gil_only: config.gil_only && !all };
         let time_ns = now_ns();
+        // A late loop's thread is read blocked too: the stall's explanation needs it.
+        let late = self.shared.loops.lock().iter().any(|w| w.late_since(time_ns).is_some());
+        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all };
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
             Ok(()) => {
                 self.track_threads();
                 self.read_states(time_ns);
+                let now = (&self.stacks[..], &self.states[..], &self.kernel);
+                let weight_us = weight.as_micros() as u64;
+                let shared = self.shared;
+                self.loops_now = self.watching.tick(&shared.loops, &shared.stalls, now, time_ns, weight_us);
                 self.capture_native();
                 self.record(time_ns, weight);
                 if all {
@@ -409,9 +426,17 @@ impl<'a> Loop<'a> {
                 activity: marks.activity.as_ref().map(|a| &*a.name),
                 weight_us,
                 cpu_us: cpu_us(t),
-                flags: self.states[i].flags(t.holds_gil),
+                flags: self.flags(i),
             });
         }
+    }
+
+    /// Stack `i`'s flags: its state, and whether it held the GIL a loop waited for
+    /// (known on the fast reader only).
+    fn flags(&self, i: usize) -> u8 {
+        let t = &self.stacks[i];
+        let blocks = self.loops_now.gil_waited && t.holds_gil && self.reader.name() == "fast";
+        self.states[i].flags(t.holds_gil) | if blocks { FLAG_BLOCKS_LOOP } else { 0 }
     }
 
     /// The stacks the options keep, by index, with their marks; counts in `boundary`
@@ -422,7 +447,9 @@ impl<'a> Loop<'a> {
         let mut kept = Vec::new();
         for (i, t) in self.stacks.iter().enumerate() {
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
-            if !keep.keeps(t.active, t.runs_python, in_task) || t.frames.is_empty() {
+            // A late loop's thread is kept blocked too: that is part of the stall.
+            let keeps = keep.keeps(t.active, t.runs_python, in_task) || self.loops_now.is_late(t.ident);
+            if !keeps || t.frames.is_empty() {
                 continue;
             }
             let marks = t.marks.clone().unwrap_or_else(|()| {
@@ -445,7 +472,7 @@ impl<'a> Loop<'a> {
             marks,
             weight_us,
             cpu_us: cpu_us(t),
-            flags: self.states[i].flags(t.holds_gil),
+            flags: self.flags(i),
         }
     }
 

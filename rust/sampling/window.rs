@@ -4,8 +4,10 @@
 
 use crate::profile::build::{Aggregator, Builder, Remap, CELL_NS};
 use crate::profile::model::{Metadata, Process, ProfileData};
-use crate::profile::sample::Sample;
+use crate::profile::sample::{Sample, FLAG_BLOCKS_LOOP, FLAG_STALL};
+use crate::profile::stalls::{explain, Explained, Stall};
 use crate::sampling::history::Resolution;
+use crate::sampling::stalls::MOST_LOOPS;
 use crate::sampling::store::{Store, SAMPLE_BYTES};
 use rustc_hash::FxHashSet;
 use serde::Serialize;
@@ -13,13 +15,14 @@ use serde_json::json;
 
 /// Which samples an export takes: those captured in `[start_ns, stop_ns]` and, with
 /// `spans`, tagged with one of those span ids; aggregated into one profile with
-/// `aggregate` (see `Aggregator`).
+/// `aggregate` (see `Aggregator`). Samples inside `stalls` (oldest first) are marked.
 #[derive(Clone, Copy, Debug)]
 pub struct Window<'a> {
     pub start_ns: u64,
     pub stop_ns: u64,
     pub aggregate: bool,
     pub spans: Option<&'a FxHashSet<String>>,
+    pub stalls: &'a [Stall],
 }
 
 /// What a window export would hold.
@@ -39,7 +42,10 @@ impl Store {
         let mut map = Remap::for_source(&self.tables);
         let mut aggregator = Aggregator::default();
         process.stats["resolution"] = json!(self.resolution(window));
-        for s in self.samples(window) {
+        for mut s in self.samples(window) {
+            if self.in_stall(&s, window.stalls) {
+                s.flags |= FLAG_STALL;
+            }
             let s = &s;
             if window.aggregate {
                 out.aggregate_sample(&self.tables, &mut map, s, &mut aggregator);
@@ -54,6 +60,31 @@ impl Store {
             }
         }
         out.finish(vec![process], metadata)
+    }
+
+    /// Whether `s` (a store's) lies in one of `stalls` as its loop's thread, or as a
+    /// thread holding the GIL the loop waited for.
+    fn in_stall(&self, s: &Sample, stalls: &[Stall]) -> bool {
+        if stalls.is_empty() {
+            return false;
+        }
+        let (from, to) = s.extent().unwrap_or((s.time_ns, s.time_ns + 1));
+        let ident = self.tables.threads.get(s.thread).ident;
+        let after = stalls.partition_point(|st| st.start_ns < to);
+        // Loops' stalls do not overlap their own: at most one per loop reaches `from`.
+        stalls[after.saturating_sub(MOST_LOOPS)..after]
+            .iter()
+            .any(|st| st.end_ns > from && (st.ident == ident || s.flags & FLAG_BLOCKS_LOOP != 0))
+    }
+
+    /// The `most` longest of `stalls`, longest first, each explained by its samples.
+    pub fn explain_stalls(&self, stalls: &[Stall], most: usize) -> Vec<Explained> {
+        let mut longest: Vec<&Stall> = stalls.iter().collect();
+        longest.sort_by_key(|s| std::cmp::Reverse(s.duration_ns()));
+        longest.truncate(most);
+        let inside =
+            |s: &Stall| Window { start_ns: s.start_ns, stop_ns: s.end_ns, aggregate: false, spans: None, stalls: &[] };
+        longest.into_iter().map(|s| explain(&self.tables, s, self.samples(inside(s)))).collect()
     }
 
     /// The stretches of `window` at each resolution, oldest first: folded, then raw.
@@ -296,7 +327,7 @@ mod tests {
             s.record(t, 1, ["main", leaf].iter().map(|n| frame(n)), Some(&tag), 10_000 + t as u32, 1);
         }
         push(&mut s, 10, &["main", "idle"], None);
-        let aggregated = Window { start_ns: 0, stop_ns: 100, aggregate: true, spans: None };
+        let aggregated = Window { start_ns: 0, stop_ns: 100, aggregate: true, spans: None, stalls: &[] };
         let w = s.window(aggregated, proc(), Metadata::default());
         assert_eq!(w.samples.len(), 3, "read and parse under prefix load, and the untagged one");
         assert_eq!((w.n_samples(), w.total_us()), (11, 10 * 10_000 + 45 + 10_000));
