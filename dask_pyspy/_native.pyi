@@ -101,6 +101,7 @@ class Profile:
         tasks: bool | None = None,
         span: str | list[str] | None = None,
         activity: str | None = None,
+        stalls: bool = False,
     ) -> str | None: ...
     def process_flamegraph_svgs(
         self, processes: list[tuple[int, str]], by: str = "thread", weight: str = "wall"

@@ -245,6 +245,7 @@ class Profile:
         span: str | list[str] | tuple[str, ...] | None = None,
         weight: str | None = None,
         activity: str | None = None,
+        stalls: bool = False,
     ) -> str | None:
         """An interactive flame graph (an icicle, roots on top); None if no sample matches.
 
@@ -256,7 +257,9 @@ class Profile:
         `process` (an index into `processes`), one `span` (see `only_span`), to task time
         (`tasks=True`) or time outside tasks (`tasks=False`), and to time outside tasks
         in one `activity` (as `summary()["activities"]` names it, e.g.
-        "scheduler: task-finished"). `weight`: "wall" or "cpu" (default: the profile's).
+        "scheduler: task-finished"). `stalls=True` keeps only time inside event-loop
+        stalls: the loops' threads and the threads holding the GIL they waited for.
+        `weight`: "wall" or "cpu" (default: the profile's).
         """
         if tasks is not None:
             options.flag("tasks", tasks)
@@ -270,6 +273,7 @@ class Profile:
             tasks=tasks,
             span=options.span(span),
             activity=activity,
+            stalls=options.flag("stalls", stalls),
         )
 
     def process_flamegraph_svgs(self, titles: dict[int, str]) -> dict[int, str | None]:

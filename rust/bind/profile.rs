@@ -41,6 +41,7 @@ fn only_arg(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Only> {
             "tasks" => only.tasks = value.extract()?,
             "span" => only.span = value.extract::<Option<SpanArg>>()?.map(SpanFilter::from),
             "activity" => only.activity = value.extract()?,
+            "stalls" => only.stalls = value.extract()?,
             other => {
                 return Err(PyTypeError::new_err(format!(
                     "flamegraph_svg() got an unexpected keyword argument '{other}'"

@@ -2,7 +2,7 @@
 
 use crate::profile::intern::Interner;
 use crate::profile::model::{Frame, ProfileData};
-use crate::profile::sample::Sample;
+use crate::profile::sample::{Sample, FLAG_STALL};
 use crate::profile::spans::SpanFilter;
 use crate::profile::views::{By, Shown, View};
 use inferno::flamegraph::color::{Color, PaletteMap};
@@ -109,6 +109,8 @@ pub struct Only {
     pub tasks: Option<bool>,
     pub span: Option<SpanFilter>,
     pub activity: Option<String>,
+    /// Only samples inside event-loop stalls (`FLAG_STALL`).
+    pub stalls: bool,
 }
 
 /// The flame graph of the samples `only` keeps.
@@ -127,6 +129,7 @@ pub fn svg_of(data: &ProfileData, title: &str, shown: Shown, only: &Only) -> Opt
         data.activities.iter().map(|a| only.activity.as_ref().is_none_or(|want| want == a)).collect();
     let keep = |s: &Sample| {
         thread_ok[s.thread as usize]
+            && (!only.stalls || s.flags & FLAG_STALL != 0)
             && match s.tag {
                 Some(t) => only.tasks != Some(false) && only.activity.is_none() && tag_ok[t as usize],
                 None => {
