@@ -7,13 +7,13 @@
 # Roots and venvs stay in $DASK_PYSPY_ROOTS (default below) for the next run; logs in its logs/.
 set -euo pipefail
 
-MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py
+MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py tests/inprocess/test_stalls.py
     tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py
     tests/cluster/test_no_trace.py"
 # What runs without pandas and pyarrow, which have no cp313t wheels: the sampler and
 # reader, the local threaded scheduler, a LocalCluster with the plugin, the report.
 MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py
-    tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py
+    tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py tests/inprocess/test_stalls.py
     tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py tests/cluster/test_no_trace.py"
 # distributed serves its dashboard (and our page in it) only with bokeh, which needs pandas;
 # arrow's native frames need pyarrow.

@@ -49,10 +49,6 @@ impl LoopWatch {
         }
     }
 
-    pub fn threshold_ns(&self) -> u64 {
-        self.threshold_ns
-    }
-
     /// The loop is about to poll for at most `timeout_ns` (None: until an event):
     /// the iteration that ends here is a stall if it ran long enough.
     pub fn polling(&self, now_ns: u64, timeout_ns: Option<u64>) {

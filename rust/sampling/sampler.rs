@@ -235,11 +235,13 @@ impl Sampler {
     pub fn watch_loop(&self, ident: u64, threshold_ns: u64) -> Arc<LoopWatch> {
         let watch = Arc::new(LoopWatch::new(ident, threshold_ns));
         self.shared.loops.lock().push(watch.clone());
+        self.shared.stalls.lock().threshold_ns = Some(threshold_ns);
         watch
     }
 
     pub fn unwatch_loop(&self, watch: &Arc<LoopWatch>) {
         self.shared.loops.lock().retain(|w| !Arc::ptr_eq(w, watch));
+        self.shared.stalls.lock().lost += watch.lost.load(Ordering::Relaxed);
     }
 
     /// The stalls in `[start_ns, stop_ns]` of at least `min_ns`, the `most` longest
@@ -253,12 +255,10 @@ impl Sampler {
 
     /// A window's stalls: when each began and how long it lasted, the longest explained.
     fn stalls_stats(&self, stalls: &[Stall], explained: Vec<Explained>) -> Value {
-        let loops = self.shared.loops.lock();
-        let threshold = loops.first().map(|w| w.threshold_ns() as f64 / 1e9);
-        let lost: u64 = loops.iter().map(|w| w.lost.load(Ordering::Relaxed)).sum();
-        drop(loops);
+        let watched: u64 = self.shared.loops.lock().iter().map(|w| w.lost.load(Ordering::Relaxed)).sum();
         let kept = self.shared.stalls.lock();
-        let (dropped, dropped_s) = (kept.dropped, kept.dropped_ns as f64 / 1e9);
+        let threshold = kept.threshold_ns.map(|t| t as f64 / 1e9);
+        let (dropped, dropped_s, lost) = (kept.dropped, kept.dropped_ns as f64 / 1e9, kept.lost + watched);
         drop(kept);
         let stats = self.shared.stats.lock();
         let holders = match (stats.reader, stats.reader_stats.get("gil_enabled")) {

@@ -31,6 +31,10 @@ pub struct Stalls {
     /// Stalls thinned out, and their time.
     pub dropped: u64,
     pub dropped_ns: u64,
+    /// The threshold of the loops watched last; None: none ever was.
+    pub threshold_ns: Option<u64>,
+    /// Stalls of loops no longer watched that their ring had no room for.
+    pub lost: u64,
     /// Seconds a step of thinning spans now: doubles each time the records fill up.
     thin_step_us: u64,
 }

@@ -48,7 +48,7 @@ def test_demo_prints_the_profiles_window(tmp_path):
     assert printed == pytest.approx(stop - start, abs=0.05), done.stdout  # not the cluster's shutdown too
 
 
-@pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["demo"], ["diff"]])
+@pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["stalls"], ["demo"], ["diff"]])
 def test_help(command):
     done = run(*command, "--help")
     assert done.returncode == 0 and "Usage:" in done.stdout

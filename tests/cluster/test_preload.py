@@ -29,12 +29,12 @@ class Preloaded(NamedTuple):
 
 
 @contextmanager
-def preloaded(tmp_path: Path, scheduler_preload: bool) -> Iterator[Preloaded]:
+def preloaded(tmp_path: Path, scheduler_preload: bool, **extra_env: str) -> Iterator[Preloaded]:
     """A `dask worker --preload dask_pyspy`, and its scheduler, preloaded too (through
-    config) if `scheduler_preload`."""
+    config) if `scheduler_preload`; both with `extra_env` in their environment."""
     scheduler_file = tmp_path / "scheduler.json"
     logs = Preloaded(None, tmp_path / "scheduler.log", tmp_path / "worker.log")
-    env = dict(os.environ, DASK_PYSPY__RATE="150", DASK_PYSPY__CPU_BUDGET="0.3")
+    env = dict(os.environ, DASK_PYSPY__RATE="150", DASK_PYSPY__CPU_BUDGET="0.3", **extra_env)
     if scheduler_preload:
         env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"] = '["dask_pyspy"]'
 

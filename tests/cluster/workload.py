@@ -107,3 +107,22 @@ def blas_loop(i: int, seconds: float = 0.3) -> int:
     while time.perf_counter() < end:
         a @ a
     return i
+
+
+def hold_gil(n: int) -> int:
+    """One C call that keeps the GIL throughout: the worker's event loop waits for it."""
+    return sum(range(n))
+
+
+def spin_on_loop(comm: object = None, seconds: float = 1.0) -> None:
+    """A scheduler handler that keeps the event loop busy."""
+    spin(seconds)
+
+
+def sleep_on_loop(comm: object = None, seconds: float = 1.0) -> None:
+    """A scheduler handler that blocks the event loop in a system call."""
+    time.sleep(seconds)
+
+
+def add_loop_handlers(dask_scheduler: object) -> None:
+    dask_scheduler.handlers.update(spin_on_loop=spin_on_loop, sleep_on_loop=sleep_on_loop)  # type: ignore[attr-defined]

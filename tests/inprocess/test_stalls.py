@@ -1,0 +1,150 @@
+"""Event-loop stalls of an asyncio loop in this process, its selector timed by the
+native watch: what each stall reads on this interpreter and reader."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from dask_pyspy import Profile, Sampler
+from dask_pyspy.stalls import describe
+
+THRESHOLD = 0.2
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def hold_gil() -> int:
+    return sum(range(60_000_000))
+
+
+async def stalled_loop(sampler: Sampler) -> list[float]:
+    """Stalls the running loop three ways; returns when each began, roughly."""
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    watch = sampler.native.watch_loop(selector.select, THRESHOLD)
+    selector.select = watch
+    try:
+        began = []
+        await asyncio.sleep(0.3)
+        began.append(time.time())
+        spin(1.0)
+        await asyncio.sleep(0.3)
+        began.append(time.time())
+        time.sleep(1.0)
+        await asyncio.sleep(0.3)
+        began.append(time.time())
+        holder = threading.Thread(target=hold_gil, name="holder")
+        holder.start()
+        await asyncio.sleep(0.05)  # the loop waits for the GIL to come back from the holder
+        holder.join()
+        await asyncio.sleep(0.5)
+        return began
+    finally:
+        del selector.select
+        sampler.native.unwatch_loop(watch)
+
+
+@pytest.fixture(scope="module")
+def stalled():
+    sampler = Sampler(rate=200, cpu_budget=0.5)
+    sampler.start()
+    try:
+        began = asyncio.run(stalled_loop(sampler))
+        deadline = time.time() + 30
+        while len(sampler.stalls()["records"]) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        yield sampler, began, sampler.profile()
+    finally:
+        sampler.stop()
+
+
+def at(stalls: list[dict[str, Any]], began: float) -> dict[str, Any]:
+    """The longest stall that began after `began` and within a second of it."""
+    return max((s for s in stalls if began - 0.05 <= s["start"] < began + 1.0), key=lambda s: s["duration"])
+
+
+def test_a_busy_loop_stalls_for_as_long_as_it_ran(stalled):
+    sampler, began, _ = stalled
+    stall = at(sampler.stalls()["explained"], began[0])
+    assert stall["duration"] >= 0.95
+    assert stall["stack"][0].startswith("spin (test_stalls.py")
+    assert stall["states"].get("cpu-gil", 0) + stall["states"].get("cpu-wait", 0) > 0.5
+
+
+def test_a_blocked_loop_names_its_system_call(stalled):
+    sampler, began, _ = stalled
+    stall = at(sampler.stalls()["explained"], began[1])
+    assert stall["duration"] >= 0.95
+    assert stall["states"].get("blocked", 0) > 0.5
+    assert stall["call"] in ("clock_nanosleep", "nanosleep", "select", "pselect6")
+
+
+def test_a_loop_waiting_for_the_gil_names_its_holder_where_the_reader_can(stalled):
+    sampler, began, _ = stalled
+    found = sampler.stalls()
+    stall = at(found["explained"], began[2])
+    reader = sampler.stats()["reader"]
+    if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
+        assert found["holders"] == "no GIL: free-threaded"
+        return  # nothing to wait for: the holder runs beside the loop
+    assert stall["states"].get("gil-wait", 0) > stall["duration"] / 2
+    if reader == "pyspy":
+        assert found["holders"] == "unknown on py-spy's reader" and not stall["gil_holders"]
+        assert "an unknown thread (unknown on py-spy's reader)" in describe(stall)
+        return
+    assert found["holders"] == "known"
+    holder = stall["gil_holders"][0]
+    assert holder["function"].startswith("hold_gil (test_stalls.py") and holder["thread"].startswith("holder")
+    assert holder["seconds"] > stall["duration"] / 2
+
+
+def test_a_saved_profile_keeps_its_stalls(stalled, tmp_path):
+    _, began, prof = stalled
+    prof.save(tmp_path / "p.pyspy.gz")
+    back = Profile.load(tmp_path / "p.pyspy.gz")
+    assert [s["start"] for s in back.stalls()] == [s["start"] for s in prof.stalls()]
+    assert at(back.stalls(min_duration=0.5), began[0])["duration"] >= 0.95
+    assert len(back.stalls(limit=1)) == 1
+    (stats,) = (p["stats"]["stalls"] for p in back.processes)
+    assert stats["watched"] and stats["threshold"] == pytest.approx(THRESHOLD)
+    assert len(stats["records"]) >= 3
+
+
+def test_the_stall_flame_graph_holds_the_loop_inside_stalls(stalled):
+    _, _, prof = stalled
+    svg = prof.flamegraph_svg("stalls", stalls=True)
+    assert svg is not None and "spin" in svg and "stalled_loop" in svg
+
+
+def test_bad_arguments_are_named(stalled):
+    sampler, _, prof = stalled
+    with pytest.raises(ValueError, match="threshold must be a positive number of seconds"):
+        sampler.native.watch_loop(lambda timeout=None: [], 0)
+    with pytest.raises(ValueError, match="min_duration must be a number of seconds, 0 or more"):
+        prof.stalls(min_duration=-1)
+    with pytest.raises(ValueError, match="limit must be a positive integer or None"):
+        prof.stalls(limit=0)
+
+
+def test_a_description_says_most_first():
+    stall = {
+        "duration": 2.0,
+        "states": {"gil-wait": 1.5, "cpu-gil": 0.4, "cpu-wait": 0.01},
+        "activity": "worker: gather",
+        "stack": ["f (a.py:1)"],
+        "call": None,
+        "gil_holders": [{"task_key": "('slow-1', 3)", "function": "sum (x.py:2)", "thread": "t", "activity": None}],
+    }
+    assert describe(stall) == (
+        "2.0 s stall: 1.5 s waiting for the GIL held by task ('slow-1', 3) in `sum (x.py:2)`; "
+        "0.4 s running worker: gather at `f (a.py:1)`"
+    )
