@@ -31,11 +31,15 @@ impl LoopsNow {
     }
 }
 
+/// The system calls a loop's thread was seen blocked in while late since one moment:
+/// wall microseconds by call number.
+type Calls = (u64, FxHashMap<u16, u64>);
+
 #[derive(Default)]
 pub struct Watching {
-    /// Per loop thread: the lateness its calls are counted for, and the wall time
-    /// it was seen blocked in each system call meanwhile.
-    calls: FxHashMap<u64, (u64, FxHashMap<u16, u64>)>,
+    /// Per loop thread: the calls of its current lateness and of the one before,
+    /// which a stall that ended just before this tick still needs.
+    calls: FxHashMap<u64, [Calls; 2]>,
     /// Stalls finished while the store of stalls was busy.
     pending: Vec<Stall>,
 }
@@ -59,18 +63,19 @@ impl Watching {
             out.gil_waited |= state == Some(State::GilWait);
             if let Some(since) = watch.late_since(time_ns) {
                 out.late.push(watch.ident);
-                let (counted_for, calls) = self.calls.entry(watch.ident).or_default();
-                if *counted_for != since {
-                    (*counted_for, *calls) = (since, FxHashMap::default());
+                let [current, before] = self.calls.entry(watch.ident).or_default();
+                if current.0 != since {
+                    *before = std::mem::replace(current, (since, FxHashMap::default()));
                 }
                 let call = i.and_then(|i| stacks[i].native_tid).and_then(|tid| kernel.call(tid));
                 if let (Some(State::Blocked), Some(call)) = (state, call) {
-                    *calls.entry(call).or_default() += weight_us;
+                    *current.1.entry(call).or_default() += weight_us;
                 }
             }
             watch.drain(|start_ns, end_ns| {
-                let call = self.calls.get(&watch.ident).filter(|(since, _)| *since == start_ns);
-                let call = call.and_then(|(_, calls)| calls.iter().max_by_key(|(_, us)| **us)).map(|(c, _)| *c);
+                let seen = self.calls.get(&watch.ident).into_iter().flatten();
+                let calls = seen.filter(|(since, _)| *since == start_ns).flat_map(|(_, calls)| calls.iter());
+                let call = calls.max_by_key(|(_, us)| **us).map(|(c, _)| *c);
                 self.pending.push(Stall { start_ns, end_ns, ident: watch.ident, call });
             });
         }

@@ -20,6 +20,7 @@ import dask_pyspy
 from tests.cluster.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
+LOOPBACK = ("--host", "127.0.0.1")  # tests talk to loopback only
 
 
 class Preloaded(NamedTuple):
@@ -42,11 +43,15 @@ def preloaded(tmp_path: Path, scheduler_preload: bool, **extra_env: str) -> Iter
         scheduler = ("--scheduler-file", str(scheduler_file))
         return subprocess.Popen([DASK, command, *scheduler, *args], env=env, cwd=tmp_path, stderr=log.open("w"))
 
-    procs = [dask("scheduler", "--port", "0", "--dashboard-address", ":0", "--no-show", log=logs.scheduler_log)]
+    procs = [
+        dask("scheduler", *LOOPBACK, "--port", "0", "--dashboard-address", ":0", "--no-show", log=logs.scheduler_log)
+    ]
     deadline = time.time() + 60
     while not scheduler_file.exists() and time.time() < deadline:
         time.sleep(0.2)
-    procs.append(dask("worker", "--preload", "dask_pyspy", "--nthreads", "2", "--no-dashboard", log=logs.worker_log))
+    procs.append(
+        dask("worker", *LOOPBACK, "--preload", "dask_pyspy", "--nthreads", "2", "--no-dashboard", log=logs.worker_log)
+    )
     try:
         with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
             client.wait_for_workers(1, timeout=60)
