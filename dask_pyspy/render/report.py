@@ -327,14 +327,25 @@ WINDOWS = (10, 30, 60, 300, 900)  # seconds the dashboard page links to
 
 
 def render_dashboard(
-    profile: Drawable, window: tuple[float, float], last: float | None, stacks: str, refresh: int = 0
+    profile: Drawable,
+    window: tuple[float, float],
+    last: float | None,
+    stacks: str,
+    refresh: int = 0,
+    stalled: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the
-    report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None."""
+    report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None.
+    `stalled`: each process's stalls in the window, by name, as the scheduler's `stalls`
+    handler gives them (else the profile's own)."""
     shown = f"last {last:g} s" if last is not None else f"{when(window[0])} to {when(window[1])}"
     return render(
         "dashboard.html",
-        **_report(profile, f"dask-pyspy: {shown} of the cluster"),
+        **_report(
+            profile,
+            f"dask-pyspy: {shown} of the cluster",
+            None if stalled is None else [(name, s) for name, s in stalled.items() if s],
+        ),
         shown=f"the last {last:g} seconds" if last is not None else f"{shown} ({window[1] - window[0]:.0f} s)",
         stacks=stacks,
         refresh=refresh,
