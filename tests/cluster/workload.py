@@ -107,3 +107,9 @@ def blas_loop(i: int, seconds: float = 0.3) -> int:
     while time.perf_counter() < end:
         a @ a
     return i
+
+
+def hold_gil(n: int) -> int:
+    """One C call that keeps the GIL throughout (a second or two for 60 million): the
+    worker's event loop waits for it, a stall."""
+    return sum(range(n))
