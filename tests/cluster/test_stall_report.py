@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from distributed import Scheduler
+from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.cluster.browser import console_errors, screenshot, start_chromium
 from tests.cluster.workload import hold_gil
@@ -120,3 +121,8 @@ def test_the_dashboard_page_lists_the_stalls(client, stalled, chromium):
     assert any(stalled["key"] in r for r in rows) and any("scheduler: pyspy_test_spin" in r for r in rows), rows
     assert marks(chromium, "worker").get(stalled["worker"]), "marked on the timeline"
     assert console_errors(chromium) == []
+    # A click on the strip shows its step, as on the charts.
+    chromium.find_element("css selector", ".tl-kind[data-kind=worker] .tl-stalls").click()
+    WebDriverWait(chromium, 30).until(
+        lambda d: "start=" in d.current_url and f"{stalled['start'] - 1}" not in d.current_url
+    )
