@@ -30,6 +30,12 @@ class Each(NamedTuple):
     schema: Any
 
 
+class Items(NamedTuple):
+    """A list whose every item matches `schema`."""
+
+    schema: Any
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -41,6 +47,12 @@ TEXT = Is("a string", lambda v: isinstance(v, str))
 # A Unix time a date can be made of (the report prints them as dates).
 TIME = Is("a Unix time", lambda v: v is None or (_finite(v) and 0 <= v <= 1e11))
 STEPS = Is("a list of numbers or nulls", lambda v: isinstance(v, list) and all(x is None or _finite(x) for x in v))
+TEXTS = Is("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+MOMENT = Is("a Unix time", lambda v: v is not None and TIME.test(v))
+STALL_RECORD = Is(
+    "[start, duration] in seconds",
+    lambda v: isinstance(v, list) and len(v) == 2 and MOMENT.test(v[0]) and _finite(v[1]),
+)
 WINDOW = Is(
     "[start, stop] in Unix seconds", lambda v: isinstance(v, list) and len(v) == 2 and all(TIME.test(t) for t in v)
 )
@@ -49,6 +61,38 @@ METADATA = {
     "window": Omittable(OrNull(WINDOW)),
     "missing": Omittable(OrNull(Each(TEXT))),
     "tasks": Omittable(OrNull(Each(Each({"count": NUMBER, "seconds": NUMBER})))),
+}
+
+# A window's event-loop stalls (dask_pyspy.stalls); older profiles have none.
+STALLS = {
+    "watched": FLAG,
+    "threshold": OrNull(NUMBER),
+    "holders": TEXT,
+    "records": Items(STALL_RECORD),
+    "explained": Items(
+        {
+            "thread": TEXT,
+            "start": MOMENT,
+            "duration": NUMBER,
+            "activity": OrNull(TEXT),
+            "states": Each(NUMBER),
+            "stack": TEXTS,
+            "call": OrNull(TEXT),
+            "gil_holders": Items(
+                {
+                    "thread": TEXT,
+                    "task_key": OrNull(TEXT),
+                    "prefix": OrNull(TEXT),
+                    "activity": OrNull(TEXT),
+                    "function": OrNull(TEXT),
+                    "seconds": NUMBER,
+                }
+            ),
+        }
+    ),
+    "dropped": COUNT,
+    "dropped_s": NUMBER,
+    "lost": COUNT,
 }
 
 STATS = {
@@ -65,6 +109,7 @@ STATS = {
     "window_cpu": Omittable({"process_cpu_s": NUMBER, "native_cpu_s": NUMBER}),
     # CPU and resident memory per step (sampling/series.rs); older profiles have none.
     "series": Omittable({"start": TIME, "step": NUMBER, "cpu": STEPS, "rss": STEPS}),
+    "stalls": Omittable(STALLS),
     "reader": Omittable(OrNull(TEXT)),
     "last_error": Omittable(OrNull(TEXT)),
     "panic": Omittable(OrNull(TEXT)),
@@ -97,6 +142,11 @@ def _check(value: Any, schema: Any, where: str) -> None:
     elif isinstance(schema, Is):
         if not schema.test(value):
             raise ValueError(f"{where} must be {schema.what}, got {_short(value)}")
+    elif isinstance(schema, Items):
+        if not isinstance(value, list):
+            raise ValueError(f"{where} must be a list, got {_short(value)}")
+        for i, item in enumerate(value):
+            _check(item, schema.schema, f"{where}[{i}]")
     elif not isinstance(value, dict):
         raise ValueError(f"{where} must be an object, got {_short(value)}")
     elif isinstance(schema, Each):

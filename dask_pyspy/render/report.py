@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from dask_pyspy.render import tables, timeline
+from dask_pyspy.render import stalls, tables, timeline
 from dask_pyspy.render.pages import render, when
 
 
@@ -51,6 +51,7 @@ class Drawable(Protocol):
         tasks: bool | None = ...,
         span: list[str] | None = ...,
         activity: str | None = ...,
+        stalls: bool = ...,
     ) -> str | None: ...
 
     def process_flamegraph_svgs(self, titles: dict[int, str]) -> dict[int, str | None]: ...
@@ -259,25 +260,38 @@ def _speedscope(profile: Drawable) -> str:
     return base64.b64encode(profile.to_bytes(compress=True)).decode() if profile.n_samples else ""
 
 
-def _report(profile: Drawable, title: str) -> dict[str, Any]:
-    """What the report template shows."""
+def _report(profile: Drawable, title: str, stalled: list[stalls.Stats] | None = None) -> dict[str, Any]:
+    """What the report template shows; `stalled`: each process's stalls where they come
+    from elsewhere than the profile's processes."""
     raw, profile = profile, _for_views(profile)
     with ThreadPoolExecutor(1) as pool:
         # The slowest part of a large cluster's report, written in Rust without the GIL
         # while the rest is drawn.
         speedscope = pool.submit(_speedscope, profile)
-        return {**_figures(raw, profile, title), "speedscope": speedscope.result()}
+        if stalled is None:
+            stalled = stalls.of_profile(raw.processes)
+        return {**_figures(raw, profile, title, stalled), "speedscope": speedscope.result()}
 
 
-def _figures(raw: Drawable, profile: Drawable, title: str) -> dict[str, Any]:
+def _stall_section(profile: Drawable, stalled: list[stalls.Stats]) -> dict[str, Any] | None:
+    if not any(s.get("records") for _, s in stalled):
+        return None  # before drawing a graph for nothing
+    # By activity: each loop's time under what it was running, a GIL holder's under its task prefix.
+    graph = profile.flamegraph_svg("Inside event-loop stalls", by="activity", stalls=True)
+    return stalls.section(stalled, graph)
+
+
+def _figures(raw: Drawable, profile: Drawable, title: str, stalled: list[stalls.Stats]) -> dict[str, Any]:
     """What the report template shows but the speedscope file; `profile` is `raw` or
     its aggregated copy."""
     summary = profile.summary()
     columns = tables.state_columns(profile.processes)
+    records = {name: s.get("records") or [] for name, s in stalled}
     return {
         "title": title,
         # From the raw samples: finer than an aggregated copy's 10 s cells.
-        "timeline": timeline.charts(raw.timeline()) if raw.n_samples and raw.keeps_times else None,
+        "timeline": timeline.charts(raw.timeline(), records) if raw.n_samples and raw.keeps_times else None,
+        "stalls": _stall_section(profile, stalled),
         "summary": summary,
         # Whether the speedscope file's samples are aggregated.
         "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
@@ -313,14 +327,25 @@ WINDOWS = (10, 30, 60, 300, 900)  # seconds the dashboard page links to
 
 
 def render_dashboard(
-    profile: Drawable, window: tuple[float, float], last: float | None, stacks: str, refresh: int = 0
+    profile: Drawable,
+    window: tuple[float, float],
+    last: float | None,
+    stacks: str,
+    refresh: int = 0,
+    stalled: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """The scheduler dashboard's page: a window picker, auto-refresh, live stacks, then the
-    report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None."""
+    report; `window` (Unix seconds) is the last `last` seconds, or a chosen range where None.
+    `stalled`: each process's stalls in the window, by name, as the scheduler's `stalls`
+    handler gives them (else the profile's own)."""
     shown = f"last {last:g} s" if last is not None else f"{when(window[0])} to {when(window[1])}"
     return render(
         "dashboard.html",
-        **_report(profile, f"dask-pyspy: {shown} of the cluster"),
+        **_report(
+            profile,
+            f"dask-pyspy: {shown} of the cluster",
+            None if stalled is None else [(name, s) for name, s in stalled.items() if s],
+        ),
         shown=f"the last {last:g} seconds" if last is not None else f"{shown} ({window[1] - window[0]:.0f} s)",
         stacks=stacks,
         refresh=refresh,

@@ -37,6 +37,17 @@ MAX_TICKS = 10
 MOST_LINES = 8  # processes of a kind drawn a memory line each; more as min, median and max
 SPREAD = (("most", "#e15759", max), ("median", "#4e79a7", statistics.median), ("least", "#59a14f", min))
 BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
+# Event-loop stalls: a row per process, the most stalled; past that, one row for the rest.
+STALL_ROWS = 8
+STALL_ROW = 24  # the row's height, in the SVG's units: the process's name, then its marks
+STALL_NAME = 11
+STALL_LABEL = 16  # the strip's own label, above its rows
+STALL_COLOUR = "#c0392b"
+# Marks closer than this (in the plot's 1000 units) merge into one, so a row holds at most
+# about a thousand however many stalls a day had; a short stall still shows this wide.
+MERGE_GAP = 1.0
+MIN_MARK = 1.5
+Records = list[list[float]]  # [start (Unix s), duration (s)] per stall, oldest first
 
 
 def _top(series: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -172,9 +183,101 @@ def _memory(timeline: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return {"label": label, "lines": drawn, "ticks": _value_ticks(ymax)}
 
 
-def charts(timeline: dict[str, Any]) -> dict[str, Any]:
+def _clip(records: Records, start: float, stop: float) -> Records:
+    """The stalls overlapping the chart, oldest first."""
+    return sorted([s, d] for s, d in records if s <= stop and s + d >= start)
+
+
+def _mark(first: list[float], start: float, scale: float) -> dict[str, Any]:
+    x = LEFT + max(first[0] - start, 0.0) * scale
+    end = LEFT + (first[0] + first[1] - start) * scale
+    return {"x": x, "end": max(end, x + MIN_MARK), "stalls": [first]}
+
+
+def _merged(records: Records, start: float, stop: float) -> list[dict[str, Any]]:
+    """The row's marks: each stall from its start to its end, those less than MERGE_GAP
+    apart drawn as one, a mark's opacity the share of its width stalled."""
+    scale = WIDTH / max(stop - start, 1e-9)
+    marks: list[dict[str, Any]] = []
+    for record in _clip(records, start, stop):
+        mark = _mark(record, start, scale)
+        if marks and mark["x"] <= marks[-1]["end"] + MERGE_GAP:
+            marks[-1]["end"] = max(marks[-1]["end"], mark["end"])
+            marks[-1]["stalls"].append(record)
+        else:
+            marks.append(mark)
+    right = LEFT + WIDTH
+    return [_mark_drawn(m, min(m["end"], right) - m["x"], scale) for m in marks]
+
+
+def _mark_drawn(mark: dict[str, Any], width: float, scale: float) -> dict[str, Any]:
+    stalls = mark["stalls"]
+    seconds = sum(d for _, d in stalls)
+    longest = max(stalls, key=lambda r: r[1])
+    if len(stalls) == 1:
+        title = f"stall of {longest[1]:.2f} s at {_clock(longest[0])}"
+    else:
+        title = (
+            f"{len(stalls)} stalls, {seconds:.2f} s in all, from {_clock(stalls[0][0])}; "
+            f"the longest {longest[1]:.2f} s at {_clock(longest[0])}"
+        )
+    return {
+        "x": f"{mark['x']:.1f}",
+        "width": f"{max(width, MIN_MARK):.1f}",
+        "count": len(stalls),
+        "start": longest[0],
+        "opacity": f"{max(min(seconds * scale / max(width, MIN_MARK), 1.0), 0.4):.2f}",
+        "title": title,
+    }
+
+
+def _clock(t: float) -> str:
+    return _local(t).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _stall_rows(mine: list[tuple[str, Records]]) -> list[tuple[str, Records]]:
+    """The kind's stalled processes, the most stalled first; the rest in one row past STALL_ROWS."""
+    mine = sorted(mine, key=lambda p: -sum(d for _, d in p[1]))
+    if len(mine) <= STALL_ROWS:
+        return mine
+    rest = mine[STALL_ROWS - 1 :]
+    merged = [r for _, records in rest for r in records]
+    return [*mine[: STALL_ROWS - 1], (f"{len(rest)} other processes", merged)]
+
+
+def _stalls(stalls: dict[str, Records], kind: str, start: float, stop: float) -> dict[str, Any] | None:
+    """The kind's stall strip: a row of marks per process; None where none stalled."""
+    mine = [(name, _clip(r, start, stop)) for name, r in stalls.items() if _kind(name) == kind]
+    mine = [(name, r) for name, r in mine if r]
+    if not mine:
+        return None
+    rows = [
+        {"name": name, "y": TOP + STALL_LABEL + i * STALL_ROW, "marks": _merged(records, start, stop)}
+        for i, (name, records) in enumerate(_stall_rows(mine))
+    ]
+    count = sum(len(r) for _, r in mine)
+    seconds = sum(d for _, r in mine for _, d in r)
+    bottom = TOP + STALL_LABEL + len(rows) * STALL_ROW
+    return {
+        "label": f"event-loop stalls: {count:,}, {seconds:.1f} s in all",
+        "rows": rows,
+        "row": STALL_ROW,
+        "name": STALL_NAME,
+        "colour": STALL_COLOUR,
+        "bottom": bottom,
+        "height": bottom + BOTTOM,
+    }
+
+
+def _kind(process: str) -> str:
+    """The kind a process is drawn under, as `timeline()` sorts them."""
+    return "scheduler" if process.startswith("scheduler") else "worker"
+
+
+def charts(timeline: dict[str, Any], stalls: dict[str, Records] | None = None) -> dict[str, Any]:
     """The report's timeline, from a profile's `timeline()`: per process kind, a wall and
-    a CPU chart with a shared legend."""
+    a CPU chart with a shared legend, its stalls (`stalls`: each process's records by
+    name) and its resident memory."""
     start, step, steps = timeline["start"], timeline["step"], timeline["steps"]
     stop = start + step * steps
     kinds = []
@@ -196,6 +299,7 @@ def charts(timeline: dict[str, Any]) -> dict[str, Any]:
                 "charts": [wall, cpu],
                 "legend": legend,
                 "memory": _memory(timeline, kind),
+                "stalls": _stalls(stalls or {}, kind, start, stop),
             }
         )
     return {

@@ -3,6 +3,7 @@ seconds (or of a chosen `start=` to `stop=`), and live stacks."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from dask_pyspy.render.report import REFRESH_CHOICES, render_dashboard
 
 DEFAULT_LAST = 30.0
 MAX_LAST = 24 * 3600.0
+STALLS_SHOWN = 20  # the longest of each process explained; the page lists the longest of all
 
 
 class Handlers(Protocol):
@@ -24,6 +26,8 @@ class Handlers(Protocol):
     async def profile(self, *, start: float, stop: float) -> dict[str, Any]: ...
 
     async def dump(self) -> dict[str, Any]: ...
+
+    async def stalls(self, *, start: float, stop: float, limit: int | None) -> dict[str, Any]: ...
 
 
 class _Page(web.RequestHandler):
@@ -75,11 +79,17 @@ class ProfilePage(_Page):
             raise web.HTTPError(
                 400, reason=f"refresh must be one of {', '.join(map(str, REFRESH_CHOICES))} seconds (0: off)"
             )
-        reply = await self.plugin.profile(start=start, stop=stop)
+        reply, stalls = await asyncio.gather(
+            self.plugin.profile(start=start, stop=stop), self.plugin.stalls(start=start, stop=stop, limit=STALLS_SHOWN)
+        )
         if "error" in reply:
             raise web.HTTPError(400, reason=reply["error"])
         stacks = await self._stacks()
-        html = await off_loop(lambda: render_dashboard(assemble(reply), (start, stop), last, stacks, int(refresh)))
+        # A stalls request that failed leaves the page the stalls the profile carries.
+        stalled = None if "error" in stalls else stalls["processes"]
+        html = await off_loop(
+            lambda: render_dashboard(assemble(reply), (start, stop), last, stacks, int(refresh), stalled)
+        )
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.write(html)
 

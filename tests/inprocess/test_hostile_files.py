@@ -107,6 +107,18 @@ def test_a_valid_file_loads_and_renders(good, tmp_path):
     assert "w2" in Profile.load(tmp_path / "good.pyspy.gz").to_html(), "a file that loads renders"
 
 
+STALL = {"thread": "loop", "start": 1.5, "duration": 0.3, "activity": None, "states": {"gil-wait": 0.3}}
+STALL.update(stack=["f (x.py:1)"], call=None, gil_holders=[])
+STALLS = {"watched": True, "threshold": 0.2, "holders": "known", "records": [[1.5, 0.3]], "explained": [STALL]}
+STALLS.update(dropped=0, dropped_s=0.0, lost=0)
+
+
+def test_a_file_with_stalls_renders_them(good, tmp_path):
+    path = write(tmp_path / "stalls.pyspy.gz", set_path(good, "profile.processes.0.stats.stalls", STALLS))
+    assert load_limited(path) == "loaded"
+    assert "Event-loop stalls" in Profile.load(path).to_html()
+
+
 @pytest.mark.parametrize(
     "samples, seconds, threads, message",
     [
@@ -219,6 +231,21 @@ def set_path(doc: dict, where: str, value) -> dict:
             "processes[0].stats.window_cpu.native_cpu_s must be a number, got 'x'",
         ),
         ("profile.processes.0.stats.cores", -2, "processes[0].stats.cores must be a count, got -2"),
+        (
+            "profile.processes.0.stats.stalls",
+            {**STALLS, "records": [[1.5, "x"]]},
+            "processes[0].stats.stalls.records[0] must be [start, duration] in seconds, got [1.5, 'x']",
+        ),
+        (
+            "profile.processes.0.stats.stalls",
+            {**STALLS, "explained": [{**STALL, "gil_holders": [{"thread": 3}]}]},
+            "processes[0].stats.stalls.explained[0].gil_holders[0].thread must be a string, got 3",
+        ),
+        (
+            "profile.processes.0.stats.stalls",
+            {**STALLS, "explained": {}},
+            "processes[0].stats.stalls.explained must be a list, got {}",
+        ),
     ],
 )
 def test_metadata_a_report_cannot_read_is_refused_at_load(good, tmp_path, where, value, message):

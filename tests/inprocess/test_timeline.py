@@ -207,3 +207,30 @@ def test_many_processes_draw_the_most_median_and_least_memory():
     assert [line["name"] for line in few["memory"]["lines"]] == [p["name"] for p in processes[:MOST_LINES]]
     (none,) = charts({**timeline, "processes": []})["kinds"]
     assert none["memory"] is None
+
+
+def test_a_day_of_stalls_is_marked_a_row_per_process_merged_per_pixel():
+    from dask_pyspy.render.timeline import LEFT, MERGE_GAP, STALL_ROWS, WIDTH, charts
+
+    day, steps = 86400.0, 288
+    totals = {"processes": 12, "wall": [1.0] * steps, "cpu": [0.5] * steps}
+    timeline = {"start": 1e9, "step": day / steps, "steps": steps, "kinds": {"worker": totals}, "series": []}
+    every_second = [[1e9 + i, 0.25] for i in range(0, 86400, 2)]  # 43,200 stalls
+    stalls = {f"tcp://w:{i}": every_second[:: i + 1] for i in range(12)}
+    stalls["tcp://w:0"] = [*stalls["tcp://w:0"], [1e9 - 10.0, 30.0], [1e9 + day + 5, 1.0]]  # across, past the end
+    stalls["scheduler tcp://s:1"] = [[1e9 + 3600, 2.0]]
+    (kind,) = charts({**timeline, "processes": []}, stalls)["kinds"]
+    strip = kind["stalls"]
+    rows = strip["rows"]
+    assert len(rows) == STALL_ROWS and rows[0]["name"] == "tcp://w:0", "the most stalled first"
+    assert rows[-1]["name"] == f"{12 - STALL_ROWS + 1} other processes"
+    for row in rows:
+        xs = [(float(m["x"]), float(m["x"]) + float(m["width"])) for m in row["marks"]]
+        assert len(xs) <= WIDTH / MERGE_GAP, "at most a mark per pixel"
+        assert all(LEFT <= a < b <= LEFT + WIDTH for a, b in xs)
+        assert all(b + MERGE_GAP < c for (_, b), (c, _) in zip(xs, xs[1:])), "marks apart by more than the gap"
+    shown = sum(m["count"] for row in rows for m in row["marks"])
+    workers = sum(len(r) for name, r in stalls.items() if name.startswith("tcp://w"))
+    assert shown == workers - 1, "every worker's stall in the chart, the one past its end not"
+    assert "scheduler tcp://s:1" not in {row["name"] for row in rows}, "the scheduler's is on its own chart"
+    assert charts({**timeline, "processes": []})["kinds"][0]["stalls"] is None

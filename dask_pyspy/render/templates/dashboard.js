@@ -9,7 +9,7 @@ document.addEventListener("DOMContentLoaded", function () {
   var timeline = document.querySelector(".timeline");
   if (!timeline) return;
   var t0 = +timeline.dataset.start, step = +timeline.dataset.step, steps = +timeline.dataset.steps;
-  document.querySelectorAll(".tl-chart").forEach(function (svg) {
+  document.querySelectorAll(".tl-chart, .tl-stalls").forEach(function (svg) {
     var left = +svg.dataset.left, plot = +svg.dataset.plot, box = svg.querySelector(".tl-select"), from = null;
     function x(e) {
       var p = new DOMPoint(e.clientX, e.clientY).matrixTransform(svg.getScreenCTM().inverse());
