@@ -68,6 +68,8 @@ STALLS = {
     "watched": FLAG,
     "threshold": OrNull(NUMBER),
     "holders": TEXT,
+    "count": Omittable(NUMBER),
+    "stalled_s": Omittable(NUMBER),
     "records": Items(STALL_RECORD),
     "explained": Items(
         {

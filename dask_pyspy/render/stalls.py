@@ -84,7 +84,9 @@ def _process_rows(stalled: list[Stats]) -> list[list[Any]]:
     rows = []
     for name, stats in stalled:
         durations = [d for _, d in stats["records"]]
-        rows.append([name, len(durations), float(sum(durations)), float(max(durations)), _notes(stats)])
+        # A window carries the longest 2,000 records, and the count and time of them all.
+        count, total = stats.get("count", len(durations)), stats.get("stalled_s", sum(durations))
+        rows.append([name, count, float(total), float(max(durations)), _notes(stats)])
     return sorted(rows, key=lambda r: -r[2])
 
 

@@ -27,6 +27,9 @@ const FORKED: &str = "this sampler was copied into a forked child, where its thr
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 /// Stalls a window explains at most per process, the longest.
 pub const EXPLAINED: usize = 100;
+/// Stalls whose start and duration a window carries at most per process, the longest:
+/// a timeline draws about as many marks, and a day of a stall a second stays small.
+const RECORDS: usize = 2_000;
 
 pub struct Sampler {
     shared: Arc<Shared>,
@@ -253,7 +256,8 @@ impl Sampler {
         self.stalls_stats(&stalls, explained)
     }
 
-    /// A window's stalls: when each began and how long it lasted, the longest explained.
+    /// A window's stalls: how many and how long in all, when the longest began and
+    /// how long each lasted, the longest of them explained.
     fn stalls_stats(&self, stalls: &[Stall], explained: Vec<Explained>) -> Value {
         let watched: u64 = self.shared.loops.lock().iter().map(|w| w.lost.load(Ordering::Relaxed)).sum();
         let kept = self.shared.stalls.lock();
@@ -267,9 +271,15 @@ impl Sampler {
             _ => "unknown on py-spy's reader",
         };
         drop(stats);
-        let records: Vec<[f64; 2]> =
-            stalls.iter().map(|s| [s.start_ns as f64 / 1e9, s.duration_ns() as f64 / 1e9]).collect();
+        let seconds = |ns: u64| ns as f64 / 1e9;
+        let mut longest: Vec<&Stall> = stalls.iter().collect();
+        longest.sort_by_key(|s| std::cmp::Reverse(s.duration_ns()));
+        longest.truncate(RECORDS);
+        longest.sort_by_key(|s| s.start_ns);
+        let records: Vec<[f64; 2]> = longest.iter().map(|s| [seconds(s.start_ns), seconds(s.duration_ns())]).collect();
         json!({
+            "count": stalls.len(),
+            "stalled_s": seconds(stalls.iter().map(Stall::duration_ns).sum()),
             "watched": threshold.is_some(),
             "threshold": threshold,
             "holders": holders,

@@ -148,3 +148,34 @@ def test_a_description_says_most_first():
         "2.0 s stall: 1.5 s waiting for the GIL held by task ('slow-1', 3) in `sum (x.py:2)`; "
         "0.4 s running worker: gather at `f (a.py:1)`"
     )
+
+
+async def many_short_stalls(sampler: Sampler, n: int) -> None:
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    selector.select = watch = sampler.native.watch_loop(selector.select, 0.001)
+    try:
+        for _ in range(n):
+            spin(0.002)
+            await asyncio.sleep(0)
+    finally:
+        del selector.select
+        sampler.native.unwatch_loop(watch)
+
+
+def test_a_window_carries_the_longest_records_and_counts_them_all():
+    sampler = Sampler(rate=100)
+    sampler.start()
+    try:
+        asyncio.run(many_short_stalls(sampler, 2_600))  # the first and last are no stalls
+        deadline = time.time() + 30
+        while (found := sampler.stalls())["count"] < 2_500 and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        sampler.stop()
+    assert found["count"] >= 2_500 and found["lost"] == 0
+    assert len(found["records"]) == 2_000 and len(found["explained"]) == 100
+    starts = [start for start, _ in found["records"]]
+    assert starts == sorted(starts)
+    shortest_kept = min(d for _, d in found["records"])
+    assert found["stalled_s"] >= sum(d for _, d in found["records"]) + 500 * 0.002 * 0.9
+    assert all(s["duration"] >= shortest_kept for s in found["explained"])
