@@ -25,6 +25,9 @@ TICK_LOGGER = "distributed.core"
 # How long the explanation waits for the sampler to store the stall distributed saw.
 FIND_FOR_S = 2.0
 FIND_EVERY_S = 0.05
+# How far from distributed's line its stall may have ended: its tick waits for the
+# callbacks queued behind the stall.
+ENDED_WITHIN_S = 0.5
 
 
 class LoopWatch:
@@ -99,12 +102,13 @@ class ExplainStalls(logging.Filter):
         out.log(record.levelno, "dask-pyspy: that %s", describe(stall))
 
     def _find(self, seen_at: float, seconds: float) -> dict[str, Any] | None:
-        """The stall that ended last before `seen_at`, of about `seconds`: the one
-        distributed measured. The sampler stores it at its next tick."""
+        """The stall distributed measured: of about `seconds`, ended just before
+        `seen_at` (its tick runs once the loop is back). The sampler stores it at its
+        next tick; an earlier stall is never taken for it."""
         deadline = time.monotonic() + FIND_FOR_S
         while True:
-            found = self.sampler.stalls(seen_at - seconds - 5.0, None, min_duration=seconds / 2, most=5)
-            ended = [s for s in found["explained"] if s["start"] + s["duration"] <= seen_at + 0.1]
+            found = self.sampler.stalls(seen_at - seconds - ENDED_WITHIN_S, None, min_duration=seconds / 2, most=5)
+            ended = [s for s in found["explained"] if abs(seen_at - s["start"] - s["duration"]) <= ENDED_WITHIN_S]
             if ended:
                 return max(ended, key=lambda s: s["start"])
             if time.monotonic() > deadline or not self.sampler.is_running:

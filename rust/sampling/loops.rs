@@ -74,6 +74,13 @@ impl LoopWatch {
         (since <= now_ns).then_some(since)
     }
 
+    /// Whether the loop has been late at `now_ns` for long enough that its thread is
+    /// worth reading even when it waits: a quarter of the threshold, so loops merely
+    /// running their callbacks at a tick cost no extra reads.
+    pub fn stalling(&self, now_ns: u64) -> bool {
+        self.late_since(now_ns).is_some_and(|since| now_ns - since >= self.threshold_ns / 4)
+    }
+
     fn push(&self, start_ns: u64, end_ns: u64) {
         let pushed = self.pushed.load(Ordering::Relaxed);
         if pushed - self.taken.load(Ordering::Acquire) >= RING {
@@ -119,6 +126,7 @@ mod tests {
         w.polling(1_050 * MS, Some(20 * MS)); // 40 ms of work
         w.woke(1_060 * MS);
         assert_eq!(w.late_since(1_100 * MS), Some(1_060 * MS));
+        assert!(!w.stalling(1_080 * MS) && w.stalling(1_085 * MS), "late for a quarter of the threshold");
         w.polling(1_400 * MS, None); // 340 ms of work
         assert_eq!(w.late_since(1_500 * MS), None, "polling with no deadline is never late");
         assert_eq!(drained(&w), vec![(1_060 * MS, 1_400 * MS)]);

@@ -47,6 +47,10 @@ impl Stalls {
         }
         if self.records.len() >= MOST {
             self.thin();
+        } else if self.records.len() == self.records.capacity() {
+            // Doubling, but never past `MOST`: the records' whole buffer stays in 1 MiB.
+            let len = self.records.len();
+            self.records.reserve_exact(len.clamp(16, MOST - len));
         }
         let index = match self.loops.iter().position(|&l| l == stall.ident) {
             Some(i) => i,
@@ -153,7 +157,7 @@ mod tests {
             stalls.add(stall(s, 150), DAY);
         }
         assert_eq!((stalls.len(), stalls.dropped), (86_400, 0));
-        assert!(stalls.len() * std::mem::size_of::<Record>() <= 1 << 20);
+        assert!(stalls.records.capacity() * std::mem::size_of::<Record>() <= 1 << 20);
     }
 
     #[test]

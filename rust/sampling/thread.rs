@@ -302,8 +302,8 @@ impl<'a> Loop<'a> {
         let all = self.shared.want_all.swap(false, Ordering::SeqCst);
         let config = &self.config;
         let time_ns = now_ns();
-        // A late loop's thread is read blocked too: the stall's explanation needs it.
-        let late = self.shared.loops.lock().iter().any(|w| w.late_since(time_ns).is_some());
+        // A stalling loop's thread is read blocked too: the stall's explanation needs it.
+        let late = self.shared.loops.lock().iter().any(|w| w.stalling(time_ns));
         let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all };
         match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
             Ok(()) => {
