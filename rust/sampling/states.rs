@@ -59,12 +59,23 @@ struct Files {
     /// When it was last seen blocked on a futex (the GIL, a lock), and in any other call.
     futex_at: Option<Instant>,
     other_at: Option<Instant>,
+    /// The tick that last drew its state: `wait` holds for a tick only if the one
+    /// before drew it too, as a thread not read meanwhile (idle) may have run.
+    drawn_at: u64,
 }
 
 impl Files {
     fn open(tid: u64) -> Option<Files> {
         let syscall = File::open(format!("/proc/self/task/{tid}/syscall")).ok()?;
-        Some(Files { syscall, wait: None, blocked_in: Wait::Running, call: None, futex_at: None, other_at: None })
+        Some(Files {
+            syscall,
+            wait: None,
+            blocked_in: Wait::Running,
+            call: None,
+            futex_at: None,
+            other_at: None,
+            drawn_at: 0,
+        })
     }
 
     /// What the thread waits in, and whether its syscall file was read for it.
@@ -123,18 +134,27 @@ pub struct States {
     last_tick: Option<(u64, u64, Instant)>,
     /// Cores the native threads used, as a moving average over about `NATIVE_SECONDS`.
     native_cores: f64,
+    /// Ticks so far (`cpu_since_last_tick` counts them).
+    ticks: u64,
     pub stats: StateStats,
 }
 
 impl States {
     pub fn new() -> States {
-        States { files: FxHashMap::default(), last_tick: None, native_cores: 0.0, stats: StateStats::default() }
+        States {
+            files: FxHashMap::default(),
+            last_tick: None,
+            native_cores: 0.0,
+            ticks: 0,
+            stats: StateStats::default(),
+        }
     }
 
     /// Call once a tick, after the read: the CPU ns the process and its threads that
     /// Python does not know used since the last call. `python_ns` is what the Python
     /// threads used meanwhile, `own_ns` this sampler thread's clock.
     pub fn cpu_since_last_tick(&mut self, python_ns: u64, own_ns: u64) -> Option<(u64, u64)> {
+        self.ticks += 1;
         let now = Instant::now();
         let process = process_cpu_ns();
         let last = self.last_tick.replace((process, own_ns, now));
@@ -157,8 +177,10 @@ impl States {
         let Some(tid) = t.native_tid else { return guess(t) };
         let Some(files) = self.files.get_mut(&tid) else { return guess(t) };
         let native = self.native_cores >= NATIVE_BUSY;
-        // One that has not run since it was seen blocked is still in the same call.
-        let still = t.cpu_ns == 0 && t.ran.is_some();
+        // One that has not run since it was seen blocked, at the tick before, is still
+        // in the same call.
+        let drawn_before = std::mem::replace(&mut files.drawn_at, self.ticks) + 1 == self.ticks;
+        let still = drawn_before && t.cpu_ns == 0 && t.ran.is_some();
         if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
             return blocked(wait, native);
         }
