@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import selectors
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,6 +142,7 @@ def servers(nthreads: list[int]) -> Iterator[Servers]:
     finally:
         for proc in reversed(procs):
             stop_group(proc)
+        shutil.rmtree(logs_dir, ignore_errors=True)
 
 
 def wait_for(what: str, done: Callable[[], bool], timeout: float = 60.0) -> None:
