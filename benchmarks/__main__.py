@@ -29,6 +29,7 @@ SECTIONS = [
     "bounded_loads",
     "free_threaded",
     "native",
+    "stalls",
 ]
 
 

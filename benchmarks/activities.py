@@ -8,6 +8,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+import dask
 from distributed import Client, LocalCluster
 
 import dask_pyspy
@@ -71,9 +72,12 @@ def per_message_ns(n: int) -> dict[str, float]:
     return out
 
 
-def small_tasks(plugin: bool, quick: bool) -> Callable[[], dict[str, float]]:
+def small_tasks(plugin: bool, quick: bool, settings: dict[str, Any] | None = None) -> Callable[[], dict[str, float]]:
+    """Tiny tasks on 2 workers x 1 thread, timed; `settings`: dask config for the cluster."""
+
     def run() -> dict[str, float]:
         with (
+            dask.config.set(settings or {}),
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
             Client(cluster) as client,
         ):

@@ -69,13 +69,15 @@ def verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
 
-def machine() -> str:
-    cpu = "?"
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return "?"
+
+
+def machine() -> str:
     try:
         pyspy = subprocess.run(
             [os.path.join(os.path.dirname(sys.executable), "py-spy"), "--version"], capture_output=True, text=True
@@ -86,7 +88,7 @@ def machine() -> str:
         ["what", "value"],
         [
             ["date", datetime.datetime.now().isoformat(timespec="seconds")],
-            ["machine", f"{os.cpu_count()} cores, {cpu}, {platform.platform()}"],
+            ["machine", f"{os.cpu_count()} cores, {cpu_model()}, {platform.platform()}"],
             ["load average at start (1, 5, 15 min)", ", ".join(f"{x:.1f}" for x in os.getloadavg())],
             ["python", sys.version.split()[0]],
             ["dask / distributed", f"{dask.__version__} / {distributed.__version__}"],
