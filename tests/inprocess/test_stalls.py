@@ -67,6 +67,12 @@ def stalled():
         sampler.stop()
 
 
+def most(stall: dict[str, Any]) -> str:
+    """The state the loop's thread was sampled in most (a loaded machine starves the
+    sampler too: sampled seconds can fall short of the stall)."""
+    return max(stall["states"], key=stall["states"].get)
+
+
 def at(stalls: list[dict[str, Any]], began: float) -> dict[str, Any]:
     """The longest stall that began after `began` and within a second of it."""
     return max((s for s in stalls if began - 0.05 <= s["start"] < began + 1.0), key=lambda s: s["duration"])
@@ -77,15 +83,14 @@ def test_a_busy_loop_stalls_for_as_long_as_it_ran(stalled):
     stall = at(sampler.stalls()["explained"], began[0])
     assert stall["duration"] >= 0.95
     assert stall["stack"][0].startswith("spin (test_stalls.py")
-    on_cpu = sum(stall["states"].get(state, 0) for state in ("cpu-gil", "cpu", "cpu-wait"))
-    assert on_cpu > 0.5, stall["states"]  # "cpu": free-threaded, the loop holds no GIL
+    assert most(stall) in ("cpu-gil", "cpu", "cpu-wait"), stall["states"]  # "cpu": free-threaded
 
 
 def test_a_blocked_loop_names_its_system_call(stalled):
     sampler, began, _ = stalled
     stall = at(sampler.stalls()["explained"], began[1])
     assert stall["duration"] >= 0.95
-    assert stall["states"].get("blocked", 0) > 0.5
+    assert most(stall) == "blocked", stall["states"]
     assert stall["call"] in ("clock_nanosleep", "nanosleep", "select", "pselect6")
 
 
@@ -97,7 +102,7 @@ def test_a_loop_waiting_for_the_gil_names_its_holder_where_the_reader_can(stalle
     if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
         assert found["holders"] == "no GIL: free-threaded"
         return  # nothing to wait for: the holder runs beside the loop
-    assert stall["states"].get("gil-wait", 0) > stall["duration"] / 2
+    assert most(stall) == "gil-wait", stall["states"]
     if reader == "pyspy":
         assert found["holders"] == "unknown on py-spy's reader" and not stall["gil_holders"]
         assert "an unknown thread (unknown on py-spy's reader)" in describe({**stall, "holders": found["holders"]})
@@ -105,7 +110,7 @@ def test_a_loop_waiting_for_the_gil_names_its_holder_where_the_reader_can(stalle
     assert found["holders"] == "known"
     holder = stall["gil_holders"][0]
     assert holder["function"].startswith("hold_gil (test_stalls.py") and holder["thread"].startswith("holder")
-    assert holder["seconds"] > stall["duration"] / 2
+    assert holder["seconds"] >= stall["states"]["gil-wait"] / 2
 
 
 def test_a_saved_profile_keeps_its_stalls(stalled, tmp_path):
