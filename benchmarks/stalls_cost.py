@@ -239,8 +239,9 @@ def memory(section: Section) -> None:
     buffer, resident = found["buffer"], found["resident"]
     if buffer:
         allocation = (
-            f" At {DAY:,} records the records' buffer is a mapping of {buffer:,} bytes ({buffer / 2**20:.3f} MiB, "
-            f"room for {(buffer - 4096) // RECORD_BYTES:,} records at most), {resident:,} bytes of it resident: "
+            f" At {found['records']:,} records the records' buffer is a mapping of {buffer:,} bytes "
+            f"({buffer / 2**20:.3f} MiB, room for {(buffer - 4096) // RECORD_BYTES:,} records at most), "
+            f"{resident:,} bytes of it resident: "
             f"address space {verdict(buffer <= 2**20)}, resident {verdict(resident <= 2**20)}."
         )
     else:
