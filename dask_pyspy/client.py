@@ -55,6 +55,17 @@ async def _get_profile(client: Client, shown: dict[str, Any], **kwargs: Any) -> 
     return prof if shown["native"] else prof.python_only()
 
 
+def _window(start: float | None, stop: float | None, last: float | None) -> tuple[float | None, float | None]:
+    """A request's window: `start` and `stop`, or the `last` seconds up to now."""
+    seconds = options.last(last)
+    if seconds is not None:
+        if start is not None or stop is not None:
+            raise ValueError("give either last or start/stop, not both")
+        stop = time.time()
+        start = stop - seconds
+    return options.window(start, stop)
+
+
 def _request(
     workers: int | list[str] | None = None,
     scheduler: bool = True,
@@ -75,13 +86,7 @@ def _request(
         "native": options.flag("native", native),
     }
     options.workers(workers)
-    seconds = options.last(last)
-    if seconds is not None:
-        if start is not None or stop is not None:
-            raise ValueError("give either last or start/stop, not both")
-        stop = time.time()
-        start = stop - seconds
-    start, stop = options.window(start, stop)
+    start, stop = _window(start, stop, last)
     timeout = None if timeout is None else options.seconds("timeout", timeout)
     request = dict(
         workers=workers, scheduler=options.flag("scheduler", scheduler), start=start, stop=stop, timeout=timeout
@@ -259,12 +264,7 @@ def get_stalls(
     logged and left out.
     """
     client = client or default_client()
-    seconds = options.last(last)
-    if seconds is not None:
-        if start is not None or stop is not None:
-            raise ValueError("give either last or start/stop, not both")
-        start, stop = time.time() - seconds, None
-    start, stop = options.window(start, stop)
+    start, stop = _window(start, stop, last)
     options.workers(workers)
     request = dict(
         start=start,
