@@ -65,8 +65,10 @@ def parts(stall: dict[str, Any]) -> list[tuple[float, str]]:
         holders = stall.get("gil_holders") or []
         if holders:
             held = _holder(holders[0]) + (f" (and {len(holders) - 1} more)" if len(holders) > 1 else "")
+        elif stall.get("holders") in (None, "known"):
+            held = "a thread not sampled"  # this reader marks holders; none in this stall's ticks
         else:
-            held = f"an unknown thread ({stall.get('holders') or 'not sampled'})"
+            held = f"an unknown thread ({stall['holders']})"
         out.append((gil, f"waiting for the GIL held by {held}"))
     running = states.get("cpu-gil", 0.0) + states.get("cpu", 0.0)
     if running:

@@ -110,7 +110,7 @@ class ExplainStalls(logging.Filter):
             found = self.sampler.stalls(seen_at - seconds - ENDED_WITHIN_S, None, min_duration=seconds / 2, most=5)
             ended = [s for s in found["explained"] if abs(seen_at - s["start"] - s["duration"]) <= ENDED_WITHIN_S]
             if ended:
-                return max(ended, key=lambda s: s["start"])
+                return {**max(ended, key=lambda s: s["start"]), "holders": found["holders"]}
             if time.monotonic() > deadline or not self.sampler.is_running:
                 return None
             time.sleep(FIND_EVERY_S)

@@ -155,6 +155,9 @@ def test_a_description_says_most_first():
         "0.4 s running worker: gather at `f (a.py:1)`"
     )
 
+    unsampled = {**stall, "gil_holders": [], "holders": "known"}
+    assert "waiting for the GIL held by a thread not sampled" in describe(unsampled)
+
 
 async def many_short_stalls(sampler: Sampler, n: int) -> None:
     selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
