@@ -180,6 +180,11 @@ impl States {
         // One that has not run since it was seen blocked, at the tick before, is still
         // in the same call.
         let drawn_before = std::mem::replace(&mut files.drawn_at, self.ticks) + 1 == self.ticks;
+        if !drawn_before {
+            // Its last wait tells of this interval only if seen at the tick before: one
+            // not read meanwhile (idle, or a loop read only while late) may have run since.
+            files.blocked_in = Wait::Running;
+        }
         let still = drawn_before && t.cpu_ns == 0 && t.ran.is_some();
         if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
             return blocked(wait, native);
@@ -295,6 +300,63 @@ mod tests {
         assert_eq!(classify("0 0x3 0x7f 0x20000 0x0 0x0 0x0 0x7ffd 0x7f12\n", &gil).1, Some(0), "the call's number");
         assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(true)).0, Wait::Gil);
         assert_eq!(classify(&futex(0x2000), &GilAt::HeldElsewhere(false)).0, Wait::Lock);
+    }
+
+    fn drawn(tid: u64) -> ThreadStack {
+        let (active, holds_gil, runs_python) = (false, false, false);
+        let (frames, evals, marks) = (Vec::new(), None, Ok(Default::default()));
+        ThreadStack {
+            ident: 1,
+            name: None,
+            frames,
+            evals,
+            active,
+            holds_gil,
+            runs_python,
+            cpu_ns: 0,
+            ran: Some(0.0),
+            native_tid: Some(tid),
+            marks,
+        }
+    }
+
+    #[test]
+    fn a_wait_seen_before_a_gap_is_not_the_rest_of_a_later_interval() {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let (tid, spinning, stop) =
+            (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (t, s, x) = (tid.clone(), spinning.clone(), stop.clone());
+        let napper = std::thread::spawn(move || {
+            t.store(nix::unistd::gettid().as_raw() as u64, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            s.store(true, Ordering::SeqCst);
+            while !x.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        });
+        while tid.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        let (tid, gil) = (tid.load(Ordering::SeqCst), GilAt::HeldElsewhere(false));
+        let in_call = || {
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")).is_ok_and(|l| !l.starts_with("running"))
+        };
+        while !in_call() {
+            std::thread::yield_now();
+        }
+        let mut states = States::new();
+        states.track_threads(&[tid]);
+        states.cpu_since_last_tick(0, 0);
+        assert_eq!(states.state(&drawn(tid), &gil, 0.5), State::Blocked, "asleep");
+        while !spinning.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        states.cpu_since_last_tick(0, 0);
+        states.cpu_since_last_tick(0, 0); // a tick that did not draw it
+        assert_eq!(states.state(&drawn(tid), &gil, 0.99), State::CpuWait, "its nap is old news");
+        stop.store(true, Ordering::Relaxed);
+        napper.join().unwrap();
     }
 
     #[test]
