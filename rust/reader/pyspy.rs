@@ -64,15 +64,16 @@ impl PySpyReader {
     }
 
     /// A new thread can get a dead one's ident; py-spy would keep the old name for it.
-    fn forget_reused_names(&mut self, traces: &mut [StackTrace]) {
+    fn forget_reused_names(&mut self, traces: &mut [StackTrace], tags: &ThreadTags) {
         if self.os_tids.len() > 4 * traces.len() + 64 {
             let live: HashSet<u64> = traces.iter().map(|t| t.thread_id).collect();
             self.os_tids.retain(|ident, _| live.contains(ident));
             self.clocks.clear();
         }
         for t in traces {
-            let previous = self.os_tids.insert(t.thread_id, t.os_thread_id);
-            if previous.is_some_and(|p| p != t.os_thread_id) {
+            let native_tid = native_tid(t, tags);
+            let previous = self.os_tids.insert(t.thread_id, native_tid);
+            if previous.is_some_and(|p| p != native_tid) {
                 self.spy.python_thread_names.remove(&t.thread_id);
                 t.thread_name = None;
             }
@@ -120,12 +121,11 @@ impl StackReader for PySpyReader {
         out.clear();
         let before = tags.snapshot();
         let mut traces = self.spy.get_stack_traces().map_err(|e| format!("{e:#}"))?;
-        self.forget_reused_names(&mut traces);
+        self.forget_reused_names(&mut traces, tags);
         self.cpu_ns = 0;
         self.live.clear();
         for t in &traces {
-            // py-spy reads no native id on 3.9 and 3.10; Python told us each thread's.
-            let native_tid = t.os_thread_id.or_else(|| tags.native_id(t.thread_id));
+            let native_tid = native_tid(t, tags);
             self.live.extend(native_tid);
             let (cpu_ns, ran) = self.cpu_since_last_tick(native_tid);
             let stack = ThreadStack {
@@ -179,4 +179,10 @@ impl StackReader for PySpyReader {
     fn stats(&self) -> Value {
         json!({"fallback_reason": self.reason})
     }
+}
+
+/// py-spy reads no native id on 3.9 and 3.10; Python told us each thread's as it
+/// started (and forgets it as it ends).
+fn native_tid(t: &StackTrace, tags: &ThreadTags) -> Option<u64> {
+    t.os_thread_id.or_else(|| tags.native_id(t.thread_id))
 }
