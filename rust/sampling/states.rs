@@ -62,6 +62,8 @@ struct Files {
     /// The tick that last drew its state: `wait` holds for a tick only if the one
     /// before drew it too, as a thread not read meanwhile (idle) may have run.
     drawn_at: u64,
+    /// The call that draw found it blocked in, where one was read.
+    drawn_call: Option<u16>,
 }
 
 impl Files {
@@ -75,6 +77,7 @@ impl Files {
             futex_at: None,
             other_at: None,
             drawn_at: 0,
+            drawn_call: None,
         })
     }
 
@@ -180,13 +183,10 @@ impl States {
         // One that has not run since it was seen blocked, at the tick before, is still
         // in the same call.
         let drawn_before = std::mem::replace(&mut files.drawn_at, self.ticks) + 1 == self.ticks;
-        if !drawn_before {
-            // Its last wait tells of this interval only if seen at the tick before: one
-            // not read meanwhile (idle, or a loop read only while late) may have run since.
-            files.blocked_in = Wait::Running;
-        }
+        files.drawn_call = None;
         let still = drawn_before && t.cpu_ns == 0 && t.ran.is_some();
         if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
+            files.drawn_call = files.call;
             return blocked(wait, native);
         }
         // Attached with no GIL (free-threaded): running Python, so in no blocking call
@@ -210,18 +210,23 @@ impl States {
         match wait {
             // Off a CPU for the rest of the interval and runnable now: in the run queue,
             // where its clock stands still. Back on a CPU now: the rest was its last wait,
-            // or the run queue for one never seen blocked.
+            // or the run queue for one never seen blocked. Which call that wait was in is
+            // not known: it may be long ago (a thread not read meanwhile).
             Wait::Running if files.blocked_in != Wait::Running && on_cpu_now(tid, before) => {
                 blocked(files.blocked_in, native)
             }
             Wait::Running => State::CpuWait,
-            blocked_in => blocked(blocked_in, native),
+            blocked_in => {
+                files.drawn_call = files.call;
+                blocked(blocked_in, native)
+            }
         }
     }
 
-    /// The system call `tid` was last seen blocked in, by number.
+    /// The system call, by number, `tid` was in at this tick's draw of its state, if
+    /// it was drawn blocked in one it was read in.
     pub fn call(&self, tid: u64) -> Option<u16> {
-        self.files.get(&tid).and_then(|f| f.call)
+        self.files.get(&tid).filter(|f| f.drawn_at == self.ticks).and_then(|f| f.drawn_call)
     }
 
     /// Whether every wait of `tid` seen lately was on a futex (the GIL, a lock), and at
@@ -321,7 +326,7 @@ mod tests {
     }
 
     #[test]
-    fn a_wait_seen_before_a_gap_is_not_the_rest_of_a_later_interval() {
+    fn a_call_seen_before_a_gap_is_not_named_in_a_later_interval() {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         use std::sync::Arc;
         let (tid, spinning, stop) =
@@ -349,12 +354,15 @@ mod tests {
         states.track_threads(&[tid]);
         states.cpu_since_last_tick(0, 0);
         assert_eq!(states.state(&drawn(tid), &gil, 0.5), State::Blocked, "asleep");
+        assert!(states.call(tid).is_some(), "in the call it was read in");
         while !spinning.load(Ordering::SeqCst) {
             std::thread::yield_now();
         }
         states.cpu_since_last_tick(0, 0);
         states.cpu_since_last_tick(0, 0); // a tick that did not draw it
-        assert_eq!(states.state(&drawn(tid), &gil, 0.99), State::CpuWait, "its nap is old news");
+                                          // The rest of the interval may be drawn as its last wait, but not in that call.
+        states.state(&drawn(tid), &gil, 0.99);
+        assert_eq!(states.call(tid), None, "its nap's call is old news");
         stop.store(true, Ordering::Relaxed);
         napper.join().unwrap();
     }
