@@ -235,17 +235,19 @@ def test_registering_again_applies_new_options_and_keeps_history(fresh, recwarn)
 
 
 def test_live_dump_shows_running_tasks(client):
-    future = client.submit(sleeper, 3, key="sleeper-dumped")
-    deadline = time.time() + 10
+    future = client.submit(sleeper, 5, key="sleeper-dumped")
+    deadline = time.time() + 30
     while time.time() < deadline:
         stacks = client.pyspy_dump()
         running = [
             th for proc in stacks["processes"].values() for th in proc["threads"] if th["task"] == "sleeper-dumped"
         ]
-        if running:
+        # The task's key is on its thread from when distributed marks it busy, which
+        # is a moment before its function's frame (metering, argument unpacking).
+        if running and running[0]["frames"][0]["name"] in ("sleeper", "sleep"):
             break
         time.sleep(0.2)
-    assert running and running[0]["frames"][0]["name"] in ("sleeper", "sleep")
+    assert running and running[0]["frames"][0]["name"] in ("sleeper", "sleep"), running
     text = str(stacks)
     assert "task sleeper-dumped" in text and "Process scheduler" in text
     future.result()
