@@ -34,3 +34,9 @@ def self_seconds(doc: dict[str, Any], name: str) -> float:
     return sum(
         w for p in doc["profiles"] for s, w in zip(p["samples"], p["weights"]) if s and frames[s[-1]]["name"] == name
     )
+
+
+def most_sampled_state(stall: dict[str, Any]) -> str:
+    """The state a stalled loop's thread was sampled in most: sampled seconds can fall
+    short of a stall's duration on a loaded machine, whose sampler is starved too."""
+    return max(stall["states"], key=stall["states"].get)

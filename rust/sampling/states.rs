@@ -358,9 +358,10 @@ mod tests {
         while !spinning.load(Ordering::SeqCst) {
             std::thread::yield_now();
         }
+        // A tick that does not draw it, then one that does: the rest of the interval
+        // may be drawn as its last wait, but not in that call.
         states.cpu_since_last_tick(0, 0);
-        states.cpu_since_last_tick(0, 0); // a tick that did not draw it
-                                          // The rest of the interval may be drawn as its last wait, but not in that call.
+        states.cpu_since_last_tick(0, 0);
         states.state(&drawn(tid), &gil, 0.99);
         assert_eq!(states.call(tid), None, "its nap's call is old news");
         stop.store(true, Ordering::Relaxed);

@@ -14,6 +14,7 @@ import pytest
 from tests.cluster.test_cli import run
 from tests.cluster.test_preload import Preloaded, preloaded
 from tests.cluster.workload import add_loop_handlers, hold_gil
+from tests.conftest import most_sampled_state
 
 DEADLINE_S = 60.0
 GIL_CALL = 80_000_000  # sum(range(n)): about 1.5 s here, one C call that keeps the GIL
@@ -36,12 +37,6 @@ def wait_for(find: Callable[[], Any], what: str) -> Any:
     return found
 
 
-def most(stall: dict[str, Any]) -> str:
-    """The state the loop's thread was sampled in most: sampled seconds can fall short
-    of a stall's duration on a loaded machine, whose sampler is starved too."""
-    return max(stall["states"], key=stall["states"].get)
-
-
 def stalls_of(cluster: Preloaded, start: float, process: str) -> list[dict[str, Any]]:
     return [s for s in cluster.client.pyspy_stalls(start=start) if s["process"].startswith(process)]
 
@@ -57,7 +52,7 @@ def test_a_scheduler_handler_that_spins_is_a_stall_named_by_its_op(servers):
     assert stall["duration"] >= 0.95
     assert stall["address"] == servers.client.scheduler.address
     assert any(frame.startswith("spin") for frame in stall["stack"])
-    assert most(stall) in ("cpu-gil", "cpu-wait"), stall["states"]
+    assert most_sampled_state(stall) in ("cpu-gil", "cpu-wait"), stall["states"]
 
 
 def test_a_handler_blocking_the_loop_reads_blocked_in_its_system_call(servers):
@@ -68,7 +63,7 @@ def test_a_handler_blocking_the_loop_reads_blocked_in_its_system_call(servers):
         return [s for s in stalls_of(servers, start, "scheduler") if s["activity"] == "scheduler: sleep_on_loop"]
 
     (stall,) = wait_for(named, "stall of the handler")
-    assert most(stall) == "blocked", stall["states"]
+    assert most_sampled_state(stall) == "blocked", stall["states"]
     assert stall["call"] in ("clock_nanosleep", "nanosleep", "select", "pselect6")
     assert stall["stack"][0].startswith("sleep_on_loop")
 
@@ -87,7 +82,7 @@ def test_a_task_holding_the_gil_is_named_and_distributed_s_line_explained(server
     stall = wait_for(held, "stall held by the task")[0]
     holder = stall["gil_holders"][0]
     assert holder["prefix"] == "hold_gil" and holder["function"].startswith("hold_gil")
-    assert most(stall) == "gil-wait" and holder["seconds"] >= stall["states"]["gil-wait"] / 2, stall
+    assert most_sampled_state(stall) == "gil-wait" and holder["seconds"] >= stall["states"]["gil-wait"] / 2, stall
     assert stall["holders"] == "known"
 
     def explained() -> list[str]:

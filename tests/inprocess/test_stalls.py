@@ -13,6 +13,7 @@ import pytest
 
 from dask_pyspy import Profile, Sampler
 from dask_pyspy.stalls import describe
+from tests.conftest import most_sampled_state
 
 THRESHOLD = 0.2
 
@@ -67,12 +68,6 @@ def stalled():
         sampler.stop()
 
 
-def most(stall: dict[str, Any]) -> str:
-    """The state the loop's thread was sampled in most (a loaded machine starves the
-    sampler too: sampled seconds can fall short of the stall)."""
-    return max(stall["states"], key=stall["states"].get)
-
-
 def at(stalls: list[dict[str, Any]], began: float) -> dict[str, Any]:
     """The longest stall that began after `began` and within a second of it."""
     return max((s for s in stalls if began - 0.05 <= s["start"] < began + 1.0), key=lambda s: s["duration"])
@@ -83,14 +78,14 @@ def test_a_busy_loop_stalls_for_as_long_as_it_ran(stalled):
     stall = at(sampler.stalls()["explained"], began[0])
     assert stall["duration"] >= 0.95
     assert stall["stack"][0].startswith("spin (test_stalls.py")
-    assert most(stall) in ("cpu-gil", "cpu", "cpu-wait"), stall["states"]  # "cpu": free-threaded
+    assert most_sampled_state(stall) in ("cpu-gil", "cpu", "cpu-wait"), stall["states"]  # "cpu": free-threaded
 
 
 def test_a_blocked_loop_names_its_system_call(stalled):
     sampler, began, _ = stalled
     stall = at(sampler.stalls()["explained"], began[1])
     assert stall["duration"] >= 0.95
-    assert most(stall) == "blocked", stall["states"]
+    assert most_sampled_state(stall) == "blocked", stall["states"]
     assert stall["call"] in ("clock_nanosleep", "nanosleep", "select", "pselect6")
 
 
@@ -102,7 +97,7 @@ def test_a_loop_waiting_for_the_gil_names_its_holder_where_the_reader_can(stalle
     if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
         assert found["holders"] == "no GIL: free-threaded"
         return  # nothing to wait for: the holder runs beside the loop
-    assert most(stall) == "gil-wait", stall["states"]
+    assert most_sampled_state(stall) == "gil-wait", stall["states"]
     if reader == "pyspy":
         assert found["holders"] == "unknown on py-spy's reader" and not stall["gil_holders"]
         assert "an unknown thread (unknown on py-spy's reader)" in describe({**stall, "holders": found["holders"]})
