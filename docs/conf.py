@@ -2,17 +2,19 @@
 
 Build: `pip install -r docs/requirements.txt` into a venv where dask-pyspy (its
 compiled extension included) is installed, then
-`sphinx-build -W --keep-going -b html docs /tmp/dask-pyspy-docs`.
+`sphinx-build -W --keep-going -b html docs docs/_build/html` (as `ci/test.sh` does).
 """
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
-# Document this checkout's sources, not whichever dask-pyspy the venv installed; the
-# extension (`dask_pyspy/_native*.so`) must be built in place (`maturin develop`).
-sys.path.insert(0, os.path.abspath(".."))
+# Document this checkout's sources where its extension is built in place (`maturin
+# develop` puts `dask_pyspy/_native*.so` there); else the dask-pyspy the venv installed.
+ROOT = Path(__file__).resolve().parent.parent
+if any((ROOT / "dask_pyspy").glob("_native*.so")):
+    sys.path.insert(0, str(ROOT))
 
 import dask_pyspy  # noqa: E402
 
