@@ -49,3 +49,4 @@ default_role = "code"
 
 html_theme = "furo"
 html_title = f"dask-pyspy {release}"
+html_show_copyright = False  # no holder is named anywhere; the license is in pyproject.toml
