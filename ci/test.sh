@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything the tests need on a fresh machine, builds the extension, runs
-# the linters (ci/lint.sh), then every test: Rust unit tests, the Python suite, the
-# whole suite again on a loaded machine, and a subset on CPython 3.13, 3.14, 3.15 and
-# 3.9 (ci/matrix.sh, with the manylinux2014 wheel).
+# the linters (ci/lint.sh) and builds the docs (sphinx-build -W: a warning fails), then
+# every test: Rust unit tests, the Python suite, the whole suite again on a loaded
+# machine, and a subset on CPython 3.13, 3.14, 3.15 and 3.9 (ci/matrix.sh, with the
+# manylinux2014 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,11 @@ pip install -q -U pip maturin
 maturin develop --release --extras test
 
 bash ci/lint.sh
+# The docs (docs/, MyST pages and the API reference from docstrings) after the linters,
+# before the long tests: a broken link, heading or docstring fails early. docs/_build is
+# ignored by git.
+pip install -q -r docs/requirements.txt
+sphinx-build -W --keep-going -q -b html docs docs/_build/html
 cargo test --lib --quiet
 python -m pytest -q -p no:cacheprovider tests
 

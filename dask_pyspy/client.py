@@ -110,24 +110,30 @@ def get_profile(
 ) -> Profile:
     """The cluster's profile of a time window, merged over every selected process.
 
-    workers: None (all), a number of workers picked at random, or addresses.
-    start, stop: Unix seconds; or `last`: the last so many seconds.
-    by: default grouping of exports, "thread", "task", "prefix", "span" or "activity"
-    (time outside tasks by the scheduler's or worker's event-loop activity).
-    timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
-    span: only the samples of one dask span and the spans nested in it: a name (every
-    span of that name), a span id, or a path of names outermost first. A name or path
-    no span on the scheduler has raises ValueError.
-    weight: what a sample weighs in exports, "wall" or "cpu" time.
-    aggregate: each process sends counts per (thread, stack, task prefix, span)
-    instead of every sample, so the size grows with distinct stacks, not time: for
-    big clusters and long windows. Reports and flame graphs are the same; task keys
-    give way to their prefix and there is no timeline (speedscope's time order).
-    native: False leaves native (C) frames out of the stacks, for the Python-only
-    picture (the servers capture them with the sampler option `native`).
     A request whose profile would exceed config `pyspy.max-result` is refused
     before anything is sent. Workers that fail, time out or send an unusable
     profile are named in `profile.metadata["missing"]`.
+
+    Args:
+        client: the client (default: the current one).
+        workers: None (all), a number of workers picked at random, or addresses.
+        scheduler: whether to include the scheduler's own samples.
+        start: the window's start in Unix seconds (None: open); or give `last`.
+        stop: the window's end in Unix seconds (None: open); or give `last`.
+        last: the last so many seconds (not with `start` or `stop`).
+        by: default grouping of exports, "thread", "task", "prefix", "span" or "activity"
+            (time outside tasks by the scheduler's or worker's event-loop activity).
+        timeout: seconds (> 0) to wait for each worker (default: config `pyspy.timeout`).
+        span: only the samples of one dask span and the spans nested in it: a name (every
+            span of that name), a span id, or a path of names outermost first. A name or path
+            no span on the scheduler has raises ValueError.
+        weight: what a sample weighs in exports, "wall" or "cpu" time.
+        aggregate: each process sends counts per (thread, stack, task prefix, span)
+            instead of every sample, so the size grows with distinct stacks, not time: for
+            big clusters and long windows. Reports and flame graphs are the same; task keys
+            give way to their prefix and there is no timeline (speedscope's time order).
+        native: False leaves native (C) frames out of the stacks, for the Python-only
+            picture (the servers capture them with the sampler option `native`).
     """
     client = client or default_client()
     shown, kwargs = _request(workers, scheduler, start, stop, last, by, timeout, span, weight, aggregate, native)
@@ -255,13 +261,20 @@ def get_stalls(
 ) -> list[dict[str, Any]]:
     """The cluster's event-loop stalls in a window, longest first, each explained: the
     loop's activity, stack and time by state and, while it waited for the GIL, who
-    held it (see `dask_pyspy.stalls` for the keys).
-
-    start, stop: Unix seconds; or `last`: the last so many seconds (default: all kept).
-    min_duration: only stalls at least this long (seconds); the servers' threshold is
-    config `pyspy.stall-threshold`. limit: at most so many (None: all).
-    workers, scheduler, timeout: as for `get_profile`. Workers that cannot answer are
+    held it (see `dask_pyspy.stalls` for the keys). Workers that cannot answer are
     logged and left out.
+
+    Args:
+        client: the client (default: the current one).
+        start: the window's start in Unix seconds (None: open); or give `last`.
+        stop: the window's end in Unix seconds (None: open); or give `last`.
+        last: the last so many seconds (not with `start` or `stop`; default: all kept).
+        min_duration: only stalls at least this long (seconds); the servers' threshold is
+            config `pyspy.stall-threshold`.
+        workers: as for `get_profile`.
+        scheduler: as for `get_profile`.
+        limit: at most so many (None: all).
+        timeout: as for `get_profile`.
     """
     client = client or default_client()
     start, stop = _window(start, stop, last)

@@ -96,7 +96,8 @@ class Profile:
         A file that is none of these, cut short or damaged, that is not a regular file,
         or whose metadata a report could not read, raises ValueError naming it and
         what is wrong; so does one whose load could take more than twice config
-        `pyspy.max-result` (see the README). A file that cannot be read raises OSError.
+        `pyspy.max-result` (see the user guide, "Saving, loading, comparing"). A file
+        that cannot be read raises OSError.
         """
         loadable = ".pyspy.gz, .json or .json.gz"
         try:
@@ -119,7 +120,7 @@ class Profile:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """The run's facts: per-process sampler stats (rate achieved, throttling, errors) and more."""
+        """The run's facts, such as per-process sampler stats (rate achieved, throttling, errors)."""
         meta = self._native.metadata()
         meta["processes"] = self.processes
         return meta
@@ -143,8 +144,9 @@ class Profile:
 
     @property
     def keeps_times(self) -> bool:
-        """Whether the profile says when its time went, as `timeline()` shows: raw
-        samples do; aggregated ones by the timeline cells they carry, which profiles
+        """Whether the profile says when its time went, as `timeline()` shows.
+
+        Raw samples do; aggregated ones by the timeline cells they carry, which profiles
         aggregated by dask-pyspy before it kept them lack."""
         return self._native.has_timeline or not self.metadata.get("aggregate")
 

@@ -136,28 +136,29 @@ class SamplerOptions:
     Their defaults are dask config's `pyspy.*` (`dask_pyspy/pyspy.yaml`), filled in by
     `config.sampler_options`. Types are checked here; the native sampler checks ranges.
 
-    rate: samples per second, in (0, 10000].
-    idle: also keep samples of threads that are waiting (off CPU, not holding the GIL)
-        and run no task (a task's waits are always kept).
-    gil_only: only sample threads running Python: the one holding the GIL, or on a
-        free-threaded build every thread attached to the interpreter.
-    cpu_budget: largest fraction of one core the sampler may use, in (0, 1]; past it
-        the interval stretches and samples are weighted by the time they stand for.
-    max_memory: cap on the sample store in bytes (at least 1 MiB), raw and folded samples
-        alike. Past it the oldest history buckets merge into coarser ones (up to an
-        hour), then the raw window shrinks, then the oldest buckets go.
-    recent: seconds samples stay raw, in [0, 604800]; older ones are folded into the
-        history: summed per thread, stack, task prefix, span, activity and state.
-    history_step: seconds per history bucket, in [1, 3600].
-    lines: record line numbers; off gives function-level profiles at ~25% less cost.
-    function: aggregate by each function's first line (``py-spy record --function``).
-    reader: ``"auto"`` (the fast reader where its self-check at start passes, else
-        py-spy's), ``"fast"`` (our own reader; RuntimeError where it cannot work) or
-        ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
-        says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
-    native: also capture the native (C, C++, Rust) frames of each thread running on a
-        CPU, merged with its Python frames (Linux x86-64; a real-time signal per such
-        thread, never to one in a system call). ``stats()["native"]`` counts what it did.
+    Args:
+        rate: samples per second, in (0, 10000].
+        idle: also keep samples of threads that are waiting (off CPU, not holding the GIL)
+            and run no task (a task's waits are always kept).
+        gil_only: only sample threads running Python: the one holding the GIL, or on a
+            free-threaded build every thread attached to the interpreter.
+        cpu_budget: largest fraction of one core the sampler may use, in (0, 1]; past it
+            the interval stretches and samples are weighted by the time they stand for.
+        max_memory: cap on the sample store in bytes (at least 1 MiB), raw and folded samples
+            alike. Past it the oldest history buckets merge into coarser ones (up to an
+            hour), then the raw window shrinks, then the oldest buckets go.
+        recent: seconds samples stay raw, in [0, 604800]; older ones are folded into the
+            history: summed per thread, stack, task prefix, span, activity and state.
+        history_step: seconds per history bucket, in [1, 3600].
+        lines: record line numbers; off gives function-level profiles at ~25% less cost.
+        function: aggregate by each function's first line (``py-spy record --function``).
+        reader: ``"auto"`` (the fast reader where its self-check at start passes, else
+            py-spy's), ``"fast"`` (our own reader; RuntimeError where it cannot work) or
+            ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
+            says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
+        native: also capture the native (C, C++, Rust) frames of each thread running on a
+            CPU, merged with its Python frames (Linux x86-64; a real-time signal per such
+            thread, never to one in a system call). ``stats()["native"]`` counts what it did.
     """
 
     rate: float = _checked_by(number)

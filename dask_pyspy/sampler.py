@@ -57,7 +57,7 @@ class Sampler:
     """Samples every Python thread of this process from a background Rust thread.
 
     `options` are `SamplerOptions`' fields by name (rate, idle, gil_only, cpu_budget,
-    max_memory, recent, history_step, lines, function, reader: see there); those not
+    max_memory, recent, history_step, lines, function, reader, native: see there); those not
     given (or None) come from dask config `pyspy.*`. A bad one raises ValueError, an
     unknown name TypeError.
 

@@ -78,7 +78,7 @@ def test_top_names_the_workload_and_its_wall_time(recorded):
     assert top_total_seconds(report) == pytest.approx(prof.sampled_seconds, rel=0.01), report
     gamma_only = top_functions(go_pprof(path, "-top", "-tagfocus=task_prefix=gamma"))
     assert "gamma" in gamma_only and "alpha" not in gamma_only, "labels are on the right samples"
-    in_load = top_functions(go_pprof(path, "-top", "-tagfocus=span=load"))  # the README's example
+    in_load = top_functions(go_pprof(path, "-top", "-tagfocus=span=load"))  # the user guide's example
     assert "alpha" in in_load and "gamma" not in in_load, in_load
 
 
