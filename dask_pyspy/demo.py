@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 SCHEDULER_CORES = 1  # left to the scheduler and the client, which share this process
 MAX_WORKERS = 4  # more processes would only slow the demo's start
+WORKLOAD_MODULES = ("dask.array", "dask.dataframe")
 WINDOW = 100  # rows `slow_python_loop` looks back over, for each row
 
 
@@ -81,6 +83,7 @@ def run_demo(output: str, days: int, workers: int | None = None, threads: int | 
 
     import dask_pyspy
 
+    _import_workload_modules()
     cores = len(os.sched_getaffinity(0))
     n_workers, n_threads = sized(cores, workers, threads)
     how = "as asked" if workers and threads else f"sized to {cores} cores, one kept for the scheduler"
@@ -93,6 +96,16 @@ def run_demo(output: str, days: int, workers: int | None = None, threads: int | 
             workload(days)
     assert rec.profile is not None, "set as the block ended"
     _tell(rec.profile, output)
+
+
+def _import_workload_modules() -> None:
+    """Before the cluster starts, and before the window: the report shows the work, not
+    this process importing pandas and pyarrow."""
+    for name in WORKLOAD_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise click.ClickException(f"the demo needs {name}: pip install 'dask-pyspy[demo]' ({e})") from e
 
 
 def _tell(prof: Profile, output: str) -> None:
