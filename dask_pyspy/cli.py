@@ -205,7 +205,10 @@ def stalls(scheduler: str, last: float, min_duration: float, limit: int, workers
     click.echo(table(found))
 
 
-@pyspy.command(help="Profile a realistic workload on a LocalCluster and save the report.")
+@pyspy.command(
+    help="Profile a realistic workload (a dataframe shuffle, numpy, a slow Python function) "
+    "on a new LocalCluster and save the report."
+)
 @click.option(
     "-o",
     "--output",
@@ -213,15 +216,35 @@ def stalls(scheduler: str, last: float, min_duration: float, limit: int, workers
     show_default=True,
     help=OUTPUT_HELP,
 )
-@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=1))
-@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="Threads per worker.")
 @click.option(
-    "--days", default=20, show_default=True, type=click.IntRange(min=1), help="Size of the timeseries data set."
+    "--workers",
+    "n_workers",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Worker processes (default: sized to the cores this process may use, one kept for the scheduler).",
 )
-def demo(output: str, n_workers: int, threads: int, days: int) -> None:
+@click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Threads per worker (default: sized like --workers).",
+)
+@click.option(
+    "--days",
+    default=30,  # about 20 s on 2 cores
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Size of the workload: days of timeseries data, one partition each; every part scales with it.",
+)
+def demo(output: str, n_workers: int | None, threads: int | None, days: int) -> None:
     from dask_pyspy.demo import run_demo
+    from dask_pyspy.files import check_writable
 
-    run_demo(output, n_workers=n_workers, threads=threads, days=days)
+    try:
+        check_writable(output)  # before anything starts
+    except (OSError, ValueError) as e:
+        raise RequestError(f"--output: {e}") from e
+    run_demo(output, days, workers=n_workers, threads=threads)
 
 
 @pyspy.command(

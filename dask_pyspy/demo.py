@@ -1,46 +1,138 @@
-"""The main job: profile a realistic dataframe workload on a LocalCluster."""
+"""The main job: profile a realistic workload on a LocalCluster sized to this machine."""
 
 from __future__ import annotations
 
+import datetime
+import importlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
 import click
+
+if TYPE_CHECKING:
+    from distributed import LocalCluster
+
+    from dask_pyspy.model import Profile
+
+SCHEDULER_CORES = 1  # left to the scheduler and the client, which share this process
+MAX_WORKERS = 4  # more processes would only slow the demo's start
+WORKLOAD_MODULES = ("dask.array", "dask.dataframe")
+WINDOW = 100  # rows `slow_python_loop` looks back over, for each row
+
+
+def sized(cores: int, workers: int | None = None, threads: int | None = None) -> tuple[int, int]:
+    """Workers and threads per worker whose task threads fit `cores` beside the
+    scheduler, so the demo's report shows no CPU waits the demo caused. A count given
+    stays; the other fills the cores left."""
+    free = max(1, cores - SCHEDULER_CORES)
+    if workers is None:
+        workers = max(1, free // threads) if threads else min(MAX_WORKERS, max(1, free // 2))
+    if threads is None:
+        threads = max(1, free // workers)
+    return workers, threads
+
+
+def slow_python_loop(part: Any) -> float:
+    """Deliberately slow: the mean rank of each row of a partition (a pandas DataFrame)
+    among the WINDOW rows before it, by a pure-Python loop where `rolling(...).rank()`
+    would do it in C. The report's tables find it."""
+    xs = part["x"].tolist()
+    below = 0
+    for i, x in enumerate(xs):
+        for earlier in xs[max(0, i - WINDOW) : i]:
+            if earlier < x:
+                below += 1
+    return below / max(len(xs), 1)
 
 
 def workload(days: int) -> None:
-    """A shuffle-heavy dataframe job and a pure-Python one, as users run them."""
+    """A dataframe shuffle and groupby, a numpy QR decomposition and `slow_python_loop`,
+    each scaling with `days` (one partition a day): what the report tells apart."""
     import dask
-    import dask.bag as db
+    import dask.array as da
 
-    df = dask.datasets.timeseries(
-        start="2000-01-01", end=f"2000-01-{1 + min(days, 30):02d}", freq="1s", partition_freq="1d"
+    end = datetime.date(2000, 1, 1) + datetime.timedelta(days=days)
+    df = dask.datasets.timeseries(start="2000-01-01", end=end.isoformat(), freq="1s", partition_freq="1d")
+    dask.compute(df.shuffle("id").groupby("id").x.mean(), df.groupby("name").agg({"x": "std", "y": "mean"}))
+    _, r = da.linalg.qr(da.random.random((400 * days, 1000), chunks=1000))  # a tall matrix's QR
+    r.compute()
+    dask.compute(*map(dask.delayed(slow_python_loop), df.to_delayed()))
+
+
+def local_cluster(workers: int, threads: int) -> LocalCluster:
+    """The demo's cluster: worker processes beside the scheduler in this one, quiet
+    but for errors. Each worker applies `silence_logs` in its own process too, where a
+    `logging` dask config would come too late (a spawned worker sets up its logging
+    as it imports distributed, before it takes its nanny's config)."""
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=workers,
+        threads_per_worker=threads,
+        processes=True,
+        dashboard_address=":0",
+        silence_logs=logging.ERROR,
     )
-    df.set_index("id")[["x", "y"]].mean().compute()
-    df.groupby("name").x.std().compute()
-    db.range(200_000, npartitions=40).map(lambda i: sum(range(i % 500))).sum().compute()
 
 
-def run_demo(output: str, n_workers: int = 2, threads: int = 2, days: int = 20) -> None:
-    from distributed import Client, LocalCluster
+def run_demo(output: str, days: int, workers: int | None = None, threads: int | None = None) -> None:
+    """Profile `workload(days)` on a new LocalCluster into `output`; workers and
+    threads per worker are `sized` to this process's cores unless given."""
+    from distributed import Client
 
     import dask_pyspy
-    from dask_pyspy.files import check_writable
 
-    check_writable(output)  # before anything starts
-    with (
-        LocalCluster(
-            n_workers=n_workers, threads_per_worker=threads, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    _import_workload_modules()
+    cores = len(os.sched_getaffinity(0))
+    n_workers, n_threads = sized(cores, workers, threads)
+    how = "as asked" if workers and threads else f"sized to {cores} cores, one kept for the scheduler"
+    with local_cluster(n_workers, n_threads) as cluster, Client(cluster) as client:
         client.register_plugin(dask_pyspy.PySpyPlugin())
-        click.echo(f"Cluster up: {n_workers} workers x {threads} threads; dashboard {client.dashboard_link}")
+        click.echo(f"Cluster up: {_count(n_workers, 'worker')} x {_count(n_threads, 'thread')} ({how})")
+        click.echo(f"Dashboard: {client.dashboard_link}")
+        click.echo(f"Profiling {days} days of data: a dataframe shuffle, a numpy QR, a slow Python function")
         with dask_pyspy.profile(output, client=client) as rec:
             workload(days)
-        prof = rec.profile
-    assert prof is not None, "set as the block ended"
+    assert rec.profile is not None, "set as the block ended"
+    _tell(rec.profile, output)
+
+
+def _import_workload_modules() -> None:
+    """Before the cluster starts, and before the window: the report shows the work, not
+    this process importing pandas and pyarrow."""
+    for name in WORKLOAD_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise click.ClickException(f"the demo needs {name}: pip install 'dask-pyspy[demo]' ({e})") from e
+
+
+def _tell(prof: Profile, output: str) -> None:
+    """What was profiled, at what cost, where the report is and what it found."""
     start, stop = prof.metadata["window"]  # the workload's time, not collecting and shutting down
     click.echo(f"Profiled {stop - start:.1f} s: {prof.n_samples} samples from {len(prof.processes)} processes")
     for proc in prof.processes:
         s = proc["stats"]
         cpu = 100 * s["cpu_fraction"]
         click.echo(f"  {proc['name']}: {s['achieved_rate']:.0f} Hz achieved, sampler CPU {cpu:.1f}% of a core")
-    click.echo(f"Saved {output}")
+    click.echo(f"Report: {os.path.abspath(output)}")
+    click.echo(found(prof.summary()))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def found(summary: dict[str, Any]) -> str:
+    """One line of what the report found: the busiest task prefix and its top function."""
+    from dask_pyspy.render.report import function_file
+
+    if not summary["prefixes"]:
+        return "Found no samples in tasks."
+    busiest = summary["prefixes"][0]
+    line = f"Busiest task prefix: {busiest['prefix']} ({busiest['seconds']:.1f} s sampled)"
+    if busiest["top"]:
+        top = busiest["top"][0]
+        line += f", most in {top['name']} ({function_file(top)})"
+    return line

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dask_pyspy import states
 from dask_pyspy.model import Profile
 
 # The scheduler's event topic where its handlers' "start" and "close" are logged, so a
@@ -21,22 +22,28 @@ def assemble(reply: dict[str, Any], by: str = "thread", weight: str = "wall") ->
 
 
 class StackDump(dict):
-    """Live stacks of every thread in every process; `str()` prints them like `py-spy dump`."""
+    """Live stacks of every thread in every process; `str()` prints them like `py-spy dump`,
+    each thread's state named as the report names it."""
 
     def __str__(self) -> str:
         lines: list[str] = []
         for proc in self["processes"].values():
             lines.append(f"Process {proc['process']} (pid {proc['pid']}, {proc.get('reader') or 'no'} reader)")
             for th in proc["threads"]:
-                state = "active" if th["active"] else "idle"
-                state += "+gil" if th["owns_gil"] else ""
                 task = f" task {th['task']}" if th["task"] else ""
-                lines.append(f"Thread {th['ident']:#x} ({state}): {th['name'] or ''!r}{task}")
+                lines.append(f"Thread {th['ident']:#x} ({_state(th)}): {th['name'] or ''!r}{task}")
                 lines.extend(f"    {_where(f)}" for f in th["frames"])
             lines.append("")
         for name, error in self["missing"].items():
             lines.append(f"Missing {name}: {error}")
         return "\n".join(lines)
+
+
+def _state(thread: dict[str, Any]) -> str:
+    """The thread's state as the report names it, and whether it holds the GIL where
+    that name does not say so (a thread blocked in C that kept it stops all others)."""
+    said = states.name(thread["state"])
+    return f"{said}, holding the GIL" if thread["owns_gil"] and thread["state"] != "cpu-gil" else said
 
 
 def _where(frame: dict[str, Any]) -> str:

@@ -304,14 +304,16 @@ def _figures(raw: Drawable, profile: Drawable, title: str, stalled: list[stalls.
         "missing": [[k, v] for k, v in (profile.metadata.get("missing") or {}).items()],
         "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
         **_graphs(profile, summary, columns),
-        "functions": [[f["name"], _where(f), float(f["seconds"]), *tables.split(f, columns)] for f in summary["top"]],
+        "functions": [
+            [f["name"], function_file(f), float(f["seconds"]), *tables.split(f, columns)] for f in summary["top"]
+        ],
         "everything": ["every sample", float(summary["seconds"]), *tables.split(summary, columns)],
         "idle_sampled": any(p["stats"]["config"]["idle"] for p in profile.processes),
     }
 
 
-def _where(function: dict[str, Any]) -> str:
-    """A function's file, or a native one's library marked as such."""
+def function_file(function: dict[str, Any]) -> str:
+    """A summary function's file, or a native one's library marked as such."""
     if function.get("is_native"):
         return f"{function['file']} (native)"  # a library, named below site-packages
     return os.path.basename(function["file"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from dask_pyspy.states import STATES
+
 
 def _lost_reads(stats: dict[str, Any]) -> tuple[int, int]:
     """Thread-reads left out (stacks that kept changing through every re-read, or a whole
@@ -112,15 +114,6 @@ def _processes_rest(rest: list[Pair]) -> list[Any]:
     ]
 
 
-# Thread states, as the summary names them, and their column headings.
-STATES = {
-    "gil": "on CPU, GIL",
-    "no_gil": "on CPU, no GIL",
-    "cpu_wait": "waiting for a CPU",
-    "gil_wait": "waiting for the GIL",
-    "native": "native threads",
-    "blocked": "blocked",
-}
 # Free-threaded processes run Python without a GIL: running Python or C is one state
 # there, and nothing waits for a GIL.
 FREE_THREADED_STATES = {"on_cpu": "on CPU", **{k: STATES[k] for k in ("cpu_wait", "native", "blocked")}}

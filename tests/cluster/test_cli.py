@@ -13,6 +13,7 @@ import pytest
 from distributed import LocalCluster
 
 from dask_pyspy import Profile
+from dask_pyspy.demo import found, sized
 from tests.cluster.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -40,12 +41,49 @@ def test_dump_prints_live_stacks(client):
 
 
 def test_demo_prints_the_profiles_window(tmp_path):
+    """Sized to the machine, quiet, and ending with where the report is and what it found."""
     out = tmp_path / "demo.pyspy.gz"
-    done = run("demo", "--workers", "1", "--threads", "1", "--days", "1", "-o", str(out))
+    done = run("demo", "--days", "1", "-o", str(out))
     assert done.returncode == 0, done.stderr
+    workers, threads = sized(len(os.sched_getaffinity(0)))
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"Cluster up: {workers} worker{'s' if workers > 1 else ''} x {threads} thread"), lines
+    # distributed's scheduler warns as each shuffle starts; the demo's level keeps that out.
+    assert " - WARNING - " not in done.stdout + done.stderr, done.stderr
+    prof = Profile.load(out)
+    assert len(prof.processes) == workers + 1, [p["name"] for p in prof.processes]
     printed = float(re.search(r"Profiled ([0-9.]+) s", done.stdout).group(1))
-    start, stop = Profile.load(out).metadata["window"]
+    start, stop = prof.metadata["window"]
     assert printed == pytest.approx(stop - start, abs=0.05), done.stdout  # not the cluster's shutdown too
+    summary = prof.summary()
+    assert lines[-2:] == [f"Report: {out}", found(summary)], lines
+    assert found(summary).startswith(f"Busiest task prefix: {summary['prefixes'][0]['prefix']} (")
+    slow = next(p for p in summary["prefixes"] if p["prefix"] == "slow_python_loop")
+    assert slow["top"][0]["name"] == "slow_python_loop", slow["top"]
+
+
+def test_demo_workers_speak_only_of_errors():
+    """The demo's worker processes too: a `logging` dask config would not reach them."""
+    done = subprocess.run([sys.executable, "-c", SAY_IN_EVERY_PROCESS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for where in ("worker", "scheduler"):
+        assert f"{where} says ERROR" in done.stderr, done.stderr
+        assert f"{where} says WARNING" not in done.stderr, done.stderr
+
+
+SAY_IN_EVERY_PROCESS = """
+import logging
+from distributed import Client
+from dask_pyspy.demo import local_cluster
+
+def say(level, where):
+    logging.getLogger("distributed.worker").log(level, "%s says %s", where, logging.getLevelName(level))
+
+with local_cluster(1, 1) as cluster, Client(cluster) as client:
+    for level in (logging.WARNING, logging.ERROR):
+        client.run(say, level, "worker")
+        say(level, "scheduler")
+"""
 
 
 @pytest.mark.parametrize("command", [[], ["record"], ["dump"], ["stalls"], ["demo"], ["diff"]])

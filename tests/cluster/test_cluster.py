@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pytest
@@ -10,8 +11,9 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster
 
 import dask_pyspy
+from dask_pyspy import states
 from tests.cluster.conftest import start_cluster
-from tests.cluster.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper
+from tests.cluster.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper, spin_until
 from tests.conftest import frame_names
 
 
@@ -251,6 +253,39 @@ def test_live_dump_shows_running_tasks(client):
     text = str(stacks)
     assert "task sleeper-dumped" in text and "Process scheduler" in text
     future.result()
+
+
+# A thread running Python is on a CPU or waiting for one, or for the GIL: never idle.
+BUSY = {states.name(code) for code in ("cpu-gil", "cpu", "cpu-wait", "gil-wait")}
+
+
+def dumped_spinners(client, keys):
+    """The first dump in which every task of `keys` runs in `spin_until`, by key."""
+    while True:
+        stacks = client.pyspy_dump()
+        threads = {th["task"]: th for proc in stacks["processes"].values() for th in proc["threads"]}
+        if all(k in threads and "spin_until" in [f["name"] for f in threads[k]["frames"]] for k in keys):
+            return stacks, threads
+        time.sleep(0.1)
+
+
+def test_dump_names_busy_threads_by_their_state(client, tmp_path):
+    """Two task threads spinning in one worker contend for the GIL: the dump prints each
+    as the report names its state (py-spy's old flag printed a waiting one 'idle')."""
+    done = str(tmp_path / "done")
+    worker = next(iter(client.scheduler_info()["workers"]))
+    keys = ["dump-spin-0", "dump-spin-1"]
+    futures = [client.submit(spin_until, done, key=k, workers=[worker]) for k in keys]
+    try:
+        stacks, threads = dumped_spinners(client, keys)
+    finally:
+        open(done, "w").close()
+    client.gather(futures)
+    for key in keys:
+        line = next(line for line in str(stacks).splitlines() if line.endswith(f"task {key}"))
+        state = re.match(r"Thread 0x[0-9a-f]+ \((.*?)(, holding the GIL)?\): ", line).group(1)
+        assert state == states.name(threads[key]["state"]) and state in BUSY, line
+        assert "idle" not in line, line
 
 
 def test_profile_context_manager_records_its_block(client, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -9,6 +10,13 @@ def spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         sum(range(200))
+
+
+def spin_until(path: str, most: float = 60.0) -> None:
+    """Busy in Python until `path` exists: as long as a test needs, `most` seconds at most."""
+    end = time.perf_counter() + most
+    while not os.path.exists(path) and time.perf_counter() < end:
+        spin(0.01)
 
 
 def grind(seconds: float) -> None:
