@@ -6,9 +6,12 @@
 //!   has often preempted it then.
 //! - otherwise, what it waits in now: a system call (`/proc/self/task/TID/syscall`,
 //!   kept open and read with `pread`), where a futex inside the GIL's own state is a
-//!   wait for the GIL; or none, which is the run queue if its CPU clock stands still
-//!   between two readings a few microseconds apart. (Run-queue delay from `schedstat`
-//!   would not do: the kernel adds a wait to it only once the wait ends.) A thread
+//!   wait for the GIL. A thread in none is running or runnable now, and was in the run
+//!   queue for the share of its time off a CPU its `schedstat` gives (the kernel's count
+//!   of run-queue waits that ended since it was last read), else in its last wait. Not
+//!   from its look now: a thread read only when it wakes shares a core with the
+//!   sampler, which has just preempted it. Without the file: the run queue if its CPU
+//!   clock stands still between two readings a few microseconds apart. A thread
 //!   attached to a free-threaded interpreter runs Python and waits in no call: unread.
 //!
 //! Also the CPU time of threads Python does not know (BLAS, arrow).
@@ -64,6 +67,10 @@ struct Files {
     drawn_at: u64,
     /// The call that draw found it blocked in, where one was read.
     drawn_call: Option<u16>,
+    /// Its `schedstat`, opened at the first need (None: not yet; Some(None): none).
+    schedstat: Option<Option<File>>,
+    /// Its CPU time and run-queue delay in ns at the last reading, and when.
+    queued: Option<(u64, u64, Instant)>,
 }
 
 impl Files {
@@ -78,6 +85,8 @@ impl Files {
             other_at: None,
             drawn_at: 0,
             drawn_call: None,
+            schedstat: None,
+            queued: None,
         })
     }
 
@@ -100,6 +109,21 @@ impl Files {
             Wait::Running => {}
         }
         (wait, true)
+    }
+
+    /// The share of its time off a CPU since its last reading `tid` spent in the run
+    /// queue: waits that ended, so not one the sampler may be causing now. None at the
+    /// first reading, or where the kernel keeps no count (no file, or zeros).
+    fn queued_share(&mut self, tid: u64) -> Option<f64> {
+        let file = self.schedstat.get_or_insert_with(|| File::open(format!("/proc/self/task/{tid}/schedstat")).ok());
+        let mut buf = [0u8; 80];
+        let n = file.as_ref()?.read_at(&mut buf, 0).ok()?;
+        let mut fields = std::str::from_utf8(&buf[..n]).ok()?.split_ascii_whitespace().map(|f| f.parse::<u64>().ok());
+        let (ran, queued) = (fields.next()??, fields.next()??);
+        let now = Instant::now();
+        let (ran_before, queued_before, at) = self.queued.replace((ran, queued, now)).filter(|_| ran > 0)?;
+        let off_cpu = now.duration_since(at).as_nanos().saturating_sub(ran.saturating_sub(ran_before).into());
+        (off_cpu > 0).then(|| (queued.saturating_sub(queued_before) as f64 / off_cpu as f64).min(1.0))
     }
 }
 
@@ -203,19 +227,27 @@ impl States {
         if wait != Wait::Running {
             files.blocked_in = wait;
         }
-        if u < t.ran.unwrap_or(if t.active { 1.0 } else { 0.0 }) {
+        let ran = t.ran.unwrap_or(if t.active { 1.0 } else { 0.0 });
+        if u < ran {
             // A thread waiting for the GIL now ran Python, holding it, until it had to let go.
             return if t.holds_gil || wait == Wait::Gil { State::CpuGil } else { State::Cpu };
         }
         match wait {
-            // Off a CPU for the rest of the interval and runnable now: in the run queue,
-            // where its clock stands still. Back on a CPU now: the rest was its last wait,
-            // or the run queue for one never seen blocked. Which call that wait was in is
-            // not known: it may be long ago (a thread not read meanwhile).
-            Wait::Running if files.blocked_in != Wait::Running && on_cpu_now(tid, before) => {
-                blocked(files.blocked_in, native)
-            }
-            Wait::Running => State::CpuWait,
+            // Running or runnable now: the rest of the interval was the run queue, for the
+            // share of its time off a CPU the kernel counted, then its last wait (the run
+            // queue for one never seen blocked). Which call that wait was in is not known:
+            // it may be long ago (a thread not read meanwhile).
+            Wait::Running => match files.queued_share(tid) {
+                Some(queued) if u >= ran + queued * (1.0 - ran) && files.blocked_in != Wait::Running => {
+                    blocked(files.blocked_in, native)
+                }
+                Some(_) => State::CpuWait,
+                // Without the kernel's count: off a CPU and runnable now, its clock stands still.
+                None if files.blocked_in != Wait::Running && on_cpu_now(tid, before) => {
+                    blocked(files.blocked_in, native)
+                }
+                None => State::CpuWait,
+            },
             blocked_in => {
                 files.drawn_call = files.call;
                 blocked(blocked_in, native)
@@ -366,6 +398,17 @@ mod tests {
         assert_eq!(states.call(tid), None, "its nap's call is old news");
         stop.store(true, Ordering::Relaxed);
         napper.join().unwrap();
+    }
+
+    #[test]
+    fn the_run_queue_share_is_the_kernels_since_the_last_reading() {
+        let tid = nix::unistd::gettid().as_raw() as u64;
+        let mut files = Files::open(tid).unwrap();
+        assert_eq!(files.queued_share(tid), None, "nothing to count from at the first reading");
+        std::thread::sleep(std::time::Duration::from_millis(20)); // off a CPU, so a share
+        let share = files.queued_share(tid).expect("this kernel keeps schedstat");
+        assert!((0.0..=1.0).contains(&share), "{share}");
+        assert!(files.schedstat.as_ref().is_some_and(Option::is_some), "kept open");
     }
 
     #[test]
