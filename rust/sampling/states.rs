@@ -234,14 +234,12 @@ impl States {
         }
         match wait {
             // Running or runnable now: the rest of the interval was the run queue, for the
-            // share of its time off a CPU the kernel counted, then its last wait (the run
-            // queue for one never seen blocked). Which call that wait was in is not known:
-            // it may be long ago (a thread not read meanwhile).
+            // share of its time off a CPU the kernel counted, then its last wait (a wait
+            // not seen for one never seen blocked). Which call that wait was in is not
+            // known: it may be long ago (a thread not read meanwhile).
             Wait::Running => match files.queued_share(tid) {
-                Some(queued) if u >= ran + queued * (1.0 - ran) && files.blocked_in != Wait::Running => {
-                    blocked(files.blocked_in, native)
-                }
-                Some(_) => State::CpuWait,
+                Some(queued) if u < ran + queued * (1.0 - ran) => State::CpuWait,
+                Some(_) => blocked(files.blocked_in, native),
                 // Without the kernel's count: off a CPU and runnable now, its clock stands still.
                 None if files.blocked_in != Wait::Running && on_cpu_now(tid, before) => {
                     blocked(files.blocked_in, native)
