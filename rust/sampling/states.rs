@@ -69,7 +69,8 @@ struct Files {
     drawn_call: Option<u16>,
     /// Its `schedstat`, opened at the first need (None: not yet; Some(None): none).
     schedstat: Option<Option<File>>,
-    /// Its CPU time and run-queue delay in ns at the last reading, and when.
+    /// Its CPU time and the run-queue delay drawn so far, in ns, at the last reading,
+    /// and when.
     queued: Option<(u64, u64, Instant)>,
 }
 
@@ -112,7 +113,9 @@ impl Files {
     }
 
     /// The share of its time off a CPU since its last reading `tid` spent in the run
-    /// queue: waits that ended, so not one the sampler may be causing now. None at the
+    /// queue: waits that ended, so not one the sampler may be causing now. A wait longer
+    /// than that time (one that ended as the thread ran most of the interval) carries
+    /// over to the next reading, so every wait the kernel counted is drawn. None at the
     /// first reading, or where the kernel keeps no count (no file, or zeros).
     fn queued_share(&mut self, tid: u64) -> Option<f64> {
         let file = self.schedstat.get_or_insert_with(|| File::open(format!("/proc/self/task/{tid}/schedstat")).ok());
@@ -121,9 +124,12 @@ impl Files {
         let mut fields = std::str::from_utf8(&buf[..n]).ok()?.split_ascii_whitespace().map(|f| f.parse::<u64>().ok());
         let (ran, queued) = (fields.next()??, fields.next()??);
         let now = Instant::now();
-        let (ran_before, queued_before, at) = self.queued.replace((ran, queued, now)).filter(|_| ran > 0)?;
+        let (ran_before, counted, at) = self.queued.replace((ran, queued, now)).filter(|_| ran > 0)?;
         let off_cpu = now.duration_since(at).as_nanos().saturating_sub(ran.saturating_sub(ran_before).into());
-        (off_cpu > 0).then(|| (queued.saturating_sub(queued_before) as f64 / off_cpu as f64).min(1.0))
+        let off_cpu = u64::try_from(off_cpu).unwrap_or(u64::MAX);
+        let drawn = queued.saturating_sub(counted).min(off_cpu);
+        self.queued = Some((ran, counted + drawn, now));
+        (off_cpu > 0).then(|| drawn as f64 / off_cpu as f64)
     }
 }
 
