@@ -67,8 +67,9 @@ struct Files {
     drawn_at: u64,
     /// The call that draw found it blocked in, where one was read.
     drawn_call: Option<u16>,
-    /// Its `schedstat`, opened at the first need (None: not yet; Some(None): none).
-    schedstat: Option<Option<File>>,
+    /// Its `schedstat`, opened with `syscall` so that a thread's descriptors do not
+    /// depend on whether it was read; None where the kernel has none.
+    schedstat: Option<File>,
     /// Its CPU time and the run-queue delay drawn so far, in ns, at the last reading,
     /// and when.
     queued: Option<(u64, u64, Instant)>,
@@ -86,7 +87,7 @@ impl Files {
             other_at: None,
             drawn_at: 0,
             drawn_call: None,
-            schedstat: None,
+            schedstat: File::open(format!("/proc/self/task/{tid}/schedstat")).ok(),
             queued: None,
         })
     }
@@ -117,10 +118,9 @@ impl Files {
     /// than that time (one that ended as the thread ran most of the interval) carries
     /// over to the next reading, so every wait the kernel counted is drawn. None at the
     /// first reading, or where the kernel keeps no count (no file, or zeros).
-    fn queued_share(&mut self, tid: u64) -> Option<f64> {
-        let file = self.schedstat.get_or_insert_with(|| File::open(format!("/proc/self/task/{tid}/schedstat")).ok());
+    fn queued_share(&mut self) -> Option<f64> {
         let mut buf = [0u8; 80];
-        let n = file.as_ref()?.read_at(&mut buf, 0).ok()?;
+        let n = self.schedstat.as_ref()?.read_at(&mut buf, 0).ok()?;
         let mut fields = std::str::from_utf8(&buf[..n]).ok()?.split_ascii_whitespace().map(|f| f.parse::<u64>().ok());
         let (ran, queued) = (fields.next()??, fields.next()??);
         let now = Instant::now();
@@ -157,7 +157,7 @@ pub struct StateStats {
     pub syscall_reads: u64,
     /// Threads past `MAX_OPEN` at a tick, whose states fell back to their CPU clock alone.
     pub unopened: u64,
-    /// Syscall files open now: one per live thread.
+    /// Threads whose files (`syscall`, `schedstat`) are open now: each live thread.
     pub syscall_files: usize,
 }
 
@@ -243,7 +243,7 @@ impl States {
             // share of its time off a CPU the kernel counted, then its last wait (a wait
             // not seen for one never seen blocked). Which call that wait was in is not
             // known: it may be long ago (a thread not read meanwhile).
-            Wait::Running => match files.queued_share(tid) {
+            Wait::Running => match files.queued_share() {
                 Some(queued) if u < ran + queued * (1.0 - ran) => State::CpuWait,
                 Some(_) => blocked(files.blocked_in, native),
                 // Without the kernel's count: off a CPU and runnable now, its clock stands still.
@@ -273,9 +273,9 @@ impl States {
         self.files.get(&tid).is_some_and(|f| lately(f.futex_at) && !lately(f.other_at))
     }
 
-    /// Keeps a file open for each thread of `live` (sorted), and only for those: a
-    /// thread's file opens at the first tick that lists it and closes at the first that
-    /// does not, so a process holds as many as it has threads, whether they were read.
+    /// Keeps the files of each thread of `live` (sorted) open, and only those: a
+    /// thread's files open at the first tick that lists it and close at the first that
+    /// does not, so a process holds two per thread, whether they were read.
     pub fn track_threads(&mut self, live: &[u64]) {
         self.files.retain(|tid, _| live.binary_search(tid).is_ok());
         for &tid in live {
@@ -408,11 +408,10 @@ mod tests {
     fn the_run_queue_share_is_the_kernels_since_the_last_reading() {
         let tid = nix::unistd::gettid().as_raw() as u64;
         let mut files = Files::open(tid).unwrap();
-        assert_eq!(files.queued_share(tid), None, "nothing to count from at the first reading");
+        assert_eq!(files.queued_share(), None, "nothing to count from at the first reading");
         std::thread::sleep(std::time::Duration::from_millis(20)); // off a CPU, so a share
-        let share = files.queued_share(tid).expect("this kernel keeps schedstat");
+        let share = files.queued_share().expect("this kernel keeps schedstat");
         assert!((0.0..=1.0).contains(&share), "{share}");
-        assert!(files.schedstat.as_ref().is_some_and(Option::is_some), "kept open");
     }
 
     #[test]
