@@ -1,7 +1,8 @@
 """Regenerates docs/images/report.png, the README's picture of the report: runs the demo,
-then screenshots the top of its HTML report in headless Chromium (as the browser tests
-start it). Run from anywhere as `python docs/screenshot.py`; it refuses to keep a report
-that shows a warning (a busy machine waits for CPUs), so the picture stays true."""
+then screenshots the top of its HTML report (the summary and the workers' timeline) in
+headless Chromium, started as the browser tests start it. Run from anywhere as
+`python docs/screenshot.py`; it refuses to keep a report that shows a warning (a busy
+machine waits for CPUs), so the picture stays true."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def screenshot(report: Path) -> None:
                 "the report warns, so it would not show the demo as it is; run again on a quieter machine:\n"
                 + "\n".join(warnings)
             )
-        # Down to the heading after the timeline's: the summary's tables and the timeline.
-        end = driver.find_element("xpath", "//h2[normalize-space()='Timeline']/following::h2[1]").location["y"]
+        # The summary's tables and the workers' timeline, down to the next process kind's
+        # (the scheduler's) or the next section: a picture a README can show at full size.
+        end = driver.find_element(
+            "xpath", "(//h2[normalize-space()='Timeline']/following::*[self::h2 or @class='tl-kind'])[2]"
+        ).location["y"]
         clip = {"x": 0, "y": 0, "width": WIDTH, "height": end - MARGIN, "scale": 1}
         shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"clip": clip, "captureBeyondViewport": True})
     finally:
