@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import sysconfig
-from typing import Any
+import time
+from typing import Any, Callable
 
 # A free-threaded build (3.13t): no GIL, and py-spy's reader does not read it.
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+
+
+def wait_for(condition: Callable[[], Any], what: str = "condition", timeout: float = 60.0) -> Any:
+    """`condition()`'s first true answer, asked until `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+    return result
 
 
 def frame_names(doc: dict[str, Any], sample: list[int]) -> list[str]:

@@ -14,7 +14,7 @@ import dask_pyspy
 from dask_pyspy import states
 from tests.cluster.conftest import start_cluster
 from tests.cluster.workload import Counter, alpha, beta, coroutine_task, gamma, sleeper, spin_until
-from tests.conftest import frame_names
+from tests.conftest import frame_names, wait_for
 
 
 def run_mixed_workload(client: Client, round: int = 0) -> None:
@@ -261,12 +261,15 @@ BUSY = {states.name(code) for code in ("cpu-gil", "cpu", "cpu-wait", "gil-wait")
 
 def dumped_spinners(client, keys):
     """The first dump in which every task of `keys` runs in `spin_until`, by key."""
-    while True:
+
+    def spinning():
         stacks = client.pyspy_dump()
         threads = {th["task"]: th for proc in stacks["processes"].values() for th in proc["threads"]}
         if all(k in threads and "spin_until" in [f["name"] for f in threads[k]["frames"]] for k in keys):
             return stacks, threads
-        time.sleep(0.1)
+        return None
+
+    return wait_for(spinning, "dump with every task in spin_until")
 
 
 def test_dump_names_busy_threads_by_their_state(client, tmp_path):

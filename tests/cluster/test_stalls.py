@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,9 +13,8 @@ import pytest
 from tests.cluster.test_cli import run
 from tests.cluster.test_preload import Preloaded, preloaded
 from tests.cluster.workload import add_loop_handlers, hold_gil
-from tests.conftest import most_sampled_state
+from tests.conftest import most_sampled_state, wait_for
 
-DEADLINE_S = 60.0
 GIL_CALL = 80_000_000  # sum(range(n)): about 1.5 s here, one C call that keeps the GIL
 
 
@@ -26,15 +24,6 @@ def servers(tmp_path):
     with preloaded(tmp_path, scheduler_preload=True, **env) as cluster:
         cluster.client.run_on_scheduler(add_loop_handlers)
         yield cluster
-
-
-def wait_for(find: Callable[[], Any], what: str) -> Any:
-    """`find()`'s first true answer: a stall is stored at the sampler's next tick."""
-    deadline = time.time() + DEADLINE_S
-    while not (found := find()):
-        assert time.time() < deadline, f"no {what} within {DEADLINE_S:g} s"
-        time.sleep(0.2)
-    return found
 
 
 def stalls_of(cluster: Preloaded, start: float, process: str) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import pytest
 
 from dask_pyspy import Profile, Sampler
 from dask_pyspy._native import _testing
-from tests.inprocess.test_sampler import wait_for
+from tests.conftest import wait_for
 
 SPANS = {"span-1": {"names": ["load", "parse"], "ids": ["span-0", "span-1"]}}
 KEY = "('parse-8d2c', 3)"

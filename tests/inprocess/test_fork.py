@@ -12,7 +12,7 @@ PRELUDE = """
 import os, sys, threading, time
 from dask_pyspy import Sampler, _native, config
 from dask_pyspy.sampler import process_sampler
-from tests.inprocess.test_sampler import wait_for
+from tests.conftest import wait_for
 
 def spin_until_sampled(s):
     # This thread spins (so it is on a CPU when read) until the sampler kept some of it.

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dask_pyspy import Sampler
 from dask_pyspy.render.report import render_html
-from tests.inprocess.test_sampler import wait_for
+from tests.conftest import wait_for
 
 
 def spin(stop: threading.Event) -> None:

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import pytest
 
 from dask_pyspy import Sampler, _native
-from tests.inprocess.test_sampler import Threads, wait_for
+from tests.conftest import wait_for
+from tests.inprocess.test_sampler import Threads
 
 pytestmark = pytest.mark.skipif(
     not (sys.platform == "linux" and os.uname().machine == "x86_64"), reason="native frames: Linux x86-64 only"

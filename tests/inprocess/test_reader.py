@@ -13,20 +13,10 @@ import time
 import pytest
 
 from dask_pyspy import Sampler
-from tests.conftest import FREE_THREADED, frame_names
+from tests.conftest import FREE_THREADED, frame_names, wait_for
 
 FAST_WORKS = sys.version_info >= (3, 11)
 needs_fast = pytest.mark.skipif(not FAST_WORKS, reason="the fast reader reads CPython 3.11+")
-
-
-def wait_for(condition, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 # Parked threads: each reaches a known stack and waits there until released.

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.bias_child import alternate
 from dask_pyspy import Profile, Sampler, _native
-from tests.conftest import FREE_THREADED, frame_names, profiles_named, weight_by_function
+from tests.conftest import FREE_THREADED, frame_names, profiles_named, wait_for, weight_by_function
 
 
 def busy_alpha(stop: threading.Event) -> None:
@@ -33,13 +33,6 @@ def hold_gil(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-
-
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def deep(n: int, stop: threading.Event) -> None:
