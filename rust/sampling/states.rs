@@ -113,8 +113,8 @@ impl Files {
         (wait, true)
     }
 
-    /// The share of its time off a CPU since its last reading `tid` spent in the run
-    /// queue: waits that ended, so not one the sampler may be causing now. A wait longer
+    /// The share of its time off a CPU since its last reading the thread spent in the
+    /// run queue: waits that ended, so not one the sampler may be causing now. A wait longer
     /// than that time (one that ended as the thread ran most of the interval) carries
     /// over to the next reading, so every wait the kernel counted is drawn. None at the
     /// first reading, or where the kernel keeps no count (no file, or zeros).
