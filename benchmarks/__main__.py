@@ -13,6 +13,7 @@ from benchmarks.common import kept_sections, machine
 SECTIONS = [
     "overhead",
     "sample_cost",
+    "tick_anatomy",
     "oracle",
     "bias",
     "states",

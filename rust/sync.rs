@@ -17,7 +17,7 @@ pub struct Mutex<T>(std::sync::Mutex<T>);
 pub struct MutexGuard<'a, T>(Option<std::sync::MutexGuard<'a, T>>);
 
 impl<T> Mutex<T> {
-    pub fn new(value: T) -> Self {
+    pub const fn new(value: T) -> Self {
         Mutex(std::sync::Mutex::new(value))
     }
 

@@ -69,6 +69,8 @@ pub struct FastReader {
     retried_marks: u64,
     /// Threads that could not be read consistently even then: their samples are lost.
     lost_reads: u64,
+    /// Wall ns spent in the thread list and clocks (`StackReader::list_ns`).
+    list_ns: u64,
 }
 
 impl FastReader {
@@ -95,6 +97,7 @@ impl FastReader {
             retried_reads: 0,
             retried_marks: 0,
             lost_reads: 0,
+            list_ns: 0,
         })
     }
 
@@ -118,8 +121,13 @@ impl FastReader {
         &mut self,
         select: impl Fn(&ThreadState) -> bool,
         tags: &ThreadTags,
+        quiet: bool,
     ) -> Result<Vec<ReadThread>, String> {
-        let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch)?;
+        self.mem.check_handler();
+        let began = std::time::Instant::now();
+        let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch, quiet);
+        self.list_ns += began.elapsed().as_nanos() as u64;
+        let states = states?;
         for t in states.iter().filter(|t| !t.still) {
             self.last.remove(&t.addr); // it ran: what it held may be gone, read or not
         }
@@ -260,7 +268,7 @@ impl StackReader for FastReader {
         out.clear();
         let in_task = tags.tagged();
         let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
-        for r in self.read_where(select, tags)? {
+        for r in self.read_where(select, tags, want.quiet)? {
             let Ok(ids) = r.frames else { continue };
             out.push(ThreadStack {
                 ident: r.state.ident,
@@ -271,6 +279,7 @@ impl StackReader for FastReader {
                 holds_gil: r.state.holds_gil,
                 runs_python: r.state.runs_python(),
                 cpu_ns: r.state.cpu_ns,
+                clock_ns: r.state.clock_ns,
                 ran: r.state.ran,
                 native_tid: Some(r.state.native_tid).filter(|&t| t != 0),
                 marks: r.marks,
@@ -299,6 +308,10 @@ impl StackReader for FastReader {
         &self.threads.live
     }
 
+    fn list_ns(&self) -> u64 {
+        self.list_ns
+    }
+
     fn stats(&self) -> Value {
         json!({
             "python": format!("{}.{}", self.layout.version.0, self.layout.version.1),
@@ -312,7 +325,9 @@ impl StackReader for FastReader {
             "ranges_read": self.mem.ranges,
             "bytes_read": self.mem.bytes,
             "proc_mem_fallback": self.mem.uses_proc_mem(),
+            "reads_by": self.mem.method(),
             "thread_list_walks": self.threads.walks,
+            "clock_reads": self.threads.clock_reads,
             "code_objects_reused": self.codes.reused,
             "code_objects_unreadable": self.codes.unreadable,
         })

@@ -295,6 +295,7 @@ mod tests {
             on_cpu: false,
             cpu_ns: 0,
             ran: None,
+            clock_ns: None,
             native_tid: 0,
             still: true,
         };
@@ -357,6 +358,7 @@ mod tests {
             on_cpu: true,
             cpu_ns: 0,
             ran: None,
+            clock_ns: None,
             native_tid: 0,
             still: false,
         };

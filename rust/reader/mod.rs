@@ -9,6 +9,7 @@ mod code;
 mod fast;
 mod frames;
 mod frees;
+mod guarded;
 mod layout;
 mod linetable;
 mod memory;
@@ -37,6 +38,9 @@ pub struct Want {
     /// Only threads running Python: the one holding the GIL, or on a free-threaded
     /// build every thread attached to the interpreter.
     pub gil_only: bool,
+    /// No thread but the sampler used CPU since the last read: no thread's clock moved,
+    /// so none need be read.
+    pub quiet: bool,
 }
 
 impl Want {
@@ -74,6 +78,8 @@ pub struct ThreadStack {
     pub runs_python: bool,
     /// CPU time the thread used since the previous tick.
     pub cpu_ns: u64,
+    /// Its CPU clock at this read, where read.
+    pub clock_ns: Option<u64>,
     /// The share of the wall time since the previous tick the thread was on a CPU;
     /// None where the reader does not know it.
     pub ran: Option<f64>,
@@ -109,6 +115,10 @@ pub trait StackReader {
     /// Native ids of every thread of the last read, sampled or not, sorted: the live
     /// ones, whose files the sampler may keep open.
     fn live_tids(&self) -> &[u64];
+    /// Wall ns spent reading the thread list and the threads' clocks, over all reads.
+    fn list_ns(&self) -> u64 {
+        0
+    }
 }
 
 /// The reader a sampler was asked for.

@@ -138,6 +138,7 @@ impl StackReader for PySpyReader {
                 holds_gil: t.owns_gil,
                 runs_python: t.owns_gil,
                 cpu_ns,
+                clock_ns: None,
                 ran,
                 native_tid,
                 marks: tags.stable_tag(before.get(&t.thread_id), t.thread_id),

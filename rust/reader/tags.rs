@@ -166,7 +166,7 @@ impl ThreadTags {
     }
 
     pub fn name(&self, ident: u64) -> Option<String> {
-        self.names.lock().get(&ident).map(|n| n.to_string())
+        self.names.lock().get(&ident).map(|n| String::from(&**n))
     }
 }
 

@@ -31,6 +31,8 @@ pub struct ThreadState {
     pub cpu_ns: u64,
     /// The share of the wall time since the last reading it was on a CPU.
     pub ran: Option<f64>,
+    /// Its CPU clock at this reading (None: first reading, or gone).
+    pub clock_ns: Option<u64>,
     pub native_tid: u64,
     /// Used no CPU since the last tick and holds no GIL: its frames cannot have changed.
     pub still: bool,
@@ -74,6 +76,8 @@ pub struct Threads {
     /// Native ids of the threads of the last reading, sorted.
     pub live: Vec<u64>,
     pub walks: u64,
+    /// Threads' CPU clocks read, over all readings (one system call each).
+    pub clock_reads: u64,
 }
 
 /// The GIL's state spans its `interval`, holder, `locked` and switch fields, then two
@@ -101,6 +105,7 @@ impl Threads {
             cpu_ns: 0,
             live: Vec::new(),
             walks: 0,
+            clock_reads: 0,
         })
     }
 
@@ -111,7 +116,15 @@ impl Threads {
     }
 
     /// Every thread state of the interpreter, with its GIL and CPU state.
-    pub fn read(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<ThreadState>, String> {
+    /// `quiet`: no thread but the sampler ran since the last reading, so their clocks stand
+    /// where they were last read.
+    pub fn read(
+        &mut self,
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+        quiet: bool,
+    ) -> Result<Vec<ThreadState>, String> {
         batch.clear();
         let head_at = batch.push(self.interp + layout.interp_threads_head, 8);
         let locked_at = batch.push(self.gil_locked, 4);
@@ -137,8 +150,11 @@ impl Threads {
         };
         let now = Instant::now();
         let list = self.list.clone();
-        let threads: Vec<ThreadState> =
-            list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        let threads: Vec<ThreadState> = list
+            .iter()
+            .zip(&states)
+            .map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout, quiet))
+            .collect();
         self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
         self.live.clear();
         self.live.extend(threads.iter().map(|t| t.native_tid).filter(|&t| t != 0));
@@ -180,9 +196,17 @@ impl Threads {
         Ok(states)
     }
 
-    fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
+    fn state(
+        &mut self,
+        addr: u64,
+        bytes: &[u8],
+        holder: u64,
+        now: Instant,
+        layout: &Layout,
+        quiet: bool,
+    ) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
-        let clock = self.clock(native_tid, now);
+        let clock = self.clock(native_tid, now, quiet);
         let (ran, cpu_ns) = clock.map_or((None, 0), |(ran, used)| (Some(ran), used));
         let on_cpu = ran.is_some_and(|r| r >= RUNNING_SHARE);
         let mut state = ThreadState {
@@ -196,6 +220,7 @@ impl Threads {
             on_cpu,
             cpu_ns,
             ran,
+            clock_ns: self.clocks.get(&native_tid).map(|&(cpu, _)| cpu).filter(|_| clock.is_some()),
             native_tid,
             still: holder != addr && cpu_ns == 0 && clock.is_some(),
         };
@@ -224,8 +249,14 @@ impl Threads {
     }
 
     /// (share of the wall time since the last reading on a CPU, CPU ns used since
-    /// then); None for a thread read for the first time or gone.
-    fn clock(&mut self, native_tid: u64, now: Instant) -> Option<(f64, u64)> {
+    /// then); None for a thread read for the first time or gone. `quiet`: a thread read
+    /// before is known not to have run, and its clock is not read.
+    fn clock(&mut self, native_tid: u64, now: Instant, quiet: bool) -> Option<(f64, u64)> {
+        if let Some((_, at)) = self.clocks.get_mut(&native_tid).filter(|_| quiet) {
+            *at = now;
+            return Some((0.0, 0));
+        }
+        self.clock_reads += 1;
         let cpu = thread_cpu_ns(native_tid)?;
         match self.clocks.insert(native_tid, (cpu, now)) {
             Some((before, at)) if cpu >= before => {

@@ -8,6 +8,7 @@ pub mod config;
 pub mod history;
 pub mod lateness;
 pub mod loops;
+pub mod phases;
 pub mod sampler;
 pub mod series;
 pub mod stalls;

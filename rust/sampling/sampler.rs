@@ -190,6 +190,7 @@ impl Sampler {
             "reader_stats": run.reader_stats,
             "states": run.states,
             "native": run.native,
+            "phases_us": run.phases,
             "cores": std::thread::available_parallelism().map_or(0, usize::from),
             "store": store,
             "config": config,

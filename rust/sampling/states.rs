@@ -35,6 +35,10 @@ const MAX_OPEN: usize = 256;
 /// the CPU in slices of a few milliseconds: many ticks see none of it.
 const NATIVE_BUSY: f64 = 0.1;
 const NATIVE_SECONDS: f64 = 0.1;
+/// CPU the rest of the process may use between two ticks and still count as idle:
+/// the sampler's own clock is read just after the process's, so the two deltas differ
+/// by a few hundred ns of its own work.
+const QUIET_NS: u64 = 2_000;
 /// How long a wait seen stays in a thread's record (`blocks_on_futexes_only`).
 const WAITS_LATELY: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -183,13 +187,21 @@ impl States {
         }
     }
 
-    /// Call once a tick, after the read: the CPU ns the process and its threads that
-    /// Python does not know used since the last call. `python_ns` is what the Python
-    /// threads used meanwhile, `own_ns` this sampler thread's clock.
-    pub fn cpu_since_last_tick(&mut self, python_ns: u64, own_ns: u64) -> Option<(u64, u64)> {
+    /// Whether a thread other than the sampler used CPU since the last tick, given the
+    /// process's CPU clock and the sampler's own, read now (`clocks`): when none did, no
+    /// thread's clock need be read.
+    pub fn others_ran(&self, (process, own_ns): (u64, u64)) -> bool {
+        let Some((process_before, own_before, _)) = self.last_tick else { return true };
+        let others = process.saturating_sub(process_before).saturating_sub(own_ns.saturating_sub(own_before));
+        others > QUIET_NS
+    }
+
+    /// Call once a tick, after the read, with the clocks read at its start (`clocks`): the
+    /// CPU ns the process and its threads that Python does not know used since the last
+    /// call. `python_ns` is what the Python threads used meanwhile.
+    pub fn cpu_since_last_tick(&mut self, python_ns: u64, (process, own_ns): (u64, u64)) -> Option<(u64, u64)> {
         self.ticks += 1;
         let now = Instant::now();
-        let process = process_cpu_ns();
         let last = self.last_tick.replace((process, own_ns, now));
         let (process_before, own_before, at) = last?;
         let process_used = process.saturating_sub(process_before);
@@ -225,7 +237,7 @@ impl States {
         let (wait, before) = if t.runs_python && !t.holds_gil {
             (Wait::Running, None)
         } else {
-            let Some(before) = thread_cpu_ns(tid) else { return guess(t) };
+            let Some(before) = t.clock_ns.or_else(|| thread_cpu_ns(tid)) else { return guess(t) };
             let (wait, read) = files.wait(before, gil);
             self.stats.syscall_reads += read as u64;
             (wait, Some(before))
@@ -319,10 +331,20 @@ fn guess(t: &ThreadStack) -> State {
     }
 }
 
-fn process_cpu_ns() -> u64 {
+/// The process's CPU clock and the calling thread's, in ns, read back to back.
+pub fn clocks() -> (u64, u64) {
+    (clock_ns(libc::CLOCK_PROCESS_CPUTIME_ID), own_cpu_ns())
+}
+
+/// The calling thread's CPU clock, in ns.
+pub fn own_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -355,6 +377,7 @@ mod tests {
             holds_gil,
             runs_python,
             cpu_ns: 0,
+            clock_ns: None,
             ran: Some(0.0),
             native_tid: Some(tid),
             marks,
@@ -388,7 +411,7 @@ mod tests {
         }
         let mut states = States::new();
         states.track_threads(&[tid]);
-        states.cpu_since_last_tick(0, 0);
+        states.cpu_since_last_tick(0, (0, 0));
         assert_eq!(states.state(&drawn(tid), &gil, 0.5), State::Blocked, "asleep");
         assert!(states.call(tid).is_some(), "in the call it was read in");
         while !spinning.load(Ordering::SeqCst) {
@@ -396,8 +419,8 @@ mod tests {
         }
         // A tick that does not draw it, then one that does: the rest of the interval
         // may be drawn as its last wait, but not in that call.
-        states.cpu_since_last_tick(0, 0);
-        states.cpu_since_last_tick(0, 0);
+        states.cpu_since_last_tick(0, (0, 0));
+        states.cpu_since_last_tick(0, (0, 0));
         states.state(&drawn(tid), &gil, 0.99);
         assert_eq!(states.call(tid), None, "its nap's call is old news");
         stop.store(true, Ordering::Relaxed);

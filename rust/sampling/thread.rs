@@ -19,13 +19,13 @@ use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::lateness::Lateness;
 use crate::sampling::loops::LoopWatch;
+use crate::sampling::phases::{Phase, Phases};
 use crate::sampling::series::Series;
 use crate::sampling::stalls::Stalls;
-use crate::sampling::states::{StateStats, States};
+use crate::sampling::states::{clocks, own_cpu_ns, StateStats, States};
 use crate::sampling::store::{Recorded, Store};
 use crate::sampling::watching::{LoopsNow, Watching};
 use crate::sync::{Condvar, Mutex};
-use nix::time::{clock_gettime, ClockId};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use serde_json::Value;
@@ -62,6 +62,8 @@ pub struct RunStats {
     pub lateness: Lateness,
     /// Samples kept aside while an export held the store, recorded a tick later.
     pub deferred_samples: u64,
+    /// Where the ticks' time went, by phase.
+    pub phases: Phases,
 }
 
 /// One thread of a live dump.
@@ -110,10 +112,6 @@ pub fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn thread_cpu_ns() -> u64 {
-    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
-        .map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
-}
 fn cpu_us(t: &ThreadStack) -> u32 {
     (t.cpu_ns / 1000).min(u32::MAX as u64) as u32
 }
@@ -196,6 +194,7 @@ struct Loop<'a> {
     cpu_pending: (u64, u64),
     watching: Watching,
     loops_now: LoopsNow,
+    phases: Phases,
 }
 
 impl<'a> Loop<'a> {
@@ -219,6 +218,7 @@ impl<'a> Loop<'a> {
             cpu_pending: (0, 0),
             watching: Watching::default(),
             loops_now: LoopsNow::default(),
+            phases: Phases::default(),
         }
     }
 
@@ -236,9 +236,9 @@ impl<'a> Loop<'a> {
             // A sample stands for its slot; a tick that a stall pushed past its slot
             // also for the time it came late, up to one more slot.
             let weight = (now - slot).clamp(length, 2 * length);
-            let cpu0 = thread_cpu_ns();
-            self.tick(weight);
-            let cost = thread_cpu_ns().saturating_sub(cpu0);
+            let clocks = clocks();
+            self.tick(weight, clocks);
+            let cost = own_cpu_ns().saturating_sub(clocks.1);
             self.adapt(cost, weight);
             let mut stats = self.shared.stats.lock();
             stats.lateness.add(now.saturating_duration_since(at));
@@ -249,6 +249,7 @@ impl<'a> Loop<'a> {
             if stats.ticks % READER_STATS_EVERY == 1 {
                 self.copy_counters(&mut stats);
                 stats.states = self.kernel.stats();
+                stats.phases = self.phases.clone();
             }
             drop(stats);
             // A late tick's weight reached `now`: the next slot starts there, and a
@@ -295,7 +296,8 @@ impl<'a> Loop<'a> {
         self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
     }
 
-    fn tick(&mut self, weight: Duration) {
+    /// `clocks`: the process's CPU clock and the sampler's, read at the tick's start.
+    fn tick(&mut self, weight: Duration, clocks: (u64, u64)) {
         if self.shared.inject_panic.swap(false, Ordering::SeqCst) {
             panic!("injected by the test switch");
         }
@@ -304,16 +306,25 @@ impl<'a> Loop<'a> {
         let time_ns = now_ns();
         // A stalling loop's thread is read blocked too: the stall's explanation needs it.
         let late = self.shared.loops.lock().iter().any(|w| w.stalling(time_ns));
-        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all };
-        match self.reader.read(want, &self.shared.tags, &mut self.stacks) {
+        let quiet = !self.kernel.others_ran(clocks);
+        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all, quiet };
+        let mut lap = Instant::now();
+        let listed = self.reader.list_ns();
+        let read = self.reader.read(want, &self.shared.tags, &mut self.stacks);
+        self.phases.add(Phase::Stacks, &mut lap);
+        self.phases.move_ns(Phase::Stacks, Phase::Threads, self.reader.list_ns() - listed);
+        match read {
             Ok(()) => {
                 self.track_threads();
-                self.read_states(time_ns);
+                self.read_states(time_ns, clocks);
+                self.phases.add(Phase::States, &mut lap);
                 let now = (&self.stacks[..], &self.states[..], &self.kernel);
                 let weight_us = weight.as_micros() as u64;
                 let shared = self.shared;
                 self.loops_now = self.watching.tick(&shared.loops, &shared.stalls, now, time_ns, weight_us);
+                self.phases.add(Phase::Loops, &mut lap);
                 self.capture_native();
+                self.phases.add(Phase::Native, &mut lap);
                 self.record(time_ns, weight);
                 if all {
                     self.keep_for_dump(time_ns);
@@ -329,13 +340,15 @@ impl<'a> Loop<'a> {
         if let Some(mut store) = self.shared.store.try_lock() {
             self.shared.fold_calls(&mut store); // else the next tick, or the export, folds them
         }
+        self.phases.add(Phase::Record, &mut lap);
+        self.phases.tick();
         self.shared.stats.lock().ticks += 1;
     }
 
     /// Opens the files of the threads alive now, before `start` returns: a server's
     /// descriptor count taken once it started is then the one it comes back to.
     fn open_thread_files(&mut self) {
-        let all = Want { idle: true, gil_only: false };
+        let all = Want { idle: true, gil_only: false, quiet: false };
         if self.reader.read(all, &self.shared.tags, &mut self.stacks).is_ok() {
             self.track_threads();
         }
@@ -351,8 +364,8 @@ impl<'a> Loop<'a> {
     }
 
     /// Each stack's state, and the CPU the process and its native threads used.
-    fn read_states(&mut self, time_ns: u64) {
-        if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), thread_cpu_ns()) {
+    fn read_states(&mut self, time_ns: u64, clocks: (u64, u64)) {
+        if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), clocks) {
             let (p, n) = &mut self.cpu_pending;
             (*p, *n) = (*p + process, *n + native);
             // An export may be reading the series: its CPU waits for the next tick, not the sampler.
@@ -443,7 +456,7 @@ impl<'a> Loop<'a> {
     /// those whose marks changed during the read (a task's at selection: left untagged).
     fn kept(&self, boundary: &mut u64) -> Vec<(usize, Marks)> {
         let config = &self.config;
-        let keep = Want { idle: config.idle, gil_only: config.gil_only };
+        let keep = Want { idle: config.idle, gil_only: config.gil_only, quiet: false };
         let mut kept = Vec::new();
         for (i, t) in self.stacks.iter().enumerate() {
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());

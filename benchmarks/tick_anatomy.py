@@ -1,0 +1,180 @@
+"""Tick anatomy: what one tick costs and asks the kernel, in the shapes users run, with
+this machine's own price of each call, so that figures from two kinds of machine can be
+compared. Each shape runs in a process of its own; its sampling thread alone is traced
+by `strace -c -p TID` to count its system calls by kind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from benchmarks.common import Section, cpu_model, table, verdict
+from benchmarks.sample_cost import parked
+from dask_pyspy import Sampler
+
+RATE = 100
+DEFAULT_BUDGET = 0.01
+# Shape: (threads, spinning or parked 38 frames deep, idle) and the tick's target in us.
+SHAPES: dict[str, tuple[int, bool, bool, float | None]] = {
+    "10 parked x 38 frames, idle=True": (10, False, True, 40),
+    "10 parked x 38 frames, idle=False": (10, False, False, 15),
+    "1 spinning": (1, True, False, None),
+    "4 spinning": (4, True, False, 40),
+    "32 spinning": (32, True, False, None),
+}
+DEPTH = 38
+
+
+def spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(500))
+
+
+def sampler_tid() -> int:
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().startswith("dask-pyspy-samp"):
+                return int(tid)
+    raise RuntimeError("no sampling thread")
+
+
+def syscalls_of(tid: int, seconds: float, sampler: Sampler) -> tuple[dict[str, int], int]:
+    """System calls of thread `tid` by name over `seconds`, and the ticks meanwhile."""
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        trace = subprocess.Popen(["strace", "-c", "-q", "-p", str(tid), "-o", out.name])
+        time.sleep(0.5)  # attached
+        ticks = sampler.stats()["ticks"]
+        time.sleep(seconds)
+        ticks = sampler.stats()["ticks"] - ticks
+        trace.send_signal(signal.SIGINT)
+        trace.wait(timeout=30)
+        report = open(out.name).read()
+    rows = re.findall(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", report, re.M)
+    return {name: int(calls) for calls, name in rows if name != "total"}, ticks
+
+
+def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str, Any]:
+    """One shape at `budget`, in this process: us per tick, Hz, phases, calls per tick."""
+    threads, spinning, idle, _ = SHAPES[shape]
+    stop = threading.Event()
+    pool = [threading.Thread(target=spin, args=(stop,), daemon=True) for _ in range(threads if spinning else 0)]
+    for t in pool:
+        t.start()
+    with contextlib.nullcontext() if spinning else parked(threads, DEPTH):
+        s = Sampler(rate=RATE, idle=idle, cpu_budget=budget)
+        s.start()
+        time.sleep(seconds)
+        calls, traced_ticks = syscalls_of(sampler_tid(), seconds, s) if count else ({}, 0)
+        s.stop()
+    stop.set()
+    for t in pool:
+        t.join()
+    st = s.stats()
+    return {
+        "us_per_tick": 1e6 * st["cpu_s"] / max(st["ticks"], 1),
+        "hz": st["achieved_rate"],
+        "phases": st["phases_us"],
+        "calls": {k: v / max(traced_ticks, 1) for k, v in calls.items()},
+        "clock_reads": st["reader_stats"].get("clock_reads", 0) / max(st["ticks"], 1),
+        "reads_by": st["reader_stats"].get("reads_by"),
+    }
+
+
+def in_child(shape: str, budget: float, seconds: float, count: bool) -> dict[str, Any]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = json.dumps([shape, budget, seconds, count])
+    code = f"import json; from benchmarks.tick_anatomy import measure as m; print(json.dumps(m(*json.loads({args!r}))))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def call_costs() -> list[dict[str, Any]]:
+    """benchmarks/tick_calls.c, built with the machine's C compiler and run."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return []
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "tick_calls")
+        src = os.path.join(os.path.dirname(__file__), "tick_calls.c")
+        subprocess.run([cc, "-O2", "-o", exe, src, "-lpthread"], check=True)
+        return json.loads(subprocess.run([exe], capture_output=True, text=True, check=True).stdout)
+
+
+def calls_text(calls: dict[str, float]) -> str:
+    kept = sorted(((n, c) for n, c in calls.items() if c >= 0.05), key=lambda nc: -nc[1])
+    total = sum(calls.values())
+    return f"{total:.1f}: " + ", ".join(f"{n} {c:.1f}" for n, c in kept) if calls else "-"
+
+
+def run(quick: bool) -> Section:
+    seconds = 2.0 if quick else 4.0
+    costs = call_costs()
+    rows, phase_rows = [], []
+    phase_names: list[str] = []
+    for shape, (_, _, _, target) in SHAPES.items():
+        free = in_child(shape, 1.0, seconds, count=shutil.which("strace") is not None)
+        held = in_child(shape, DEFAULT_BUDGET, seconds, count=False)
+        met = "-" if target is None else f"<= {target:g}: {verdict(free['us_per_tick'] <= target)}"
+        rows.append(
+            [
+                shape,
+                f"{free['us_per_tick']:.0f}",
+                met,
+                f"{free['hz']:.0f}",
+                f"{held['hz']:.0f}",
+                f"{free['clock_reads']:.2f}",
+                calls_text(free["calls"]),
+                free["reads_by"],
+            ]
+        )
+        phase_rows.append([shape, *(f"{v:.1f}" for v in free["phases"].values())])
+        phase_names = list(free["phases"])
+    section = Section(
+        "Tick anatomy",
+        f"One process per shape, sampled at {RATE} Hz: CPU us per tick and the rate without a budget, the rate "
+        f"at the default budget ({100 * DEFAULT_BUDGET:g}% of a core), threads' CPU clocks read per tick, and "
+        "the sampling thread's own system calls per tick, by kind, counted by `strace -c -p` on that thread "
+        f"alone. CPU: {cpu_model()}.",
+    )
+    section.tables.append(
+        table(
+            [
+                "shape",
+                "us/tick",
+                "target",
+                "Hz, no budget",
+                "Hz, 1% budget",
+                "clocks read/tick",
+                "system calls/tick",
+                "reads by",
+            ],
+            rows,
+        )
+    )
+    section.tables.append(
+        "Where a tick's time goes, wall us per tick by phase (timed from the time-stamp counter, "
+        "so timing asks the kernel nothing):\n\n" + table(["shape", *phase_names], phase_rows)
+    )
+    if costs:
+        section.tables.append(
+            "This machine's price of each call, from C: hot (back to back) and cold (after a 10 ms sleep, "
+            "as a tick runs), us:\n\n"
+            + table(["call", "hot", "cold"], [[c["call"], f"{c['hot_us']:.2f}", f"{c['cold_us']:.2f}"] for c in costs])
+        )
+    return section
+
+
+if __name__ == "__main__":
+    print(run("--quick" in sys.argv).markdown())

@@ -1,0 +1,86 @@
+//! Where a tick's time goes: wall time per phase, summed over the run. Read from the
+//! time-stamp counter (vDSO), so timing a phase asks the kernel nothing.
+
+use serde::{Serialize, Serializer};
+use serde_json::{Map, Value};
+use std::time::Instant;
+
+/// A tick's phases, in the order it runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The interpreter's thread list, the GIL and which threads ran.
+    Threads,
+    /// The frames of the threads read, and code objects not cached.
+    Stacks,
+    /// Each sampled thread's state from the kernel, and the process's CPU.
+    States,
+    /// The watched event loops.
+    Loops,
+    /// Native capture.
+    Native,
+    /// Samples into the store, and calls counted since the last tick.
+    Record,
+}
+
+const PHASES: [(Phase, &str); 6] = [
+    (Phase::Threads, "threads"),
+    (Phase::Stacks, "stacks"),
+    (Phase::States, "states"),
+    (Phase::Loops, "loops"),
+    (Phase::Native, "native"),
+    (Phase::Record, "record"),
+];
+
+#[derive(Clone, Debug, Default)]
+pub struct Phases {
+    ns: [u64; PHASES.len()],
+    ticks: u64,
+}
+
+impl Phases {
+    /// Adds the time since `*since` to `phase`, and restarts `*since` now.
+    pub fn add(&mut self, phase: Phase, since: &mut Instant) {
+        let now = Instant::now();
+        self.ns[phase as usize] += now.duration_since(*since).as_nanos() as u64;
+        *since = now;
+    }
+
+    /// Moves `ns` of what `from` was given to `to` (a phase timed inside another).
+    pub fn move_ns(&mut self, from: Phase, to: Phase, ns: u64) {
+        let ns = ns.min(self.ns[from as usize]);
+        self.ns[from as usize] -= ns;
+        self.ns[to as usize] += ns;
+    }
+
+    pub fn tick(&mut self) {
+        self.ticks += 1;
+    }
+}
+
+/// Mean microseconds per tick, by phase.
+impl Serialize for Phases {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let ticks = self.ticks.max(1) as f64;
+        let per_tick =
+            PHASES.iter().map(|&(p, name)| (name.to_string(), Value::from(self.ns[p as usize] as f64 / 1e3 / ticks)));
+        Map::from_iter(per_tick).serialize(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_phase_gets_the_time_since_the_last() {
+        let mut phases = Phases::default();
+        let mut since = Instant::now() - std::time::Duration::from_micros(30);
+        phases.add(Phase::Stacks, &mut since);
+        phases.add(Phase::Record, &mut since);
+        phases.tick();
+        let json = serde_json::to_value(&phases).unwrap();
+        assert!(json["stacks"].as_f64().unwrap() >= 30.0, "{json}");
+        assert!(json["record"].as_f64().unwrap() < 30.0, "{json}");
+        assert_eq!(json["threads"], 0.0);
+    }
+}
