@@ -3,6 +3,7 @@ hosts short of CPUs; and the thread-state columns every table of the report shar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,13 @@ def _errors(stats: dict[str, Any]) -> str:
     return "; ".join(e for e in (stats.get("panic"), fallback and f"fast reader not used: {fallback}") if e)
 
 
+def _budget_for(stats: dict[str, Any]) -> str:
+    """The budget the requested rate needs at what a tick cost here, rounded up to 0.5%."""
+    per_tick = stats["cpu_s"] / max(stats["ticks"], 1)
+    needed = math.ceil(200 * per_tick * stats["requested_rate"]) / 2
+    return f"a tick costs {1e6 * per_tick:.0f} µs here, so {stats['requested_rate']:g} Hz needs {needed:g}%;"
+
+
 def _rate_note(stats: dict[str, Any]) -> str:
     """Why the achieved rate is below the requested one, and what to do about it."""
     requested, achieved = stats["requested_rate"], stats["achieved_rate"]
@@ -38,7 +46,7 @@ def _rate_note(stats: dict[str, Any]) -> str:
         budget = 100 * stats["config"]["cpu_budget"]
         return (
             f"held to the CPU budget ({budget:g}% of a core) on {stats['throttled_ticks']:,} of "
-            f"{stats['ticks']:,} ticks: raise it with PySpyPlugin(cpu_budget=...) or "
+            f"{stats['ticks']:,} ticks: {_budget_for(stats)} raise it with PySpyPlugin(cpu_budget=...) or "
             f"dask config pyspy.cpu-budget, or ask for a lower rate"
         )
     return "the sampling thread fell behind its schedule (a busy machine)"

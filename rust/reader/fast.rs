@@ -71,6 +71,11 @@ pub struct FastReader {
     lost_reads: u64,
     /// Wall ns spent in the thread list and clocks (`StackReader::list_ns`).
     list_ns: u64,
+    /// The last read's stacks, and the (idle, gil_only) it asked for: what a read when
+    /// nothing else ran gives again.
+    last_read: Option<((bool, bool), Vec<ThreadStack>)>,
+    /// Reads answered that way.
+    quiet_reads: u64,
 }
 
 impl FastReader {
@@ -98,6 +103,8 @@ impl FastReader {
             retried_marks: 0,
             lost_reads: 0,
             list_ns: 0,
+            last_read: None,
+            quiet_reads: 0,
         })
     }
 
@@ -225,6 +232,24 @@ impl FastReader {
         Ok(())
     }
 
+    /// When no thread but the sampler ran since the last read, nothing that read saw can
+    /// have changed: its stacks stand, none of them ran, and those only working then
+    /// are not kept. False if the last read asked for other threads.
+    fn reuse_last(&mut self, want: Want, out: &mut Vec<ThreadStack>) -> bool {
+        let Some((_, last)) = self.last_read.as_ref().filter(|(asked, _)| *asked == (want.idle, want.gil_only)) else {
+            return false;
+        };
+        for t in last {
+            let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
+            if want.keeps(t.runs_python, t.runs_python, in_task) {
+                out.push(ThreadStack { active: t.runs_python, cpu_ns: 0, ran: Some(0.0), ..t.clone() });
+            }
+        }
+        self.threads.stand_still();
+        self.quiet_reads += 1;
+        true
+    }
+
     /// The frame ids read last time, if `t` did not run since and still has the same frames.
     fn unchanged(&self, t: &ThreadState) -> Option<Ids> {
         let k = self.last.get(&t.addr)?;
@@ -266,6 +291,9 @@ impl StackReader for FastReader {
 
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
         out.clear();
+        if want.quiet && self.reuse_last(want, out) {
+            return Ok(());
+        }
         let in_task = tags.tagged();
         let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
         for r in self.read_where(select, tags, want.quiet)? {
@@ -285,6 +313,7 @@ impl StackReader for FastReader {
                 marks: r.marks,
             });
         }
+        self.last_read = Some(((want.idle, want.gil_only), out.clone()));
         Ok(())
     }
 
@@ -328,6 +357,7 @@ impl StackReader for FastReader {
             "reads_by": self.mem.method(),
             "thread_list_walks": self.threads.walks,
             "clock_reads": self.threads.clock_reads,
+            "quiet_reads": self.quiet_reads,
             "code_objects_reused": self.codes.reused,
             "code_objects_unreadable": self.codes.unreadable,
         })

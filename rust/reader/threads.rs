@@ -228,6 +228,13 @@ impl Threads {
         state
     }
 
+    /// A reading skipped as no thread ran: every clock stood still until now.
+    pub fn stand_still(&mut self) {
+        let now = Instant::now();
+        self.clocks.values_mut().for_each(|(_, at)| *at = now);
+        self.cpu_ns = 0;
+    }
+
     /// Reads the thread states of `threads` again, for their current stack pointers.
     pub fn reread(
         threads: &mut [ThreadState],

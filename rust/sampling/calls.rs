@@ -38,6 +38,8 @@ impl Pending {
 pub struct Buckets {
     by_second: BTreeMap<(u64, Arc<str>), u64>,
     counted: FxHashSet<Arc<str>>,
+    /// What `counted` takes, kept as names are added: the store asks at every sample.
+    counted_bytes: usize,
 }
 
 impl Buckets {
@@ -48,6 +50,7 @@ impl Buckets {
             *self.by_second.entry((second, name.clone())).or_default() += calls;
             if !self.counted.contains(name) {
                 self.counted.insert(name.clone());
+                self.counted_bytes += name.len() + std::mem::size_of::<Arc<str>>();
             }
         }
     }
@@ -77,8 +80,7 @@ impl Buckets {
     }
 
     pub fn bytes(&self) -> usize {
-        let names: usize = self.counted.iter().map(|n| n.len() + std::mem::size_of::<Arc<str>>()).sum();
-        self.by_second.len() * BUCKET_BYTES + names
+        self.by_second.len() * BUCKET_BYTES + self.counted_bytes
     }
 
     /// Every counted activity's calls in the seconds `[start_ns, stop_ns]` overlaps,

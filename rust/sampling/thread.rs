@@ -26,7 +26,7 @@ use crate::sampling::states::{clocks, own_cpu_ns, StateStats, States};
 use crate::sampling::store::{Recorded, Store};
 use crate::sampling::watching::{LoopsNow, Watching};
 use crate::sync::{Condvar, Mutex};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 use serde_json::Value;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -188,6 +188,9 @@ struct Loop<'a> {
     /// Reader (or native) frame id -> store frame id, valid for `ids_valid_for`
     /// (reader epoch, native epoch, store generation).
     store_ids: FxHashMap<u64, u32>,
+    /// Per thread, the frame ids of its last sample and their store ids, valid as
+    /// `store_ids`: a thread whose stack stands (most, most ticks) needs no lookups.
+    last_stack: FxHashMap<u64, (Vec<u64>, Vec<u32>)>,
     ids_valid_for: (u64, u64, u64),
     backlog: Backlog,
     /// Process and native CPU ns not yet in the series.
@@ -213,6 +216,7 @@ impl<'a> Loop<'a> {
             kernel: States::new(),
             rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
+            last_stack: FxHashMap::default(),
             ids_valid_for: (0, 0, 0),
             backlog: Backlog::default(),
             cpu_pending: (0, 0),
@@ -417,29 +421,38 @@ impl<'a> Loop<'a> {
             }
         };
         self.backlog.flush(&mut store);
-        let mut ids = Vec::new();
+        if self.last_stack.len() > 2 * self.stacks.len() + 64 {
+            let live: FxHashSet<u64> = self.stacks.iter().map(|t| t.ident).collect();
+            self.last_stack.retain(|ident, _| live.contains(ident));
+        }
         for (i, marks) in kept {
             let valid_for = (self.reader.epoch(), self.native.as_ref().map_or(0, Native::epoch), store.generation());
             if valid_for != self.ids_valid_for {
                 self.store_ids.clear();
+                self.last_stack.clear();
                 self.ids_valid_for = valid_for;
             }
-            let t = &self.stacks[i];
-            ids.clear();
-            for &f in t.frames.iter().rev() {
-                let frame = || store.frame_id(frame_of(&*self.reader, self.native.as_ref(), f));
-                ids.push(*self.store_ids.entry(f).or_insert_with(frame));
+            let (flags, t) = (self.flags(i), &self.stacks[i]);
+            let name = self.shared.tags.name(t.ident).or_else(|| t.name.clone());
+            let (frames, ids) = self.last_stack.entry(t.ident).or_default();
+            if *frames != t.frames {
+                frames.clone_from(&t.frames);
+                ids.clear();
+                for &f in t.frames.iter().rev() {
+                    let frame = || store.frame_id(frame_of(&*self.reader, self.native.as_ref(), f));
+                    ids.push(*self.store_ids.entry(f).or_insert_with(frame));
+                }
             }
             store.record_ids(Recorded {
                 time_ns,
                 ident: t.ident,
-                name: self.shared.tags.name(t.ident).or_else(|| t.name.clone()),
-                frames: &ids,
+                name,
+                frames: ids,
                 tag: marks.task.as_deref(),
                 activity: marks.activity.as_ref().map(|a| &*a.name),
                 weight_us,
                 cpu_us: cpu_us(t),
-                flags: self.flags(i),
+                flags,
             });
         }
     }

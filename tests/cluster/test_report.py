@@ -161,6 +161,9 @@ def test_throttling_is_explained_and_lost_samples_are_a_rate(chromium, tmp_path)
     )
     row = process_row(chromium, html, tmp_path)
     assert "held to the CPU budget (0.1% of a core)" in row["why lower"] and "cpu_budget" in row["why lower"]
+    # What the asked rate would need, from what a tick cost: more than the budget held to.
+    needed = re.search(r"2000 Hz needs ([\d.]+)%", row["why lower"])
+    assert needed and float(needed.group(1)) > 0.1, row["why lower"]
     assert re.fullmatch(r"\d+\.\d%", row["samples lost"]), row
     assert row["errors"] == "", "lost samples and throttling are not errors"
     assert console_errors(chromium) == []
