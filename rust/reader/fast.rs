@@ -294,6 +294,7 @@ impl StackReader for FastReader {
         if want.quiet && self.reuse_last(want, out) {
             return Ok(());
         }
+        self.last_read = None; // a read that fails leaves nothing to give again
         let in_task = tags.tagged();
         let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
         for r in self.read_where(select, tags, want.quiet)? {
