@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -145,9 +146,14 @@ async def worker_comes_and_goes() -> dict[str, Any]:
     """A worker starts and closes beside a preloaded scheduler whose sampler runs on:
     the process comes back to the descriptors it had once the scheduler started (as
     distributed's test_worker_fds asks)."""
-    # The worker would start the loop's executor thread, which stays, with its file
-    # (as any live thread's): started first, as in distributed's test.
-    await asyncio.get_running_loop().run_in_executor(None, gc.collect)
+    # The worker would start the loop's executor thread, which stays, with its files
+    # (as any live thread's): started first, as in distributed's test. And the only
+    # one: a pool of more starts another for a call that comes before the last call's
+    # thread is idle again (Worker.close's back-to-back `to_thread`s, when free-threaded
+    # or loaded), which outlives the worker, with its files.
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncio"))
+    await loop.run_in_executor(None, gc.collect)
     with dask.config.set(PRELOADS):
         async with Scheduler(host="127.0.0.1", dashboard_address=":0") as s:
             # Steady, with the loop free: on a loaded machine a descriptor of the

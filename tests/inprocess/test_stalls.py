@@ -154,13 +154,34 @@ def test_a_description_says_most_first():
     assert "waiting for the GIL held by a thread not sampled" in describe(unsampled)
 
 
+def loop_reads(sampler: Sampler) -> int:
+    stats = sampler.stats()
+    return stats["ticks"] - stats["failed_ticks"]  # a failed tick reads no loop
+
+
+def drained(sampler: Sampler, timeout: float = 60.0) -> None:
+    """Until two ticks have read the loops since the call: the second began after the
+    call, so it took every stall finished before it from the loop's ring."""
+    first = loop_reads(sampler)
+    deadline = time.monotonic() + timeout
+    while loop_reads(sampler) < first + 2:
+        assert time.monotonic() < deadline, f"the sampler did not tick twice within {timeout:g} s"
+        time.sleep(0.01)
+
+
 async def many_short_stalls(sampler: Sampler, n: int) -> None:
+    """`n` loop iterations of 2 ms, stalls at a 1 ms threshold, at most 48 (of a ring's
+    64) between two reads of the loop: a slow reader's ticks, spaced out by its CPU budget
+    or a loaded machine, would let the ring fill and lose the rest (counted, not kept)."""
     selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
     selector.select = watch = sampler.native.watch_loop(selector.select, 0.001)
     try:
-        for _ in range(n):
+        for i in range(n):
             spin(0.002)
             await asyncio.sleep(0)
+            if i % 48 == 47 or i == n - 1:  # unwatching drops what the ring still holds
+                # Waited for off the loop, which then polls with no deadline: no stall.
+                await asyncio.get_running_loop().run_in_executor(None, drained, sampler)
     finally:
         del selector.select
         sampler.native.unwatch_loop(watch)
@@ -176,7 +197,6 @@ def test_a_window_carries_the_longest_records_and_counts_them_all():
             time.sleep(0.05)
     finally:
         sampler.stop()
-    # A slow reader's ticks can be far enough apart for a loop's ring (64) to fill: counted.
     assert found["count"] + found["lost"] >= 2_500
     assert len(found["records"]) == 2_000 and len(found["explained"]) == 100
     starts = [start for start, _ in found["records"]]
