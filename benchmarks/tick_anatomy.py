@@ -74,12 +74,12 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
         s = Sampler(rate=RATE, idle=idle, cpu_budget=budget)
         s.start()
         time.sleep(seconds)
+        st = s.stats()  # before strace, which slows every system call it sees
         calls, traced_ticks = syscalls_of(sampler_tid(), seconds, s) if count else ({}, 0)
         s.stop()
     stop.set()
     for t in pool:
         t.join()
-    st = s.stats()
     return {
         "us_per_tick": 1e6 * st["cpu_s"] / max(st["ticks"], 1),
         "hz": st["achieved_rate"],
