@@ -171,7 +171,11 @@ pub fn read_stacks(
     batch.clear();
     let copies: Vec<Vec<Snapshot>> =
         threads.iter().zip(copies).map(|(t, &n)| (0..n).map(|_| push_copy(batch, t, layout)).collect()).collect();
-    mem.read(batch)?;
+    if copies.iter().any(|c| c.len() > 1) {
+        mem.read_apart(batch)?;
+    } else {
+        mem.read(batch)?;
+    }
     // The copy each walk uses, and the one that must agree with it.
     let mut checked: Vec<Option<Snapshot>> = Vec::with_capacity(threads.len());
     let mut walkers: Vec<Walker> = Vec::with_capacity(threads.len());
