@@ -33,6 +33,15 @@ class Section:
         return "\n\n".join(p for p in parts if p)
 
 
+def sampler_tid() -> int | None:
+    """The native id of this process's sampling thread, if one runs."""
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().startswith("dask-pyspy-samp"):
+                return int(tid)
+    return None
+
+
 def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:
     """Starts `threads`, lets them run `seconds`, then stops them (`stop`) and joins them."""
     for t in threads:

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.common import Section, run_for, table, verdict
+from benchmarks.common import Section, run_for, sampler_tid, table, verdict
 
 ROOT = os.path.join(os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots"), "sid")
 VENV = "/opt/venv-3.13t"
@@ -54,12 +54,11 @@ def always(i: int, stop: threading.Event, busy: list[float]) -> None:
 def sampler_thread_cpu_s() -> float:
     """CPU seconds of the sampling thread so far, from its schedstat: the ticks and
     what the loop does between them (stats count the ticks only)."""
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().startswith("dask-pyspy-samp"):
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    return int(f.read().split()[0]) / 1e9
-    raise RuntimeError("no sampling thread")
+    tid = sampler_tid()
+    if tid is None:
+        raise RuntimeError("no sampling thread")
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
 
 
 def sampled_run(target: Any, seconds: float) -> dict[str, Any]:

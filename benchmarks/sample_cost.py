@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from benchmarks.common import READERS, Section, table, verdict
+from benchmarks.common import READERS, Section, sampler_tid, table, verdict
 from dask_pyspy import Sampler
 
 # Frames of a parked thread besides _hold's: Thread._bootstrap, _bootstrap_inner, run; Event.wait, Condition.wait.
@@ -49,14 +49,12 @@ def parked(threads: int, depth: int) -> Iterator[None]:
 
 def sampler_thread_times() -> tuple[float, float]:
     """(user, system) seconds of this process's sampling thread, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip().startswith("dask-pyspy-sam"):
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                return int(fields[11]) / tick, int(fields[12]) / tick
-    return 0.0, 0.0
+    tick, tid = os.sysconf("SC_CLK_TCK"), sampler_tid()
+    if tid is None:
+        return 0.0, 0.0
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def measure(reader: str, lines: bool, seconds: float, rate: float = 200) -> dict[str, float]:

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.common import Section, cpu_model, table, verdict
+from benchmarks.common import Section, cpu_model, sampler_tid, table, verdict
+from benchmarks.rate import busy
 from benchmarks.sample_cost import parked
 from dask_pyspy import Sampler
 
@@ -33,19 +34,6 @@ SHAPES: dict[str, tuple[int, bool, bool, float | None]] = {
     "32 spinning": (32, True, False, None),
 }
 DEPTH = 38
-
-
-def spin(stop: threading.Event) -> None:
-    while not stop.is_set():
-        sum(range(500))
-
-
-def sampler_tid() -> int:
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().startswith("dask-pyspy-samp"):
-                return int(tid)
-    raise RuntimeError("no sampling thread")
 
 
 def syscalls_of(tid: int, seconds: float, sampler: Sampler) -> tuple[dict[str, int], int]:
@@ -67,7 +55,7 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
     """One shape at `budget`, in this process: us per tick, Hz, phases, calls per tick."""
     threads, spinning, idle, _ = SHAPES[shape]
     stop = threading.Event()
-    pool = [threading.Thread(target=spin, args=(stop,), daemon=True) for _ in range(threads if spinning else 0)]
+    pool = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(threads if spinning else 0)]
     for t in pool:
         t.start()
     with contextlib.nullcontext() if spinning else parked(threads, DEPTH):
@@ -75,7 +63,8 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
         s.start()
         time.sleep(seconds)
         st = s.stats()  # before strace, which slows every system call it sees
-        calls, traced_ticks = syscalls_of(sampler_tid(), seconds, s) if count else ({}, 0)
+        tid = sampler_tid()
+        calls, traced_ticks = syscalls_of(tid, seconds, s) if count and tid is not None else ({}, 0)
         s.stop()
     stop.set()
     for t in pool:

@@ -22,7 +22,7 @@ use check::open_fast;
 pub use code::LineMode;
 pub use fast::FastReader;
 pub use pyspy::PySpyReader;
-pub use threads::thread_cpu_ns;
+pub use threads::{clock_ns, thread_cpu_ns};
 
 use crate::error::Error;
 use crate::profile::model::Frame;

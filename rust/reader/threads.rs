@@ -207,7 +207,7 @@ impl Threads {
     ) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
         let clock = self.clock(native_tid, now, quiet);
-        let (ran, cpu_ns) = clock.map_or((None, 0), |(ran, used)| (Some(ran), used));
+        let (ran, cpu_ns, clock_ns) = clock.map_or((None, 0, None), |(ran, used, cpu)| (Some(ran), used, Some(cpu)));
         let on_cpu = ran.is_some_and(|r| r >= RUNNING_SHARE);
         let mut state = ThreadState {
             addr,
@@ -220,7 +220,7 @@ impl Threads {
             on_cpu,
             cpu_ns,
             ran,
-            clock_ns: self.clocks.get(&native_tid).map(|&(cpu, _)| cpu).filter(|_| clock.is_some()),
+            clock_ns,
             native_tid,
             still: holder != addr && cpu_ns == 0 && clock.is_some(),
         };
@@ -256,12 +256,12 @@ impl Threads {
     }
 
     /// (share of the wall time since the last reading on a CPU, CPU ns used since
-    /// then); None for a thread read for the first time or gone. `quiet`: a thread read
-    /// before is known not to have run, and its clock is not read.
-    fn clock(&mut self, native_tid: u64, now: Instant, quiet: bool) -> Option<(f64, u64)> {
-        if let Some((_, at)) = self.clocks.get_mut(&native_tid).filter(|_| quiet) {
+    /// then, the clock now); None for a thread read for the first time or gone.
+    /// `quiet`: a thread read before is known not to have run, and its clock is not read.
+    fn clock(&mut self, native_tid: u64, now: Instant, quiet: bool) -> Option<(f64, u64, u64)> {
+        if let Some((cpu, at)) = self.clocks.get_mut(&native_tid).filter(|_| quiet) {
             *at = now;
-            return Some((0.0, 0));
+            return Some((0.0, 0, *cpu));
         }
         self.clock_reads += 1;
         let cpu = thread_cpu_ns(native_tid)?;
@@ -269,7 +269,7 @@ impl Threads {
             Some((before, at)) if cpu >= before => {
                 let used = cpu - before;
                 let wall = now.duration_since(at).as_nanos() as f64;
-                Some((if wall > 0.0 { used as f64 / wall } else { 0.0 }, used))
+                Some((if wall > 0.0 { used as f64 / wall } else { 0.0 }, used, cpu))
             }
             _ => None,
         }
@@ -289,9 +289,13 @@ pub fn thread_cpu_ns(native_tid: u64) -> Option<u64> {
         return None;
     }
     // The kernel's per-thread CPU clock id: (~tid << 3) | CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED.
-    let clock = ((!(native_tid as i32)) << 3) | 6;
+    clock_ns(((!(native_tid as i32)) << 3) | 6)
+}
+
+/// A clock's time in ns; None for a clock that is not there (a thread that exited).
+pub fn clock_ns(clock: libc::clockid_t) -> Option<u64> {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid out-pointer; an invalid clock id only returns EINVAL.
-    let rc = unsafe { libc::clock_gettime(clock as libc::clockid_t, &mut ts) };
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
     (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }

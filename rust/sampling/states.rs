@@ -17,7 +17,7 @@
 //! Also the CPU time of threads Python does not know (BLAS, arrow).
 
 use crate::profile::sample::State;
-use crate::reader::{thread_cpu_ns, GilAt, ThreadStack};
+use crate::reader::{clock_ns, thread_cpu_ns, GilAt, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -333,19 +333,12 @@ fn guess(t: &ThreadStack) -> State {
 
 /// The process's CPU clock and the calling thread's, in ns, read back to back.
 pub fn clocks() -> (u64, u64) {
-    (clock_ns(libc::CLOCK_PROCESS_CPUTIME_ID), own_cpu_ns())
+    (clock_ns(libc::CLOCK_PROCESS_CPUTIME_ID).unwrap_or(0), own_cpu_ns())
 }
 
 /// The calling thread's CPU clock, in ns.
 pub fn own_cpu_ns() -> u64 {
-    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
-}
-
-fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid out-pointer.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
 }
 
 #[cfg(test)]
