@@ -128,11 +128,9 @@ impl FastReader {
         &mut self,
         select: impl Fn(&ThreadState) -> bool,
         tags: &ThreadTags,
-        quiet: bool,
     ) -> Result<Vec<ReadThread>, String> {
-        self.mem.check_handler();
         let began = std::time::Instant::now();
-        let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch, quiet);
+        let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch);
         self.list_ns += began.elapsed().as_nanos() as u64;
         let states = states?;
         for t in states.iter().filter(|t| !t.still) {
@@ -232,13 +230,20 @@ impl FastReader {
         Ok(())
     }
 
-    /// When no thread but the sampler ran since the last read, nothing that read saw can
-    /// have changed: its stacks stand, none of them ran, and those only working then
-    /// are not kept. False if the last read asked for other threads.
-    fn reuse_last(&mut self, want: Want, out: &mut Vec<ThreadStack>) -> bool {
+    /// When no thread but the sampler ran since the last read and every thread stands
+    /// where that read left it, nothing it saw can have changed: its stacks stand, none
+    /// of them ran, and those only working then are not kept. False if the last read
+    /// asked for other threads, or a thread moved.
+    fn reuse_last(&mut self, want: Want, out: &mut Vec<ThreadStack>) -> Result<bool, String> {
         let Some((_, last)) = self.last_read.as_ref().filter(|(asked, _)| *asked == (want.idle, want.gil_only)) else {
-            return false;
+            return Ok(false);
         };
+        let began = std::time::Instant::now();
+        let still = self.threads.stood_still(&self.layout, &mut self.mem, &mut self.batch);
+        self.list_ns += began.elapsed().as_nanos() as u64;
+        if !still? {
+            return Ok(false);
+        }
         for t in last {
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
             if want.keeps(t.runs_python, t.runs_python, in_task) {
@@ -247,7 +252,7 @@ impl FastReader {
         }
         self.threads.stand_still();
         self.quiet_reads += 1;
-        true
+        Ok(true)
     }
 
     /// The frame ids read last time, if `t` did not run since and still has the same frames.
@@ -291,13 +296,14 @@ impl StackReader for FastReader {
 
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
         out.clear();
-        if want.quiet && self.reuse_last(want, out) {
+        self.mem.check_handler();
+        if want.quiet && self.reuse_last(want, out)? {
             return Ok(());
         }
         self.last_read = None; // a read that fails leaves nothing to give again
         let in_task = tags.tagged();
         let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
-        for r in self.read_where(select, tags, want.quiet)? {
+        for r in self.read_where(select, tags)? {
             let Ok(ids) = r.frames else { continue };
             out.push(ThreadStack {
                 ident: r.state.ident,

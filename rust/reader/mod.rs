@@ -38,8 +38,8 @@ pub struct Want {
     /// Only threads running Python: the one holding the GIL, or on a free-threaded
     /// build every thread attached to the interpreter.
     pub gil_only: bool,
-    /// No thread but the sampler used CPU since the last read: no thread's clock moved,
-    /// so none need be read.
+    /// The process's clock says no thread but the sampler used CPU since the last read:
+    /// if every thread also stands where that read left it, the read can be given again.
     pub quiet: bool,
 }
 

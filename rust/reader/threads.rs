@@ -52,12 +52,60 @@ impl ThreadState {
 
     /// Where the thread's frames are, from its thread state's bytes.
     fn set_stack(&mut self, bytes: &[u8], layout: &Layout) {
-        self.frame_ref = match layout.current_frame {
-            CurrentFrame::Direct(o) | CurrentFrame::ViaCFrame { cframe: o, .. } => u64_at(bytes, o),
-        };
-        self.chunk = u64_at(bytes, layout.tstate_datastack_chunk);
-        self.top = u64_at(bytes, layout.tstate_datastack_top);
+        [self.frame_ref, self.chunk, self.top] = stack_of(bytes, layout);
     }
+}
+
+/// A thread state's innermost frame reference, live chunk and chunk top.
+fn stack_of(bytes: &[u8], layout: &Layout) -> [u64; 3] {
+    let frame_ref = match layout.current_frame {
+        CurrentFrame::Direct(o) | CurrentFrame::ViaCFrame { cframe: o, .. } => u64_at(bytes, o),
+    };
+    [frame_ref, u64_at(bytes, layout.tstate_datastack_chunk), u64_at(bytes, layout.tstate_datastack_top)]
+}
+
+/// Where a thread's Python code stands: its innermost frame (0: none) and that
+/// frame's instruction; None where they could not be read.
+type Position = Option<(u64, u64)>;
+
+/// The position of each thread state marked `still`, from its bytes and two small
+/// reads; None for the others: a thread that ran is likely to run on, and its
+/// position is taken once it stands.
+fn positions(
+    states: &[Vec<u8>],
+    still: &[bool],
+    layout: &Layout,
+    mem: &mut Memory,
+    batch: &mut Batch,
+) -> Result<Vec<Position>, String> {
+    let kept = states.iter().zip(still).map(|(b, &still)| still.then(|| stack_of(b, layout)[0]));
+    let frames = match layout.current_frame {
+        CurrentFrame::Direct(_) => kept.collect(),
+        CurrentFrame::ViaCFrame { current_frame, .. } => {
+            words_at(kept.map(|c| c.filter(|&c| c != 0).map(|c| c + current_frame)), mem, batch)?
+        }
+    };
+    let instr_at: Vec<Option<u64>> =
+        frames.iter().map(|f| f.filter(|&f| f != 0).map(|f| f + layout.frame_instr)).collect();
+    let instrs = words_at(instr_at.iter().copied(), mem, batch)?;
+    Ok((frames.iter().zip(instr_at.iter().zip(instrs)))
+        .map(|(f, (at, instr))| {
+            let instr = if at.is_some() { instr? } else { 0 };
+            Some(((*f)?, instr))
+        })
+        .collect())
+}
+
+/// The words at `addrs` in one read; None where there is no address or it could not be read.
+fn words_at(
+    addrs: impl Iterator<Item = Option<u64>>,
+    mem: &mut Memory,
+    batch: &mut Batch,
+) -> Result<Vec<Option<u64>>, String> {
+    batch.clear();
+    let at: Vec<Option<usize>> = addrs.map(|a| a.map(|a| batch.push(a, 8))).collect();
+    mem.read(batch)?;
+    Ok(at.iter().map(|i| i.and_then(|i| batch.get(i)).map(|b| u64_at(b, 0))).collect())
 }
 
 pub struct Threads {
@@ -78,6 +126,8 @@ pub struct Threads {
     pub walks: u64,
     /// Threads' CPU clocks read, over all readings (one system call each).
     pub clock_reads: u64,
+    /// Where each thread of `list` stood at the last reading.
+    positions: Vec<Position>,
 }
 
 /// The GIL's state spans its `interval`, holder, `locked` and switch fields, then two
@@ -106,6 +156,7 @@ impl Threads {
             live: Vec::new(),
             walks: 0,
             clock_reads: 0,
+            positions: Vec::new(),
         })
     }
 
@@ -116,15 +167,61 @@ impl Threads {
     }
 
     /// Every thread state of the interpreter, with its GIL and CPU state.
-    /// `quiet`: no thread but the sampler ran since the last reading, so their clocks stand
-    /// where they were last read.
-    pub fn read(
+    pub fn read(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<ThreadState>, String> {
+        let (holder, states) = self.snapshot(layout, mem, batch)?;
+        let now = Instant::now();
+        let list = self.list.clone();
+        let threads: Vec<ThreadState> =
+            list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        let still: Vec<bool> = threads.iter().map(|t| t.still).collect();
+        self.positions = positions(&states, &still, layout, mem, batch)?;
+        self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
+        self.live.clear();
+        self.live.extend(threads.iter().map(|t| t.native_tid).filter(|&t| t != 0));
+        self.live.sort_unstable();
+        self.forget_dead_clocks();
+        Ok(threads)
+    }
+
+    /// Whether every thread stands where the last reading left it: the GIL is free (on
+    /// a free-threaded build, no thread is attached) and each thread's innermost frame
+    /// is at the same instruction. Asked when the process's clock says no other thread
+    /// used CPU since: that clock counts a thread's running only at a context switch or
+    /// the kernel's tick, so a thread woken since the tick can be running unseen. The
+    /// Python code it runs holds the GIL, and reaching native code moves its frame's
+    /// instruction (a frame it returned from or called into moves it too).
+    pub fn stood_still(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<bool, String> {
+        let Some(frames) = self.positions.iter().copied().collect::<Option<Vec<(u64, u64)>>>() else {
+            return Ok(false);
+        };
+        batch.clear();
+        let locked_at = batch.push(self.gil_locked, 4);
+        let attached_at: Vec<usize> = match layout.tstate_state {
+            Some(o) if !self.gil_enabled => self.list.iter().map(|&t| batch.push(t + o, 4)).collect(),
+            _ => Vec::new(),
+        };
+        let instr_at: Vec<Option<usize>> =
+            frames.iter().map(|&(f, _)| (f != 0).then(|| batch.push(f + layout.frame_instr, 8))).collect();
+        mem.read(batch)?;
+        let word =
+            |i: usize, size: usize| batch.get(i).map(|b| if size == 4 { u32_at(b, 0) as u64 } else { u64_at(b, 0) });
+        if self.gil_enabled && word(locked_at, 4) != Some(0) {
+            return Ok(false);
+        }
+        if attached_at.iter().any(|&i| word(i, 4).is_none_or(|s| s == THREAD_ATTACHED as u64)) {
+            return Ok(false);
+        }
+        Ok(instr_at.iter().zip(&frames).all(|(at, &(_, instr))| at.map_or(Some(0), |i| word(i, 8)) == Some(instr)))
+    }
+
+    /// The GIL's holder (0: none) and every thread state's bytes, walking the list
+    /// again only when its links changed.
+    fn snapshot(
         &mut self,
         layout: &Layout,
         mem: &mut Memory,
         batch: &mut Batch,
-        quiet: bool,
-    ) -> Result<Vec<ThreadState>, String> {
+    ) -> Result<(u64, Vec<Vec<u8>>), String> {
         batch.clear();
         let head_at = batch.push(self.interp + layout.interp_threads_head, 8);
         let locked_at = batch.push(self.gil_locked, 4);
@@ -148,19 +245,7 @@ impl Threads {
             Some(states) => states,
             None => self.walk(head, layout, mem)?,
         };
-        let now = Instant::now();
-        let list = self.list.clone();
-        let threads: Vec<ThreadState> = list
-            .iter()
-            .zip(&states)
-            .map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout, quiet))
-            .collect();
-        self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
-        self.live.clear();
-        self.live.extend(threads.iter().map(|t| t.native_tid).filter(|&t| t != 0));
-        self.live.sort_unstable();
-        self.forget_dead_clocks();
-        Ok(threads)
+        Ok((holder, states))
     }
 
     /// The cached list still describes the interpreter: same head, same links.
@@ -196,17 +281,9 @@ impl Threads {
         Ok(states)
     }
 
-    fn state(
-        &mut self,
-        addr: u64,
-        bytes: &[u8],
-        holder: u64,
-        now: Instant,
-        layout: &Layout,
-        quiet: bool,
-    ) -> ThreadState {
+    fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
-        let clock = self.clock(native_tid, now, quiet);
+        let clock = self.clock(native_tid, now);
         let (ran, cpu_ns, clock_ns) = clock.map_or((None, 0, None), |(ran, used, cpu)| (Some(ran), used, Some(cpu)));
         let on_cpu = ran.is_some_and(|r| r >= RUNNING_SHARE);
         let mut state = ThreadState {
@@ -257,12 +334,7 @@ impl Threads {
 
     /// (share of the wall time since the last reading on a CPU, CPU ns used since
     /// then, the clock now); None for a thread read for the first time or gone.
-    /// `quiet`: a thread read before is known not to have run, and its clock is not read.
-    fn clock(&mut self, native_tid: u64, now: Instant, quiet: bool) -> Option<(f64, u64, u64)> {
-        if let Some((cpu, at)) = self.clocks.get_mut(&native_tid).filter(|_| quiet) {
-            *at = now;
-            return Some((0.0, 0, *cpu));
-        }
+    fn clock(&mut self, native_tid: u64, now: Instant) -> Option<(f64, u64, u64)> {
         self.clock_reads += 1;
         let cpu = thread_cpu_ns(native_tid)?;
         match self.clocks.insert(native_tid, (cpu, now)) {
