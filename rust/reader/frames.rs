@@ -5,9 +5,9 @@
 //!
 //! A thread that runs while its chunk is copied can leave a copy that mixes two
 //! call chains. So the frame pointer and live chunk of threads that may run are
-//! copied several times, back to back in the same read, and a chain is taken only
-//! from a copy that the next one agrees with; else it is torn (and the reader reads
-//! that thread again).
+//! copied several times, a few microseconds apart, and a chain is taken only from a
+//! copy that the next one agrees with; else it is torn (and the reader reads that
+//! thread again).
 
 use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
 use super::memory::{u64_at, u8_at, Batch, Memory};
@@ -25,6 +25,11 @@ const MIN_CHUNK: u64 = 16 << 10;
 /// Bytes copied past a live chunk's top: room for the frames of a few calls made
 /// since the thread state was read.
 const PAST_TOP: u64 = 1 << 10;
+/// Threads copied together, round by round: the rounds of a few threads take about
+/// `APART`, so waiting for it costs little.
+const GROUP: usize = 4;
+/// Least time between two copies of one thread's stack (see `Memory::read_spaced`).
+const APART: std::time::Duration = std::time::Duration::from_micros(2);
 
 /// A frame as found: its code object (or other executable) and instruction pointer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -155,6 +160,32 @@ fn push_copy(batch: &mut Batch, t: &ThreadState, layout: &Layout) -> Snapshot {
     Snapshot { pointer, chunk }
 }
 
+/// Copies each thread's frame pointer and live chunk `copies[i]` times, for a few
+/// threads at a time round by round, each round at least `APART` after the last.
+fn push_copies(
+    threads: &[&ThreadState],
+    copies: &[usize],
+    layout: &Layout,
+    mem: &mut Memory,
+    batch: &mut Batch,
+) -> Result<Vec<Vec<Snapshot>>, String> {
+    batch.clear();
+    let mut snapshots: Vec<Vec<Snapshot>> = copies.iter().map(|&n| Vec::with_capacity(n)).collect();
+    let mut rounds = Vec::new();
+    for first in (0..threads.len()).step_by(GROUP) {
+        let group = first..(first + GROUP).min(threads.len());
+        let most = copies[group.clone()].iter().copied().max().unwrap_or(0);
+        for round in 0..most {
+            rounds.push((batch.len(), round > 0));
+            for i in group.clone().filter(|&i| copies[i] > round) {
+                snapshots[i].push(push_copy(batch, threads[i], layout));
+            }
+        }
+    }
+    mem.read_spaced(batch, &rounds, APART)?;
+    Ok(snapshots)
+}
+
 /// The frames of each thread, innermost first; Err for a thread whose chain was torn.
 /// `batch` receives the live chunks, `round` the reads made on demand. Thread i is
 /// copied `copies[i]` times back to back in one read: once for a thread that cannot
@@ -168,14 +199,7 @@ pub fn read_stacks(
     batch: &mut Batch,
     round: &mut Batch,
 ) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
-    batch.clear();
-    let copies: Vec<Vec<Snapshot>> =
-        threads.iter().zip(copies).map(|(t, &n)| (0..n).map(|_| push_copy(batch, t, layout)).collect()).collect();
-    if copies.iter().any(|c| c.len() > 1) {
-        mem.read_apart(batch)?;
-    } else {
-        mem.read(batch)?;
-    }
+    let copies = push_copies(threads, copies, layout, mem, batch)?;
     // The copy each walk uses, and the one that must agree with it.
     let mut checked: Vec<Option<Snapshot>> = Vec::with_capacity(threads.len());
     let mut walkers: Vec<Walker> = Vec::with_capacity(threads.len());

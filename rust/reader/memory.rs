@@ -10,6 +10,7 @@ use super::guarded;
 use nix::libc;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
 
 /// Most iovecs one call takes (Linux's `UIO_MAXIOV`).
 const IOV_MAX: usize = 1024;
@@ -108,10 +109,7 @@ impl Memory {
         self.ranges += batch.requests.len() as u64;
         self.bytes += batch.buf.len() as u64;
         if self.copying {
-            let Batch { requests, buf } = batch;
-            for r in requests.iter_mut() {
-                r.ok = guarded::copy(&mut buf[r.offset..r.offset + r.len], r.addr);
-            }
+            copy(batch, 0..batch.requests.len());
             return Ok(());
         }
         let mut next = 0;
@@ -132,16 +130,28 @@ impl Memory {
         Ok(())
     }
 
-    /// Reads `batch` through the system call, even where plain copies are possible:
-    /// back-to-back copies of a running thread's stack must lie microseconds apart, as
-    /// the kernel's are, for one torn by a call in progress to show as a disagreement
-    /// (with plain copies tens of nanoseconds apart, 3.13t's parallel-tags test read 2 in
-    /// ~3,500 samples with the other task's tag, twice, under load).
-    pub fn read_apart(&mut self, batch: &mut Batch) -> Result<(), String> {
-        let copying = std::mem::replace(&mut self.copying, false);
-        let read = self.read(batch);
-        self.copying = copying;
-        read
+    /// Reads `batch` like `read`, where the requests from `rounds[i]` on form round i and
+    /// a round marked `true` repeats the copies of the round before it: that round starts
+    /// at least `apart` after the one before started. Copies of a running thread's stack
+    /// must lie that far apart, as the kernel's do, for one torn by a call in progress
+    /// to show as a disagreement: plain copies tens of nanoseconds apart agreed on 2 of
+    /// ~3,500 stacks read with the other task's tag (3.13t, under load).
+    pub fn read_spaced(&mut self, batch: &mut Batch, rounds: &[(usize, bool)], apart: Duration) -> Result<(), String> {
+        if !self.copying {
+            return self.read(batch);
+        }
+        self.ranges += batch.requests.len() as u64;
+        self.bytes += batch.buf.len() as u64;
+        let mut began = Instant::now();
+        for (i, &(start, repeats)) in rounds.iter().enumerate() {
+            let end = rounds.get(i + 1).map_or(batch.requests.len(), |r| r.0);
+            while repeats && began.elapsed() < apart {
+                std::hint::spin_loop();
+            }
+            began = Instant::now();
+            copy(batch, start..end);
+        }
+        Ok(())
     }
 
     /// Reads every request of `batch` like `read`, in any order: a request that starts
@@ -296,6 +306,14 @@ pub fn u32_at(bytes: &[u8], offset: u64) -> u32 {
 
 pub fn u8_at(bytes: &[u8], offset: u64) -> u8 {
     bytes.get(offset as usize).copied().unwrap_or(0)
+}
+
+/// Plain copies of `batch`'s requests in `range`, under our fault handler.
+fn copy(batch: &mut Batch, range: std::ops::Range<usize>) {
+    let Batch { requests, buf } = batch;
+    for r in &mut requests[range] {
+        r.ok = guarded::copy(&mut buf[r.offset..r.offset + r.len], r.addr);
+    }
 }
 
 #[cfg(test)]
