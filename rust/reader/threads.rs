@@ -203,15 +203,15 @@ impl Threads {
         let instr_at: Vec<Option<usize>> =
             frames.iter().map(|&(f, _)| (f != 0).then(|| batch.push(f + layout.frame_instr, 8))).collect();
         mem.read(batch)?;
-        let word =
-            |i: usize, size: usize| batch.get(i).map(|b| if size == 4 { u32_at(b, 0) as u64 } else { u64_at(b, 0) });
-        if self.gil_enabled && word(locked_at, 4) != Some(0) {
+        let flag = |i: usize| batch.get(i).map(|b| u32_at(b, 0));
+        if self.gil_enabled && flag(locked_at) != Some(0) {
             return Ok(false);
         }
-        if attached_at.iter().any(|&i| word(i, 4).is_none_or(|s| s == THREAD_ATTACHED as u64)) {
+        if attached_at.iter().any(|&i| flag(i).is_none_or(|s| s == THREAD_ATTACHED)) {
             return Ok(false);
         }
-        Ok(instr_at.iter().zip(&frames).all(|(at, &(_, instr))| at.map_or(Some(0), |i| word(i, 8)) == Some(instr)))
+        let word = |i: usize| batch.get(i).map(|b| u64_at(b, 0));
+        Ok(instr_at.iter().zip(&frames).all(|(at, &(_, instr))| at.map_or(Some(0), word) == Some(instr)))
     }
 
     /// The GIL's holder (0: none) and every thread state's bytes, walking the list
