@@ -188,7 +188,7 @@ fn push_copies(
 
 /// The frames of each thread, innermost first; Err for a thread whose chain was torn.
 /// `batch` receives the live chunks, `round` the reads made on demand. Thread i is
-/// copied `copies[i]` times back to back in one read: once for a thread that cannot
+/// copied `copies[i]` times (see `push_copies`): once for a thread that cannot
 /// have run since its stack was last read; else its chain is walked from the first
 /// copy that the next one agrees with (see `agrees`), and is torn if there is none.
 pub fn read_stacks(

@@ -188,8 +188,9 @@ impl States {
     }
 
     /// Whether a thread other than the sampler used CPU since the last tick, given the
-    /// process's CPU clock and the sampler's own, read now (`clocks`): when none did, no
-    /// thread's clock need be read.
+    /// process's CPU clock and the sampler's own, read now (`clocks`). That clock counts
+    /// a running thread only at a context switch or the kernel's tick, so "none" only
+    /// asks the reader to check whether any thread moved (`Want::quiet`).
     pub fn others_ran(&self, (process, own_ns): (u64, u64)) -> bool {
         let Some((process_before, own_before, _)) = self.last_tick else { return true };
         let others = process.saturating_sub(process_before).saturating_sub(own_ns.saturating_sub(own_before));
