@@ -3,7 +3,7 @@
 //! only for frames outside the live chunks and for code objects not seen before.
 
 use super::code::{CodeCache, Found, LineMode};
-use super::frames::{read_stacks, RawFrame};
+use super::frames::{frame_pointer, read_stacks, RawStack};
 use super::frees::FreeLog;
 use super::layout::Layout;
 use super::memory::{Batch, Memory};
@@ -35,6 +35,8 @@ fn copies(attempt: usize) -> usize {
 pub struct Ids {
     pub frames: Vec<u64>,
     pub evals: Vec<Run>,
+    /// The frame pointer the walk began at.
+    pub pointer: u64,
 }
 
 /// A thread read: its state, its frame ids (Err: lost) and its marks during the read.
@@ -187,7 +189,7 @@ impl FastReader {
                 reading.iter().map(|t| if attempt == 0 && t.still { 1 } else { copies(attempt) }).collect();
             let refs: Vec<&ThreadState> = reading.iter().collect();
             let stacks = read_stacks(&refs, &copies, &self.layout, &mut self.mem, &mut self.batch, &mut self.round)?;
-            let codes: FxHashSet<u64> = stacks.iter().flatten().flatten().map(|f| f.code).collect();
+            let codes: FxHashSet<u64> = stacks.iter().flatten().flat_map(|s| &s.frames).map(|f| f.code).collect();
             self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch)?;
             for ((&i, state), raw) in pending.iter().zip(reading).zip(stacks) {
                 frames[i] = raw.and_then(|raw| self.frame_ids(&raw));
@@ -263,10 +265,10 @@ impl FastReader {
     }
 
     /// Frame ids of a raw stack; Err if any frame does not hold together.
-    fn frame_ids(&mut self, raw: &[RawFrame]) -> Result<Ids, ()> {
-        let mut ids = Ids { frames: Vec::with_capacity(raw.len()), evals: Vec::new() };
+    fn frame_ids(&mut self, raw: &RawStack) -> Result<Ids, ()> {
+        let mut ids = Ids { frames: Vec::with_capacity(raw.frames.len()), evals: Vec::new(), pointer: raw.pointer };
         let mut run = 0;
-        for f in raw {
+        for f in &raw.frames {
             let offset = f.instr as i64 - (f.code + self.layout.code_bytecode) as i64;
             // 3.11 and 3.12 start a frame one code unit before its code: not yet running.
             let not_started = offset == -2 && self.layout.version < (3, 13);
@@ -317,6 +319,7 @@ impl StackReader for FastReader {
                 clock_ns: r.state.clock_ns,
                 ran: r.state.ran,
                 native_tid: Some(r.state.native_tid).filter(|&t| t != 0),
+                pointer: Some(frame_pointer(&r.state, &self.layout, ids.pointer)),
                 marks: r.marks,
             });
         }

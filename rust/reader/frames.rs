@@ -12,6 +12,7 @@
 use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
 use super::memory::{u64_at, u8_at, Batch, Memory};
 use super::threads::ThreadState;
+use super::FramePointer;
 
 /// A chain longer than this (counting every frame, Python or not) is taken for a
 /// loop in a torn copy.
@@ -41,6 +42,13 @@ pub struct RawFrame {
     pub entry: bool,
     /// The address of that run's entry frame (a shim on the C stack; 0: none, 3.11).
     pub shim: u64,
+}
+
+/// A thread's frames as walked, innermost first, and the frame pointer the walk began at.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawStack {
+    pub pointer: u64,
+    pub frames: Vec<RawFrame>,
 }
 
 /// Memory copied for one thread: its live chunk stays in the first batch; frames
@@ -149,6 +157,16 @@ fn frame_pointer_at(t: &ThreadState, layout: &Layout) -> u64 {
     }
 }
 
+/// Where a signal handler finds `t`'s innermost frame pointer from its thread state,
+/// with the pointer a walk of its frames began at.
+pub fn frame_pointer(t: &ThreadState, layout: &Layout, seen: u64) -> FramePointer {
+    let (at, via) = match layout.current_frame {
+        CurrentFrame::Direct(o) => (t.addr + o, None),
+        CurrentFrame::ViaCFrame { cframe, current_frame } => (t.addr + cframe, Some(current_frame)),
+    };
+    FramePointer { at, via, seen }
+}
+
 /// Queues the frame pointer, then the live chunk up to its top and a little past it
 /// (frames pushed since the thread state was read), within the chunk's least size.
 fn push_copy(batch: &mut Batch, t: &ThreadState, layout: &Layout) -> Snapshot {
@@ -198,7 +216,7 @@ pub fn read_stacks(
     mem: &mut Memory,
     batch: &mut Batch,
     round: &mut Batch,
-) -> Result<Vec<Result<Vec<RawFrame>, ()>>, String> {
+) -> Result<Vec<Result<RawStack, ()>>, String> {
     let copies = push_copies(threads, copies, layout, mem, batch)?;
     // The copy each walk uses, and the one that must agree with it.
     let mut checked: Vec<Option<Snapshot>> = Vec::with_capacity(threads.len());
@@ -257,7 +275,10 @@ pub fn read_stacks(
             w.torn |= !agrees(w, again, batch, layout);
         }
     }
-    Ok(walkers.into_iter().map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(w.frames) }).collect())
+    Ok(walkers
+        .into_iter()
+        .map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(RawStack { pointer: w.start, frames: w.frames }) })
+        .collect())
 }
 
 /// Whether a later copy agrees with the walk of an earlier one: the walk's innermost

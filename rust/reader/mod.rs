@@ -61,6 +61,18 @@ pub struct Run {
     pub entry: u64,
 }
 
+/// Where a thread's innermost Python frame pointer lives: the word at `at` (in its
+/// thread state) or, with `via`, the word at that offset in the struct `at` points to
+/// (3.11 and 3.12 keep it in a struct on the thread's C stack); `seen` is what a read
+/// found there. Native capture merges its stack only with a read that saw the
+/// pointer its signal saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FramePointer {
+    pub at: u64,
+    pub via: Option<u64>,
+    pub seen: u64,
+}
+
 /// One thread's stack at one tick.
 #[derive(Clone, Debug)]
 pub struct ThreadStack {
@@ -85,6 +97,9 @@ pub struct ThreadStack {
     pub ran: Option<f64>,
     /// The kernel's id of the thread, for its `/proc/self/task` files.
     pub native_tid: Option<u64>,
+    /// Where its innermost frame pointer lives and what the read found there; None
+    /// where the reader cannot tell.
+    pub pointer: Option<FramePointer>,
     /// The task or activity the thread was in during the read.
     pub marks: ReadMarks,
 }

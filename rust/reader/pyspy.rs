@@ -141,6 +141,7 @@ impl StackReader for PySpyReader {
                 clock_ns: None,
                 ran,
                 native_tid,
+                pointer: None,
                 marks: tags.stable_tag(before.get(&t.thread_id), t.thread_id),
             };
             self.cpu_ns += stack.cpu_ns;

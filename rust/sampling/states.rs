@@ -374,6 +374,7 @@ mod tests {
             clock_ns: None,
             ran: Some(0.0),
             native_tid: Some(tid),
+            pointer: None,
             marks,
         }
     }

@@ -395,7 +395,7 @@ impl<'a> Loop<'a> {
             .filter_map(|(t, _)| {
                 let tid = t.native_tid?;
                 let futexes_only = kernel.blocks_on_futexes_only(tid);
-                Some(Wanted { tid, frames: &mut t.frames, evals: t.evals.as_deref(), futexes_only })
+                Some(Wanted { tid, frames: &mut t.frames, evals: t.evals.as_deref(), pointer: t.pointer, futexes_only })
             })
             .collect();
         native.capture(&mut wanted);

@@ -116,6 +116,39 @@ def test_python_native_python_reads_in_order():
     assert len(out_of_order) <= max(1, (in_order + len(out_of_order)) // 20), out_of_order[:3]
 
 
+def python_for(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def alternates(stop: threading.Event) -> None:
+    """Native code and a Python function in turn, both called from one frame: a read of
+    the Python frames and a signal a few microseconds apart often fall on either side."""
+    while not stop.is_set():
+        _native._testing.native_caller(1, 0.0002, int)
+        python_for(0.0002)
+
+
+def test_halves_of_two_moments_are_not_merged():
+    """The thread returns from a Python function and calls native code between its
+    Python read and its signal: the native callee must not be shown under the Python
+    function it returned from (the two are one run of the eval loop, so counting
+    eval loops cannot tell)."""
+    s, prof = record(alternates, "alternates", merged_at_least(200))
+    crossed, native_spins = [], 0
+    for st, _ in stacks(prof, "alternates"):
+        names = [f["name"] for f in st]
+        ours = [i for i, f in enumerate(st) if f in native_frames(st) and "_native" in f["file"]]
+        if ours:
+            native_spins += 1
+            if any(n in ("python_for", "Event.is_set") for n in names[: ours[-1]]):
+                crossed.append(names)
+    assert native_spins > 0
+    assert not crossed, crossed[:3]
+    assert s.stats()["native"]["moved"] > 0
+
+
 def arrow_sort(stop: threading.Event) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc

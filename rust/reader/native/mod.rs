@@ -15,7 +15,7 @@ mod unwind;
 pub use merge::NATIVE;
 
 use crate::profile::model::Frame;
-use crate::reader::Run;
+use crate::reader::{FramePointer, Run};
 use framehop::x86_64::CacheX86_64;
 use merge::{merge, Mismatch, Named};
 use modules::Modules;
@@ -73,6 +73,9 @@ pub struct NativeStats {
     pub merged: u64,
     /// Samples whose halves disagreed: kept with their Python frames only.
     pub mismatched: u64,
+    /// Of those, samples whose thread was in another Python frame when signalled than
+    /// when its Python frames were read.
+    pub moved: u64,
     /// Unwinds that ended where no unwind information led further.
     pub lost_unwinds: u64,
     /// Median cost per native thread-sample, in microseconds: signal round trip
@@ -114,6 +117,8 @@ pub struct Wanted<'a> {
     pub tid: u64,
     pub frames: &'a mut Vec<u64>,
     pub evals: Option<&'a [Run]>,
+    /// Where its innermost frame pointer lives, and what the Python read found there.
+    pub pointer: Option<FramePointer>,
     /// Every wait of the thread seen lately was on a futex (see `running.rs`).
     pub futexes_only: bool,
 }
@@ -235,7 +240,7 @@ impl Native {
             }
             self.seq += 1;
             let slot = Slot::at(asked.len());
-            slot.ask(self.seq, *self.copy.get(&w.tid).unwrap_or(&FIRST_COPY));
+            slot.ask(self.seq, *self.copy.get(&w.tid).unwrap_or(&FIRST_COPY), w.pointer);
             if signal::send(self.signal, w.tid, asked.len(), self.seq) {
                 asked.push((i, self.seq));
             } else {
@@ -259,13 +264,13 @@ impl Native {
         }
         self.stats.answered += 1;
         let t0 = Instant::now();
-        let (regs, stack) = slot.answer();
+        let (regs, stack, pointer) = slot.answer();
         let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
         let copied = stack.len();
         slot.release();
         let t1 = Instant::now();
         self.after_unwind(w.tid, end, copied);
-        self.merge_into(w, end);
+        self.merge_into(w, end, pointer);
         self.keep_costs([round_trip, t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
     }
 
@@ -285,7 +290,16 @@ impl Native {
         }
     }
 
-    fn merge_into(&mut self, w: &mut Wanted<'_>, end: End) {
+    /// Merges the native frames unwound into `w`'s, if the handler saw the frame
+    /// pointer `pointer` where the Python read did.
+    fn merge_into(&mut self, w: &mut Wanted<'_>, end: End, pointer: Option<u64>) {
+        // Else the thread ran on between the two: the halves are of two moments (a
+        // frame it returned from would sit above the native callee).
+        if w.pointer.is_some_and(|p| pointer != Some(p.seen)) {
+            self.stats.mismatched += 1;
+            self.stats.moved += 1;
+            return;
+        }
         self.named.clear();
         for &at in &self.unwound {
             let (id, kind) = self.resolver.resolve(at.pc, &mut self.modules);

@@ -1,14 +1,16 @@
 //! The signal that asks a thread for its native stack, and its handler.
 //!
-//! The handler only copies: the interrupted registers and a bounded slice of the
-//! thread's stack (by `process_vm_readv` on our own pid, which stops short at an
-//! unmapped page instead of faulting), into a slot the sampler set aside, published
-//! with one atomic store. No allocation, lock or unwinding runs in it: the sampling
-//! thread unwinds the copy afterwards.
+//! The handler only copies: the interrupted registers, a bounded slice of the
+//! thread's stack and the thread's innermost Python frame pointer (by
+//! `process_vm_readv` on our own pid, which stops short at an unmapped page instead
+//! of faulting), into a slot the sampler set aside, published with one atomic store.
+//! No allocation, lock or unwinding runs in it: the sampling thread unwinds the copy
+//! afterwards, and merges it only with a Python read that saw the same frame pointer.
 //!
 //! A slot's state word holds the request's sequence number beside its phase, so a
 //! late answer to an abandoned request can never fill a newer one.
 
+use crate::reader::FramePointer;
 use nix::libc;
 use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -25,6 +27,9 @@ const ASKED: u64 = 1;
 const WRITING: u64 = 2;
 const DONE: u64 = 3;
 
+/// A frame pointer the handler could not read.
+const UNREAD: u64 = u64::MAX;
+
 /// What the handler saw: the interrupted instruction, stack and frame pointers.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Regs {
@@ -38,6 +43,11 @@ pub struct Slot {
     state: AtomicU64,
     /// Bytes to copy, set with the request.
     want: AtomicU64,
+    /// Where the request's frame pointer is (`at` 0: none; `via` + 1, 0: none).
+    pointer_at: AtomicU64,
+    pointer_via: AtomicU64,
+    /// The frame pointer found there (`UNREAD`: none).
+    pointer: AtomicU64,
     ip: AtomicU64,
     sp: AtomicU64,
     bp: AtomicU64,
@@ -49,6 +59,9 @@ pub struct Slot {
 const EMPTY: Slot = Slot {
     state: AtomicU64::new(FREE),
     want: AtomicU64::new(0),
+    pointer_at: AtomicU64::new(0),
+    pointer_via: AtomicU64::new(0),
+    pointer: AtomicU64::new(UNREAD),
     ip: AtomicU64::new(0),
     sp: AtomicU64::new(0),
     bp: AtomicU64::new(0),
@@ -78,9 +91,11 @@ impl Slot {
         &TABLE[index]
     }
 
-    /// Opens request `seq` for up to `want` bytes of stack.
-    pub fn ask(&self, seq: u64, want: usize) {
+    /// Opens request `seq` for up to `want` bytes of stack and the frame pointer at `pointer`.
+    pub fn ask(&self, seq: u64, want: usize, pointer: Option<FramePointer>) {
         self.want.store(want.min(MAX_COPY) as u64, Ordering::Relaxed);
+        self.pointer_at.store(pointer.map_or(0, |p| p.at), Ordering::Relaxed);
+        self.pointer_via.store(pointer.and_then(|p| p.via).map_or(0, |v| v + 1), Ordering::Relaxed);
         self.state.store(seq << 2 | ASKED, Ordering::Release);
     }
 
@@ -98,18 +113,19 @@ impl Slot {
         }
     }
 
-    /// The registers and stack bytes of an answered request.
-    pub fn answer(&self) -> (Regs, &[u8]) {
+    /// The registers, stack bytes and frame pointer (None: not read) of an answered request.
+    pub fn answer(&self) -> (Regs, &[u8], Option<u64>) {
         let regs = Regs {
             ip: self.ip.load(Ordering::Relaxed),
             sp: self.sp.load(Ordering::Relaxed),
             bp: self.bp.load(Ordering::Relaxed),
         };
+        let pointer = Some(self.pointer.load(Ordering::Relaxed)).filter(|&p| p != UNREAD);
         let len = self.copied.load(Ordering::Relaxed) as usize;
         let buf = self.buf.load(Ordering::Acquire);
         // SAFETY: the buffer is MAX_COPY bytes and never freed; the handler wrote
         // `len` of them before publishing DONE, and writes no more until asked again.
-        (regs, unsafe { std::slice::from_raw_parts(buf, len.min(MAX_COPY)) })
+        (regs, unsafe { std::slice::from_raw_parts(buf, len.min(MAX_COPY)) }, pointer)
     }
 
     pub fn release(&self) {
@@ -235,7 +251,15 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
     );
     let want = slot.want.load(Ordering::Relaxed);
     let buf = slot.buf.load(Ordering::Acquire);
-    let copied = if buf.is_null() { 0 } else { copy_stack(pid, sp, want, buf) };
+    let at = slot.pointer_at.load(Ordering::Relaxed);
+    let (word, copied) = if buf.is_null() { (None, 0) } else { copy_stack(pid, at, sp, want, buf) };
+    let via = slot.pointer_via.load(Ordering::Relaxed).checked_sub(1);
+    let pointer = match (word, via) {
+        (Some(p), None) => Some(p),
+        (Some(s), Some(off)) => word_in(pid, s.wrapping_add(off), sp, buf, copied),
+        (None, _) => None,
+    };
+    slot.pointer.store(pointer.unwrap_or(UNREAD), Ordering::Relaxed);
     slot.ip.store(ip, Ordering::Relaxed);
     slot.sp.store(sp, Ordering::Relaxed);
     slot.bp.store(bp, Ordering::Relaxed);
@@ -259,19 +283,46 @@ pub fn wait_for_answer(seen: u32, timeout: Duration) {
     }
 }
 
-/// Copies `[sp, sp + want)` into `buf`, one iovec per page so the read stops at the
-/// first unmapped page with what came before it.
-unsafe fn copy_stack(pid: i32, sp: u64, want: u64, buf: *mut u8) -> u64 {
+/// The word at `addr` (where a frame pointer lives): from the stack copy `buf` of
+/// `copied` bytes from `sp` when it lies there, else read. Async-signal-safe.
+unsafe fn word_in(pid: i32, addr: u64, sp: u64, buf: *const u8, copied: u64) -> Option<u64> {
+    match addr.checked_sub(sp) {
+        Some(off) if off.saturating_add(8) <= copied => Some((buf.add(off as usize) as *const u64).read_unaligned()),
+        _ => {
+            let mut word = 0u64;
+            let local = libc::iovec { iov_base: &mut word as *mut u64 as *mut libc::c_void, iov_len: 8 };
+            let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 8 };
+            let read = libc::syscall(libc::SYS_process_vm_readv, pid, &local, 1usize, &remote, 1usize, 0usize);
+            (read == 8).then_some(word)
+        }
+    }
+}
+
+/// Reads the word at `word_at` (none at 0) and copies `[sp, sp + want)` into `buf` in
+/// one system call, one iovec per stack page so the read stops at the first unmapped
+/// page with what came before it. The word goes first: a stack read stopping short
+/// must not lose it. Gives the word (None: not read) and the stack bytes copied.
+unsafe fn copy_stack(pid: i32, word_at: u64, sp: u64, want: u64, buf: *mut u8) -> (Option<u64>, u64) {
     let end = sp.saturating_add(want.min(MAX_COPY as u64));
-    let mut remote = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
-    let (mut at, mut n) = (sp, 0);
-    while at < end && n < MAX_IOVECS {
+    let mut word = 0u64;
+    let mut remote = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS + 1];
+    let first = usize::from(word_at != 0);
+    if word_at != 0 {
+        remote[0] = libc::iovec { iov_base: word_at as *mut libc::c_void, iov_len: 8 };
+    }
+    let (mut at, mut n) = (sp, first);
+    while at < end && n < MAX_IOVECS + first {
         let next = ((at / PAGE) + 1) * PAGE;
         let stop = next.min(end);
         remote[n] = libc::iovec { iov_base: at as *mut libc::c_void, iov_len: (stop - at) as usize };
         (at, n) = (stop, n + 1);
     }
-    let local = libc::iovec { iov_base: buf as *mut libc::c_void, iov_len: (at - sp) as usize };
-    let read = libc::syscall(libc::SYS_process_vm_readv, pid, &local, 1usize, remote.as_ptr(), n, 0usize);
-    read.max(0) as u64
+    let local = [
+        libc::iovec { iov_base: &mut word as *mut u64 as *mut libc::c_void, iov_len: 8 * first },
+        libc::iovec { iov_base: buf as *mut libc::c_void, iov_len: (at - sp) as usize },
+    ];
+    let read = libc::syscall(libc::SYS_process_vm_readv, pid, local.as_ptr(), 2usize, remote.as_ptr(), n, 0usize);
+    let read = read.max(0) as u64;
+    let skip = 8 * first as u64;
+    ((first == 1 && read >= 8).then_some(word), read.saturating_sub(skip))
 }
