@@ -146,7 +146,8 @@ def test_halves_of_two_moments_are_not_merged():
                 crossed.append(names)
     assert native_spins > 0
     assert not crossed, crossed[:3]
-    assert s.stats()["native"]["moved"] > 0
+    # py-spy's reader (3.9, 3.10) gives no frame pointer; there a Python call runs its own eval loop.
+    assert s.stats()["native"]["moved"] > 0 or s.stats()["reader"] == "pyspy"
 
 
 def arrow_sort(stop: threading.Event) -> None:
