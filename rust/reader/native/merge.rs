@@ -34,13 +34,14 @@ pub enum Mismatch {
 }
 
 /// `python` (frame ids, innermost first) held by `runs` (innermost first; None where
-/// the reader cannot tell) with `native` (innermost first), ended by `end`, as one
-/// stack of ids, innermost first.
+/// the reader cannot tell) with `native` (innermost first), ended by `end`, unwound
+/// from a copy of the stack up to `copy_end`, as one stack of ids, innermost first.
 pub fn merge(
     python: &[u64],
     runs: Option<&[Run]>,
     native: &[Named],
     end: End,
+    copy_end: u64,
     out: &mut Vec<u64>,
 ) -> Result<(), Mismatch> {
     out.clear();
@@ -52,7 +53,10 @@ pub fn merge(
         return Ok(());
     };
     let by_entry = !runs.is_empty() && runs.iter().all(|r| r.entry != 0);
-    let span = native.first().zip(native.last()).map_or(0..0, |(inner, outer)| inner.at.sp..outer.at.caller_sp);
+    // An entry frame in the copy but past the frames unwound is on the stack: the
+    // unwind stopped short of its eval loop.
+    let span =
+        native.first().zip(native.last()).map_or(0..0, |(inner, outer)| inner.at.sp..outer.at.caller_sp.max(copy_end));
     let (mut next, mut rest, mut outermost, mut off_stack) = (0, python, None, false);
     for (i, f) in native.iter().enumerate() {
         let eval = match runs.get(next) {
@@ -154,11 +158,11 @@ mod tests {
         ];
         let native = frames(&kinds);
         let mut out = Vec::new();
-        merge(&python, Some(&runs(&[1, 1, 1], &[0, 0, 0])), &native, End::Root, &mut out).unwrap();
+        merge(&python, Some(&runs(&[1, 1, 1], &[0, 0, 0])), &native, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, NATIVE | 4, NATIVE | 5, 11, 12]);
         // By entry frames: unnamed frames 3, 7 and 8 hold them.
         let unnamed = frames(&kinds.map(|(id, k)| (id, if k == Eval { Unnamed } else { k })));
-        merge(&python, Some(&runs(&[1, 1, 1], &[0x1210, 0x1620, 0x17f0])), &unnamed, End::Root, &mut out).unwrap();
+        merge(&python, Some(&runs(&[1, 1, 1], &[0x1210, 0x1620, 0x17f0])), &unnamed, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, NATIVE | 4, NATIVE | 5, 11, 12]);
     }
 
@@ -167,19 +171,22 @@ mod tests {
         let mut out = Vec::new();
         let native = frames(&[(1, Shown), (3, Eval)]);
         let two = runs(&[1, 1], &[0, 0]);
-        assert_eq!(merge(&[10, 11], Some(&two), &native, End::Root, &mut out), Err(Mismatch::Evals));
-        assert_eq!(merge(&[10], Some(&two[..1]), &frames(&[(1, Shown)]), End::Root, &mut out), Err(Mismatch::NoEval));
+        assert_eq!(merge(&[10, 11], Some(&two), &native, End::Root, 0, &mut out), Err(Mismatch::Evals));
+        assert_eq!(
+            merge(&[10], Some(&two[..1]), &frames(&[(1, Shown)]), End::Root, 0, &mut out),
+            Err(Mismatch::NoEval)
+        );
         let evals = frames(&[(3, Eval), (3, Eval)]);
-        assert_eq!(merge(&[10], Some(&two[..1]), &evals, End::Root, &mut out), Err(Mismatch::Evals));
+        assert_eq!(merge(&[10], Some(&two[..1]), &evals, End::Root, 0, &mut out), Err(Mismatch::Evals));
         // A copy that ended early keeps the outer runs as they are.
-        merge(&[10, 11], Some(&two), &native, End::Cut, &mut out).unwrap();
+        merge(&[10, 11], Some(&two), &native, End::Cut, 0, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, 11]);
         // An entry frame inside a named C function, or below the frame that should hold it.
         let named = frames(&[(1, Shown), (3, Unnamed)]);
-        assert_eq!(merge(&[10], Some(&runs(&[1], &[0x1010])), &named, End::Root, &mut out), Err(Mismatch::Evals));
+        assert_eq!(merge(&[10], Some(&runs(&[1], &[0x1010])), &named, End::Root, 0, &mut out), Err(Mismatch::Evals));
         let unnamed = frames(&[(3, Unnamed), (4, Unnamed)]);
         assert_eq!(
-            merge(&[10], Some(&runs(&[1, 1], &[0x1050, 0x1020])), &unnamed, End::Root, &mut out),
+            merge(&[10], Some(&runs(&[1, 1], &[0x1050, 0x1020])), &unnamed, End::Root, 0, &mut out),
             Err(Mismatch::Evals)
         );
     }
@@ -190,7 +197,19 @@ mod tests {
         let mut out = Vec::new();
         let native = frames(&[(1, Shown), (2, Shown), (3, Unnamed), (4, Shown)]);
         let stale = runs(&[1, 2], &[0x0f00, 0x40]);
-        assert_eq!(merge(&[10, 11, 12], Some(&stale), &native, End::Root, &mut out), Err(Mismatch::Evals));
+        assert_eq!(merge(&[10, 11, 12], Some(&stale), &native, End::Root, 0, &mut out), Err(Mismatch::Evals));
+    }
+
+    #[test]
+    fn an_unwind_stopped_short_of_an_entry_in_the_copy_is_refused() {
+        // A BLAS kernel without unwind information: its caller reads as the root. The
+        // entry frame lies in the copy above it, so it is not off the stack.
+        let mut out = Vec::new();
+        let kernel = frames(&[(1, Shown)]);
+        let one = runs(&[2], &[0x3000]);
+        assert_eq!(merge(&[10, 11], Some(&one), &kernel, End::Root, 0x8000, &mut out), Err(Mismatch::NoEval));
+        // An entry outside the stack copied (3.15's first, in the thread state) is off it.
+        merge(&[10, 11], Some(&runs(&[2], &[0x40])), &kernel, End::Root, 0x8000, &mut out).unwrap();
     }
 
     #[test]
@@ -198,15 +217,15 @@ mod tests {
         // 3.15: the first run's entry frame is in the thread state, not on the C stack.
         let mut out = Vec::new();
         let native = frames(&[(1, Shown), (2, Unnamed), (3, Unnamed), (4, Shown)]);
-        merge(&[10, 11, 12], Some(&runs(&[1, 2], &[0x1150, 0x40])), &native, End::Root, &mut out).unwrap();
+        merge(&[10, 11, 12], Some(&runs(&[1, 2], &[0x1150, 0x40])), &native, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, 11, 12], "thread start-up (4) left out");
         // The only run (module code in the main thread): the leaf C code, then its frames.
         let main = frames(&[(1, Shown), (5, Shown), (2, Unnamed), (3, Unnamed), (4, Shown)]);
-        merge(&[10, 11], Some(&runs(&[2], &[0x40])), &main, End::Root, &mut out).unwrap();
+        merge(&[10, 11], Some(&runs(&[2], &[0x40])), &main, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, NATIVE | 5, 10, 11]);
         // After a callback's run: the C between the two runs, not thread start-up.
         let back = frames(&[(2, Unnamed), (6, Internal), (7, Shown), (8, Unnamed), (9, Unnamed), (4, Shown)]);
-        merge(&[10, 11], Some(&runs(&[1, 1], &[0x1050, 0x40])), &back, End::Root, &mut out).unwrap();
+        merge(&[10, 11], Some(&runs(&[1, 1], &[0x1050, 0x40])), &back, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![10, NATIVE | 7, 11]);
     }
 
@@ -214,7 +233,7 @@ mod tests {
     fn without_runs_only_the_leaf_is_merged() {
         let mut out = Vec::new();
         let native = frames(&[(1, Shown), (2, Eval), (4, Shown), (3, Eval)]);
-        merge(&[10, 11], None, &native, End::Root, &mut out).unwrap();
+        merge(&[10, 11], None, &native, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![NATIVE | 1, 10, 11]);
     }
 }

@@ -23,11 +23,11 @@ use resolve::Resolver;
 use running::{Running, Verdict};
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
-use signal::{Slot, SLOTS};
+use signal::{Regs, Slot, SLOTS};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
-use unwind::{unwind, End, NativeFrame};
+use unwind::{return_addresses, unwind, unwind_from, End, NativeFrame, MAX_TRIES};
 
 /// How long a tick waits for threads to answer: a thread that blocks the signal, or
 /// waits for a CPU, gets a Python-only sample.
@@ -78,8 +78,12 @@ pub struct NativeStats {
     pub moved: u64,
     /// Unwinds that ended where no unwind information led further.
     pub lost_unwinds: u64,
+    /// Samples merged only once their stack was scanned past a frame without unwind
+    /// information (hand-written assembly: BLAS kernels).
+    pub scanned: u64,
     /// Median cost per native thread-sample, in microseconds: signal round trip
-    /// (shared by the threads asked together), unwind, and symbols and merge.
+    /// (shared by the threads asked together), unwind, and symbols and merge (with
+    /// any scan past assembly).
     pub median_us: [f64; 3],
     pub modules: modules::ModuleStats,
     pub unknown_addresses: u64,
@@ -265,53 +269,91 @@ impl Native {
         self.stats.answered += 1;
         let t0 = Instant::now();
         let (regs, stack, pointer) = slot.answer();
-        let end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
+        let mut end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
+        let t1 = Instant::now();
+        // A frame pointer that differs: the thread ran on between its Python read and the
+        // signal, the halves are of two moments (a frame it returned from would sit
+        // above the native callee).
+        let moved = w.pointer.is_some_and(|p| pointer != Some(p.seen));
+        let copy_end = self.copy_end(w.tid, regs, stack);
+        let mut merged = !moved && self.merge_into(w, end, copy_end).is_ok();
+        if !moved && !merged && end != End::Cut {
+            (end, merged) = self.scan_past_assembly(w, regs, stack, copy_end).unwrap_or((end, false));
+        }
         let copied = stack.len();
         slot.release();
-        let t1 = Instant::now();
-        self.after_unwind(w.tid, end, copied);
-        self.merge_into(w, end, pointer);
+        self.after_unwind(w.tid, end, copied, !merged && !moved);
+        self.stats.merged += u64::from(merged);
+        self.stats.mismatched += u64::from(!merged);
+        self.stats.moved += u64::from(moved);
         self.keep_costs([round_trip, t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
     }
 
-    fn after_unwind(&mut self, tid: u64, end: End, copied: usize) {
-        match end {
-            End::Cut => {
-                if self.copy.len() > 4096 {
-                    self.copy.clear();
-                }
-                let now = *self.copy.get(&tid).unwrap_or(&FIRST_COPY);
-                if copied >= now {
-                    self.copy.insert(tid, (now * 2).min(signal::MAX_COPY));
-                }
+    /// An unwind that stopped short of the eval loops may have met assembly without
+    /// unwind information: tries the return addresses above the frame it stopped at,
+    /// nearest first, until the halves merge. Stale ones (a stack keeps what earlier
+    /// calls left) lead nowhere or to halves that disagree.
+    fn scan_past_assembly(
+        &mut self,
+        w: &mut Wanted<'_>,
+        regs: Regs,
+        stack: &[u8],
+        copy_end: u64,
+    ) -> Option<(End, bool)> {
+        let (from, kept) = (self.unwound.last()?.sp, self.unwound.len());
+        let modules = &mut self.modules;
+        let found: Vec<(u64, u64)> =
+            return_addresses(regs, stack, from, |a| modules.after_call(a)).take(MAX_TRIES).collect();
+        for at in found {
+            self.unwound.truncate(kept);
+            let end = unwind_from(&self.modules.unwinder, &mut self.cache, regs, stack, at, &mut self.unwound);
+            if self.merge_into(w, end, copy_end).is_ok() {
+                self.stats.scanned += 1;
+                return Some((end, true));
             }
-            End::Lost => self.stats.lost_unwinds += 1,
-            End::Root => {}
+        }
+        None
+    }
+
+    /// Where the thread's stack may end: where its copy stopped short, at the end of
+    /// the stack; a copy that took all it asked for may have stopped inside it.
+    fn copy_end(&self, tid: u64, regs: Regs, stack: &[u8]) -> u64 {
+        let asked = (*self.copy.get(&tid).unwrap_or(&FIRST_COPY)).min(signal::MAX_COPY);
+        if stack.len() >= asked {
+            u64::MAX
+        } else {
+            regs.sp + stack.len() as u64
         }
     }
 
-    /// Merges the native frames unwound into `w`'s, if the handler saw the frame
-    /// pointer `pointer` where the Python read did.
-    fn merge_into(&mut self, w: &mut Wanted<'_>, end: End, pointer: Option<u64>) {
-        // Else the thread ran on between the two: the halves are of two moments (a
-        // frame it returned from would sit above the native callee).
-        if w.pointer.is_some_and(|p| pointer != Some(p.seen)) {
-            self.stats.mismatched += 1;
-            self.stats.moved += 1;
-            return;
+    /// Grows the copy of a thread whose stack went on past it, or whose halves did not
+    /// merge (`short`) from a full copy: a caller past the copy can read as the root.
+    fn after_unwind(&mut self, tid: u64, end: End, copied: usize, short: bool) {
+        if end == End::Lost {
+            self.stats.lost_unwinds += 1;
         }
+        if end == End::Cut || short {
+            if self.copy.len() > 4096 {
+                self.copy.clear();
+            }
+            let now = *self.copy.get(&tid).unwrap_or(&FIRST_COPY);
+            if copied >= now {
+                self.copy.insert(tid, (now * 2).min(signal::MAX_COPY));
+            }
+        }
+    }
+
+    /// Merges the native frames unwound (from a copy of the stack up to `copy_end`)
+    /// into `w`'s, unless the halves disagree.
+    fn merge_into(&mut self, w: &mut Wanted<'_>, end: End, copy_end: u64) -> Result<(), Mismatch> {
         self.named.clear();
         for &at in &self.unwound {
             let (id, kind) = self.resolver.resolve(at.pc, &mut self.modules);
             self.named.push(Named { id, kind, at });
         }
-        match merge(w.frames, w.evals, &self.named, end, &mut self.merged) {
-            Ok(()) => {
-                std::mem::swap(w.frames, &mut self.merged);
-                self.stats.merged += 1;
-            }
-            Err(Mismatch::Evals | Mismatch::NoEval) => self.stats.mismatched += 1,
-        }
+        merge(w.frames, w.evals, &self.named, end, copy_end, &mut self.merged)?;
+        std::mem::swap(w.frames, &mut self.merged);
+        Ok(())
     }
 
     fn keep_costs(&mut self, costs: [u32; 3]) {

@@ -11,6 +11,7 @@ use framehop::{ExplicitModuleSectionInfo, Module as UnwindModule, Unwinder};
 use memmap2::Mmap;
 use nix::libc;
 use object::{Object, ObjectSection};
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::ffi::CStr;
 use std::ops::{Deref, Range};
@@ -114,7 +115,12 @@ pub struct Modules {
     pub unwinder: UnwinderX86_64<Section>,
     counts: (u64, u64),
     pub stats: ModuleStats,
+    /// `after_call`'s answers: a stack holds the same return addresses tick after tick.
+    calls: FxHashMap<u64, bool>,
 }
+
+/// `after_call`'s answers kept, at most.
+const CALLS_KEPT: usize = 4096;
 
 impl Modules {
     pub fn new() -> Modules {
@@ -123,6 +129,7 @@ impl Modules {
             unwinder: UnwinderX86_64::new(),
             counts: (u64::MAX, u64::MAX),
             stats: ModuleStats::default(),
+            calls: FxHashMap::default(),
         };
         m.refresh();
         m
@@ -130,8 +137,24 @@ impl Modules {
 
     /// The module whose code holds `addr`.
     pub fn find(&self, addr: u64) -> Option<&Module> {
+        // Most words a stack scan meets are no code address at all.
+        if addr < self.list.first()?.code.start || addr >= self.list.last()?.code.end {
+            return None;
+        }
         let i = self.list.partition_point(|m| m.code.start <= addr).checked_sub(1)?;
         Some(&self.list[i]).filter(|m| m.code.contains(&addr))
+    }
+
+    /// Whether `addr` can be a return address: in a module's code, just after bytes
+    /// that decode as a call.
+    pub fn after_call(&mut self, addr: u64) -> bool {
+        if self.find(addr).is_none() {
+            return false;
+        }
+        if self.calls.len() >= CALLS_KEPT {
+            self.calls.clear();
+        }
+        *self.calls.entry(addr).or_insert_with(|| code_before(addr).is_some_and(|code| ends_in_call(&code)))
     }
 
     /// Lists the modules again if any were loaded or unloaded since the last listing.
@@ -156,6 +179,7 @@ impl Modules {
             }
         }
         self.list.sort_by_key(|m| m.code.start);
+        self.calls.clear();
         self.stats.modules = self.list.len();
         self.stats.symbols = self.list.iter().map(|m| m.symbols.len()).sum();
         self.stats.symbol_bytes = self.list.iter().map(|m| m.symbols.bytes()).sum();
@@ -222,6 +246,23 @@ impl Modules {
 
 /// A module's name as shown: its path below `site-packages` (two packages can ship a
 /// `lib.cpython-311-x86_64-linux-gnu.so`), else its file name.
+/// The 8 bytes of code before `addr`, read through the kernel: a module unloaded
+/// since it was listed gives None rather than a fault.
+fn code_before(addr: u64) -> Option<[u8; 8]> {
+    let mut code = [0u8; 8];
+    let local = libc::iovec { iov_base: code.as_mut_ptr() as *mut libc::c_void, iov_len: 8 };
+    let remote = libc::iovec { iov_base: addr.checked_sub(8)? as *mut libc::c_void, iov_len: 8 };
+    // SAFETY: reads our own memory into a local buffer of the length given.
+    let read = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    (read == 8).then_some(code)
+}
+
+/// Whether `code` ends in an x86-64 call: `e8 rel32`, or `ff /2` (through a register
+/// or memory, 2 to 7 bytes with a REX prefix, SIB byte or displacement).
+fn ends_in_call(code: &[u8; 8]) -> bool {
+    code[3] == 0xe8 || (2..=7).any(|len| code[8 - len] == 0xff && (code[9 - len] >> 3) & 7 == 2)
+}
+
 fn short_name(path: &str) -> &str {
     let packages = ["/site-packages/", "/dist-packages/"];
     let below = packages.iter().find_map(|p| path.rfind(p).map(|i| &path[i + p.len()..]));
@@ -301,5 +342,22 @@ mod tests {
         assert_eq!(short_name(pandas), "pandas/_libs/lib.cpython-311-x86_64-linux-gnu.so");
         assert_eq!(short_name("/usr/lib/x86_64-linux-gnu/libc.so.6"), "libc.so.6");
         assert_eq!(short_name(VDSO), VDSO);
+    }
+
+    #[test]
+    fn calls_are_told_from_other_code() {
+        let ending = |tail: &[u8]| {
+            let mut code = [0x90u8; 8]; // nops before
+            code[8 - tail.len()..].copy_from_slice(tail);
+            ends_in_call(&code)
+        };
+        assert!(ending(&[0xe8, 1, 2, 3, 4]), "call rel32");
+        assert!(ending(&[0xff, 0xd0]), "call rax");
+        assert!(ending(&[0x41, 0xff, 0xd3]), "call r11");
+        assert!(ending(&[0xff, 0x15, 1, 2, 3, 4]), "call [rip+disp32]");
+        assert!(ending(&[0xff, 0x54, 0x24, 0x08]), "call [rsp+8]");
+        assert!(!ending(&[0xff, 0xe0]), "jmp rax");
+        assert!(!ending(&[0x48, 0x89, 0xc7]), "mov rdi, rax");
+        assert!(!ending(&[]), "nops");
     }
 }

@@ -1,5 +1,7 @@
 //! Unwinding a copied stack: framehop follows each module's `.eh_frame` (frame
 //! pointers where a module has none) over the bytes the signal handler copied.
+//! Hand-written assembly (BLAS kernels) often has neither: there the unwind can go
+//! on from a return address found by scanning the stack (`unwind_from`).
 
 use super::modules::Section;
 use super::signal::Regs;
@@ -8,6 +10,8 @@ use framehop::{FrameAddress, Unwinder};
 
 /// Deeper stacks are cut here.
 const MAX_FRAMES: usize = 1024;
+/// Return addresses tried, at most, where a frame led nowhere (see `unwind_from`).
+pub const MAX_TRIES: usize = 8;
 
 /// How an unwind ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,7 +42,56 @@ pub fn unwind(
     out: &mut Vec<NativeFrame>,
 ) -> End {
     out.clear();
-    let (low, high) = (regs.sp, regs.sp + stack.len() as u64);
+    let state = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
+    walk(unwinder, cache, regs.sp, stack, state, FrameAddress::from_instruction_pointer(regs.ip), out)
+}
+
+/// Unwinds `out` again from the return address `ra` found at `at` in the copy: the
+/// frames below `at` stay, the last of them spanning the words up to it (assembly
+/// without unwind information, often with a stack of its own it realigned).
+pub fn unwind_from(
+    unwinder: &UnwinderX86_64<Section>,
+    cache: &mut CacheX86_64,
+    regs: Regs,
+    stack: &[u8],
+    (at, ra): (u64, u64),
+    out: &mut Vec<NativeFrame>,
+) -> End {
+    out.retain(|f| f.sp <= at);
+    let (Some(last), Some(address)) = (out.last_mut(), FrameAddress::from_return_address(ra)) else {
+        return End::Lost;
+    };
+    last.caller_sp = at + 8;
+    let state = UnwindRegsX86_64::new(ra, at + 8, regs.bp);
+    walk(unwinder, cache, regs.sp, stack, state, address, out)
+}
+
+/// The words of the copy from `from` up that `is_return` takes for return addresses:
+/// (where, value), nearest first.
+pub fn return_addresses<'a>(
+    regs: Regs,
+    stack: &'a [u8],
+    from: u64,
+    mut is_return: impl FnMut(u64) -> bool + 'a,
+) -> impl Iterator<Item = (u64, u64)> + 'a {
+    let skip = from.saturating_sub(regs.sp).div_ceil(8) as usize;
+    (stack.chunks_exact(8).enumerate().skip(skip))
+        .map(move |(i, w)| (regs.sp + 8 * i as u64, u64::from_le_bytes(w.try_into().expect("8 bytes"))))
+        .filter(move |&(_, w)| is_return(w))
+}
+
+/// Appends the frames from `address` (with `state`) to `out`, over the copy `stack` of
+/// the stack from `low` up.
+fn walk(
+    unwinder: &UnwinderX86_64<Section>,
+    cache: &mut CacheX86_64,
+    low: u64,
+    stack: &[u8],
+    mut state: UnwindRegsX86_64,
+    mut address: FrameAddress,
+    out: &mut Vec<NativeFrame>,
+) -> End {
+    let high = low + stack.len() as u64;
     let mut past_copy = false;
     let mut read = |addr: u64| {
         if addr < low || addr + 8 > high {
@@ -48,8 +101,6 @@ pub fn unwind(
         let at = (addr - low) as usize;
         Ok(u64::from_le_bytes(stack[at..at + 8].try_into().expect("8 bytes")))
     };
-    let mut state = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
-    let mut address = FrameAddress::from_instruction_pointer(regs.ip);
     let end = loop {
         if out.len() >= MAX_FRAMES {
             break End::Cut;
