@@ -27,7 +27,7 @@ use signal::{Regs, Slot, SLOTS};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
-use unwind::{return_addresses, unwind, unwind_from, End, NativeFrame, MAX_TRIES};
+use unwind::{return_addresses, unwind, unwind_from, word_at, End, NativeFrame};
 
 /// How long a tick waits for threads to answer: a thread that blocks the signal, or
 /// waits for a CPU, gets a Python-only sample.
@@ -105,6 +105,9 @@ pub struct Native {
     cache: Box<CacheX86_64>,
     resolver: Resolver,
     copy: FxHashMap<u64, usize>,
+    /// Per thread, where its last scan past assembly found the return address that
+    /// merged, above the frame it stopped at.
+    scanned_at: FxHashMap<u64, u64>,
     running: Running,
     /// Threads whose signal went unanswered and may still be pending.
     unanswered: FxHashSet<u64>,
@@ -153,6 +156,7 @@ impl Native {
             cache: Box::new(CacheX86_64::new()),
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
+            scanned_at: FxHashMap::default(),
             running: Running::default(),
             unanswered: FxHashSet::default(),
             costs: VecDeque::new(),
@@ -206,6 +210,7 @@ impl Native {
         let alive = |tid: &u64| live.binary_search(tid).is_ok();
         self.running.forget(live, Instant::now());
         self.copy.retain(|tid, _| alive(tid));
+        self.scanned_at.retain(|tid, _| alive(tid));
         self.unanswered.retain(alive);
     }
 
@@ -302,13 +307,18 @@ impl Native {
     ) -> Option<(End, bool)> {
         let (from, kept) = (self.unwound.last()?.sp, self.unwound.len());
         let modules = &mut self.modules;
-        let found: Vec<(u64, u64)> =
-            return_addresses(regs, stack, from, |a| modules.after_call(a)).take(MAX_TRIES).collect();
-        for at in found {
+        // The thread's last scan that merged, first: a kernel called from the same
+        // place keeps its caller's return address as far above its stack pointer.
+        let last = (self.scanned_at.get(&w.tid))
+            .and_then(|&off| Some((from + off, word_at(regs, stack, from + off)?)))
+            .filter(|&(_, ra)| modules.after_call(ra));
+        let found = return_addresses(regs, stack, from, |a| modules.after_call(a));
+        for at in last.into_iter().chain(found.into_iter().filter(|&f| Some(f) != last)) {
             self.unwound.truncate(kept);
             let end = unwind_from(&self.modules.unwinder, &mut self.cache, regs, stack, at, &mut self.unwound);
             if self.merge_into(w, end, copy_end).is_ok() {
                 self.stats.scanned += 1;
+                self.scanned_at.insert(w.tid, at.0 - from);
                 return Some((end, true));
             }
         }

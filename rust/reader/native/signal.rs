@@ -30,13 +30,19 @@ const DONE: u64 = 3;
 /// A frame pointer the handler could not read.
 const UNREAD: u64 = u64::MAX;
 
-/// What the handler saw: the interrupted instruction, stack and frame pointers.
+/// What the handler saw: the interrupted instruction, stack and frame pointers, and
+/// the other registers a callee keeps for its caller (rbx, r12-r15), where assembly
+/// without unwind information often keeps its caller's stack pointer.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Regs {
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
+    pub kept: [u64; 5],
 }
+
+/// The registers of `Regs::kept`, as the kernel's context names them.
+const KEPT: [libc::c_int; 5] = [libc::REG_RBX, libc::REG_R12, libc::REG_R13, libc::REG_R14, libc::REG_R15];
 
 pub struct Slot {
     /// `seq << 2 | phase`.
@@ -51,6 +57,7 @@ pub struct Slot {
     ip: AtomicU64,
     sp: AtomicU64,
     bp: AtomicU64,
+    kept: [AtomicU64; 5],
     copied: AtomicU64,
     buf: AtomicPtr<u8>,
 }
@@ -65,6 +72,7 @@ const EMPTY: Slot = Slot {
     ip: AtomicU64::new(0),
     sp: AtomicU64::new(0),
     bp: AtomicU64::new(0),
+    kept: [const { AtomicU64::new(0) }; 5],
     copied: AtomicU64::new(0),
     buf: AtomicPtr::new(std::ptr::null_mut()),
 };
@@ -119,6 +127,7 @@ impl Slot {
             ip: self.ip.load(Ordering::Relaxed),
             sp: self.sp.load(Ordering::Relaxed),
             bp: self.bp.load(Ordering::Relaxed),
+            kept: self.kept.each_ref().map(|r| r.load(Ordering::Relaxed)),
         };
         let pointer = Some(self.pointer.load(Ordering::Relaxed)).filter(|&p| p != UNREAD);
         let len = self.copied.load(Ordering::Relaxed) as usize;
@@ -263,6 +272,9 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
     slot.ip.store(ip, Ordering::Relaxed);
     slot.sp.store(sp, Ordering::Relaxed);
     slot.bp.store(bp, Ordering::Relaxed);
+    for (kept, reg) in slot.kept.iter().zip(KEPT) {
+        kept.store(gregs[reg as usize] as u64, Ordering::Relaxed);
+    }
     slot.copied.store(copied, Ordering::Relaxed);
     slot.state.store(seq << 2 | DONE, Ordering::Release);
     ANSWERS.fetch_add(1, Ordering::Release);

@@ -11,7 +11,9 @@ use framehop::{FrameAddress, Unwinder};
 /// Deeper stacks are cut here.
 const MAX_FRAMES: usize = 1024;
 /// Return addresses tried, at most, where a frame led nowhere (see `unwind_from`).
-pub const MAX_TRIES: usize = 8;
+const MAX_TRIES: usize = 12;
+/// Of them, those above one place the scan starts at.
+const PER_START: usize = 4;
 
 /// How an unwind ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,18 +68,41 @@ pub fn unwind_from(
     walk(unwinder, cache, regs.sp, stack, state, address, out)
 }
 
-/// The words of the copy from `from` up that `is_return` takes for return addresses:
-/// (where, value), nearest first.
-pub fn return_addresses<'a>(
+/// Where return addresses may be, for a frame at `from` that led nowhere: above each
+/// register kept for the caller that points into the copy past `from` (assembly that
+/// realigned its stack keeps the caller's stack pointer in one, and what lies between
+/// is stale), then above `from` itself; (where, value) per word `is_return` takes,
+/// at most `MAX_TRIES`, each once.
+pub fn return_addresses(
     regs: Regs,
-    stack: &'a [u8],
+    stack: &[u8],
     from: u64,
-    mut is_return: impl FnMut(u64) -> bool + 'a,
-) -> impl Iterator<Item = (u64, u64)> + 'a {
-    let skip = from.saturating_sub(regs.sp).div_ceil(8) as usize;
-    (stack.chunks_exact(8).enumerate().skip(skip))
-        .map(move |(i, w)| (regs.sp + 8 * i as u64, u64::from_le_bytes(w.try_into().expect("8 bytes"))))
-        .filter(move |&(_, w)| is_return(w))
+    mut is_return: impl FnMut(u64) -> bool,
+) -> Vec<(u64, u64)> {
+    let end = regs.sp + stack.len() as u64;
+    let mut starts: Vec<u64> = regs.kept.iter().copied().filter(|&r| r > from && r < end).collect();
+    starts.sort_unstable();
+    starts.push(from);
+    let mut found: Vec<(u64, u64)> = Vec::with_capacity(MAX_TRIES);
+    for start in starts {
+        let first = (start.saturating_sub(regs.sp).div_ceil(8) * 8) as usize;
+        let words = stack[first.min(stack.len())..].chunks_exact(8).enumerate();
+        let here: Vec<(u64, u64)> = words
+            .map(|(i, w)| (regs.sp + (first + 8 * i) as u64, u64::from_le_bytes(w.try_into().expect("8 bytes"))))
+            .filter(|&(at, _)| !found.iter().any(|&(seen, _)| seen == at))
+            .filter(|&(_, w)| is_return(w))
+            .take(PER_START)
+            .collect();
+        found.extend(here);
+    }
+    found.truncate(MAX_TRIES);
+    found
+}
+
+/// The word at `at` in the copy `stack` of the stack from `regs.sp` up.
+pub fn word_at(regs: Regs, stack: &[u8], at: u64) -> Option<u64> {
+    let off = usize::try_from(at.checked_sub(regs.sp)?).ok()?;
+    Some(u64::from_le_bytes(stack.get(off..off.checked_add(8)?)?.try_into().ok()?))
 }
 
 /// Appends the frames from `address` (with `state`) to `out`, over the copy `stack` of
@@ -122,5 +147,24 @@ fn walk(
         End::Cut
     } else {
         end
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn return_addresses_above_a_kept_stack_pointer_come_first() {
+        // Words from sp = 0x1000: a stale return address at +0x10 (left in the gap a
+        // kernel realigned over), its caller's stack pointer kept in rbx (+0x30), the
+        // return address it saved above that (+0x40).
+        let words = [0u64, 0, 0x7000, 0, 0, 0, 0, 0, 0x7100, 0];
+        let stack: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let regs = Regs { ip: 0x6000, sp: 0x1000, bp: 0, kept: [0x1030, 0, 0, 0, 0x9999] };
+        let found = return_addresses(regs, &stack, 0x1000, |w| w >= 0x7000);
+        assert_eq!(found, vec![(0x1040, 0x7100), (0x1010, 0x7000)]);
+        assert_eq!(word_at(regs, &stack, 0x1040), Some(0x7100));
+        assert_eq!(word_at(regs, &stack, 0x1000 + stack.len() as u64), None);
     }
 }
