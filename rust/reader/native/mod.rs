@@ -249,7 +249,7 @@ impl Native {
             }
             self.seq += 1;
             let slot = Slot::at(asked.len());
-            slot.ask(self.seq, *self.copy.get(&w.tid).unwrap_or(&FIRST_COPY), w.pointer);
+            slot.ask(self.seq, self.copy_size(w.tid), w.pointer);
             if signal::send(self.signal, w.tid, asked.len(), self.seq) {
                 asked.push((i, self.seq));
             } else {
@@ -310,7 +310,7 @@ impl Native {
         // The thread's last scan that merged, first: a kernel called from the same
         // place keeps its caller's return address as far above its stack pointer.
         let last = (self.scanned_at.get(&w.tid))
-            .and_then(|&off| Some((from + off, word_at(regs, stack, from + off)?)))
+            .and_then(|&off| Some((from + off, word_at(stack, regs.sp, from + off)?)))
             .filter(|&(_, ra)| modules.after_call(ra));
         let found = return_addresses(regs, stack, from, |a| modules.after_call(a));
         for at in last.into_iter().chain(found.into_iter().filter(|&f| Some(f) != last)) {
@@ -325,11 +325,15 @@ impl Native {
         None
     }
 
+    /// The bytes of stack a signal asks `tid` to copy.
+    fn copy_size(&self, tid: u64) -> usize {
+        *self.copy.get(&tid).unwrap_or(&FIRST_COPY)
+    }
+
     /// Where the thread's stack may end: where its copy stopped short, at the end of
     /// the stack; a copy that took all it asked for may have stopped inside it.
     fn copy_end(&self, tid: u64, regs: Regs, stack: &[u8]) -> u64 {
-        let asked = (*self.copy.get(&tid).unwrap_or(&FIRST_COPY)).min(signal::MAX_COPY);
-        if stack.len() >= asked {
+        if stack.len() >= self.copy_size(tid).min(signal::MAX_COPY) {
             u64::MAX
         } else {
             regs.sp + stack.len() as u64
@@ -346,7 +350,7 @@ impl Native {
             if self.copy.len() > 4096 {
                 self.copy.clear();
             }
-            let now = *self.copy.get(&tid).unwrap_or(&FIRST_COPY);
+            let now = self.copy_size(tid);
             if copied >= now {
                 self.copy.insert(tid, (now * 2).min(signal::MAX_COPY));
             }

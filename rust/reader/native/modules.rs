@@ -5,6 +5,7 @@
 //! the sampling thread only: it takes the loader's lock) when the loader's counts of
 //! loads and unloads moved.
 
+use super::signal::read_word;
 use super::symbols::{readable, Symbols};
 use framehop::x86_64::UnwinderX86_64;
 use framehop::{ExplicitModuleSectionInfo, Module as UnwindModule, Unwinder};
@@ -244,17 +245,10 @@ impl Modules {
     }
 }
 
-/// A module's name as shown: its path below `site-packages` (two packages can ship a
-/// `lib.cpython-311-x86_64-linux-gnu.so`), else its file name.
 /// The 8 bytes of code before `addr`, read through the kernel: a module unloaded
 /// since it was listed gives None rather than a fault.
 fn code_before(addr: u64) -> Option<[u8; 8]> {
-    let mut code = [0u8; 8];
-    let local = libc::iovec { iov_base: code.as_mut_ptr() as *mut libc::c_void, iov_len: 8 };
-    let remote = libc::iovec { iov_base: addr.checked_sub(8)? as *mut libc::c_void, iov_len: 8 };
-    // SAFETY: reads our own memory into a local buffer of the length given.
-    let read = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    (read == 8).then_some(code)
+    read_word(addr.checked_sub(8)?).map(u64::to_le_bytes)
 }
 
 /// Whether `code` ends in an x86-64 call: `e8 rel32`, or `ff /2` (through a register
@@ -263,6 +257,8 @@ fn ends_in_call(code: &[u8; 8]) -> bool {
     code[3] == 0xe8 || (2..=7).any(|len| code[8 - len] == 0xff && (code[9 - len] >> 3) & 7 == 2)
 }
 
+/// A module's name as shown: its path below `site-packages` (two packages can ship a
+/// `lib.cpython-311-x86_64-linux-gnu.so`), else its file name.
 fn short_name(path: &str) -> &str {
     let packages = ["/site-packages/", "/dist-packages/"];
     let below = packages.iter().find_map(|p| path.rfind(p).map(|i| &path[i + p.len()..]));

@@ -265,7 +265,7 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
     let via = slot.pointer_via.load(Ordering::Relaxed).checked_sub(1);
     let pointer = match (word, via) {
         (Some(p), None) => Some(p),
-        (Some(s), Some(off)) => word_in(pid, s.wrapping_add(off), sp, buf, copied),
+        (Some(s), Some(off)) => word_in(s.wrapping_add(off), sp, buf, copied),
         (None, _) => None,
     };
     slot.pointer.store(pointer.unwrap_or(UNREAD), Ordering::Relaxed);
@@ -297,17 +297,23 @@ pub fn wait_for_answer(seen: u32, timeout: Duration) {
 
 /// The word at `addr` (where a frame pointer lives): from the stack copy `buf` of
 /// `copied` bytes from `sp` when it lies there, else read. Async-signal-safe.
-unsafe fn word_in(pid: i32, addr: u64, sp: u64, buf: *const u8, copied: u64) -> Option<u64> {
+unsafe fn word_in(addr: u64, sp: u64, buf: *const u8, copied: u64) -> Option<u64> {
     match addr.checked_sub(sp) {
         Some(off) if off.saturating_add(8) <= copied => Some((buf.add(off as usize) as *const u64).read_unaligned()),
-        _ => {
-            let mut word = 0u64;
-            let local = libc::iovec { iov_base: &mut word as *mut u64 as *mut libc::c_void, iov_len: 8 };
-            let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 8 };
-            let read = libc::syscall(libc::SYS_process_vm_readv, pid, &local, 1usize, &remote, 1usize, 0usize);
-            (read == 8).then_some(word)
-        }
+        _ => read_word(addr),
     }
+}
+
+/// The word of this process's memory at `addr`, read through the kernel: None where
+/// nothing is mapped, never a fault. Async-signal-safe (one system call).
+pub fn read_word(addr: u64) -> Option<u64> {
+    let mut word = 0u64;
+    let local = libc::iovec { iov_base: &mut word as *mut u64 as *mut libc::c_void, iov_len: 8 };
+    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 8 };
+    // SAFETY: reads our own memory into a local word.
+    let read =
+        unsafe { libc::syscall(libc::SYS_process_vm_readv, libc::getpid(), &local, 1usize, &remote, 1usize, 0usize) };
+    (read == 8).then_some(word)
 }
 
 /// Reads the word at `word_at` (none at 0) and copies `[sp, sp + want)` into `buf` in

@@ -99,9 +99,9 @@ pub fn return_addresses(
     found
 }
 
-/// The word at `at` in the copy `stack` of the stack from `regs.sp` up.
-pub fn word_at(regs: Regs, stack: &[u8], at: u64) -> Option<u64> {
-    let off = usize::try_from(at.checked_sub(regs.sp)?).ok()?;
+/// The word at `at` in the copy `stack` of the stack from `low` up.
+pub fn word_at(stack: &[u8], low: u64, at: u64) -> Option<u64> {
+    let off = usize::try_from(at.checked_sub(low)?).ok()?;
     Some(u64::from_le_bytes(stack.get(off..off.checked_add(8)?)?.try_into().ok()?))
 }
 
@@ -119,12 +119,9 @@ fn walk(
     let high = low + stack.len() as u64;
     let mut past_copy = false;
     let mut read = |addr: u64| {
-        if addr < low || addr + 8 > high {
-            past_copy |= addr >= high;
-            return Err(());
-        }
-        let at = (addr - low) as usize;
-        Ok(u64::from_le_bytes(stack[at..at + 8].try_into().expect("8 bytes")))
+        let word = word_at(stack, low, addr);
+        past_copy |= word.is_none() && addr >= high;
+        word.ok_or(())
     };
     let end = loop {
         if out.len() >= MAX_FRAMES {
@@ -164,7 +161,7 @@ mod tests {
         let regs = Regs { ip: 0x6000, sp: 0x1000, bp: 0, kept: [0x1030, 0, 0, 0, 0x9999] };
         let found = return_addresses(regs, &stack, 0x1000, |w| w >= 0x7000);
         assert_eq!(found, vec![(0x1040, 0x7100), (0x1010, 0x7000)]);
-        assert_eq!(word_at(regs, &stack, 0x1040), Some(0x7100));
-        assert_eq!(word_at(regs, &stack, 0x1000 + stack.len() as u64), None);
+        assert_eq!(word_at(&stack, regs.sp, 0x1040), Some(0x7100));
+        assert_eq!(word_at(&stack, regs.sp, 0x1000 + stack.len() as u64), None);
     }
 }
