@@ -1,4 +1,5 @@
-//! Heavy work (export, merge, render) runs in a thread 10 nicer than its caller's.
+//! Heavy work (export, merge, render) runs in a thread 10 nicer than its caller's;
+//! the sampling thread asks for a short slice, so it is not kept waiting for a CPU.
 //!
 //! A collection exports in every worker at once, and on a busy machine the event
 //! loops then waited for a CPU behind that work. Only work done without the GIL is
@@ -40,6 +41,47 @@ fn lower_priority() {
     }
 }
 
+/// The slice the sampling thread asks for: the kernel's floor. Since Linux 6.12
+/// (EEVDF custom slices) a woken thread with a shorter slice than the running one
+/// preempts it. Without it the sampler woke behind a busy thread on its CPU and read
+/// its stack only after that thread's burst: a process pinned to one CPU showed 2% of
+/// 1 ms native bursts (AMD EPYC VM, 6.18), 85% with it. Fairness is unchanged: the
+/// thread's CPU share is its budget's, and a short slice only orders who runs first.
+const SAMPLER_SLICE_NS: u64 = 100_000;
+
+/// `struct sched_attr` of sched_setattr(2), first version (48 bytes).
+#[repr(C)]
+#[derive(Default)]
+struct SchedAttr {
+    size: u32,
+    policy: u32,
+    flags: u64,
+    nice: i32,
+    priority: u32,
+    runtime: u64,
+    deadline: u64,
+    period: u64,
+}
+
+/// Asks a short slice for the calling thread, keeping its policy and nice value;
+/// returns the slice the kernel now reports (ns), or None where it keeps none (before
+/// 6.12, a policy other than the default, a sandbox that refuses the calls).
+pub fn short_slice() -> Option<u64> {
+    let mut attr = SchedAttr { size: std::mem::size_of::<SchedAttr>() as u32, ..SchedAttr::default() };
+    let size = attr.size;
+    // SAFETY: `attr` is a valid sched_attr of `size` bytes; thread 0 is the caller.
+    let got = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &mut attr as *mut SchedAttr, size, 0) };
+    if got != 0 || attr.policy != libc::SCHED_OTHER as u32 {
+        return None;
+    }
+    attr.runtime = SAMPLER_SLICE_NS;
+    // SAFETY: as above; only the calling thread's scheduling changes.
+    let set = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+    // SAFETY: as above.
+    let read = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &mut attr as *mut SchedAttr, size, 0) };
+    (set == 0 && read == 0 && attr.runtime == SAMPLER_SLICE_NS).then_some(attr.runtime)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -55,6 +97,19 @@ mod tests {
         let inside = nicer(own_nice);
         assert_eq!(inside, (before + NICE).min(19));
         assert_eq!(own_nice(), before);
+    }
+
+    #[test]
+    fn a_short_slice_keeps_the_nice_value() {
+        let nice = std::thread::spawn(|| {
+            // SAFETY: changes only this test thread's priority.
+            unsafe { libc::nice(3) };
+            let before = own_nice();
+            short_slice();
+            (before, own_nice())
+        });
+        let (before, after) = nice.join().unwrap();
+        assert_eq!(before, after);
     }
 
     #[test]

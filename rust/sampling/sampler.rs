@@ -182,6 +182,7 @@ impl Sampler {
             "achieved_rate": per_sec(run.ticks),
             "interval_s": run.interval_s,
             "tick_lateness_s": run.lateness,
+            "slice_us": run.slice_ns.map(|ns| ns / 1000),
             "cpu_s": run.cpu_ns as f64 / 1e9,
             "cpu_fraction": per_sec(run.cpu_ns) / 1e9,
             "last_error": run.last_error,

@@ -9,6 +9,7 @@
 //!
 //! It never touches the GIL: the readers read interpreter memory directly.
 
+use crate::priority;
 use crate::profile::model::Frame;
 use crate::profile::sample::{State, FLAG_BLOCKS_LOOP};
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
@@ -64,6 +65,8 @@ pub struct RunStats {
     pub deferred_samples: u64,
     /// Where the ticks' time went, by phase.
     pub phases: Phases,
+    /// The slice the kernel gives the sampling thread (ns), if it keeps a short one.
+    pub slice_ns: Option<u64>,
 }
 
 /// One thread of a live dump.
@@ -133,7 +136,10 @@ fn frame_of(reader: &dyn StackReader, native: Option<&Native>, id: u64) -> Frame
 }
 
 pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result::Result<(), String>>) {
-    shared.stats.lock().running = true;
+    let slice_ns = priority::short_slice();
+    let mut stats = shared.stats.lock();
+    (stats.running, stats.slice_ns) = (true, slice_ns);
+    drop(stats);
     let config = shared.config.lock().clone();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let reader: Box<dyn StackReader> = match chosen {
