@@ -7,19 +7,22 @@
 # Roots and venvs stay in $DASK_PYSPY_ROOTS (default below) for the next run; logs in its logs/.
 set -euo pipefail
 
+# What reads the interpreter: the sampler, readers, states, stalls and native frames, a
+# LocalCluster's task tags, the report of a collection (and of a reader's fallback) and
+# what the plugin leaves behind. The report's other pages, the dashboard and speedscope's
+# app render what Rust wrote, the same on any interpreter: the main suite runs them.
+REPORT_TESTS="tests/cluster/test_report.py::test_report_opens_offline_and_escapes_names
+    tests/cluster/test_report.py::test_task_views_lead_with_task_code tests/cluster/test_report.py::test_a_reader_fallback_is_an_error"
 MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py tests/inprocess/test_stalls.py
-    tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py
+    tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS
     tests/cluster/test_no_trace.py"
 # What runs without pandas and pyarrow, which have no cp313t wheels: the sampler and
 # reader, the local threaded scheduler, a LocalCluster with the plugin, the report.
 MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py
     tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py tests/inprocess/test_stalls.py
-    tests/cluster/test_cluster.py::test_task_attribution tests/cluster/test_report.py tests/cluster/test_no_trace.py"
-# distributed serves its dashboard (and our page in it) only with bokeh, which needs pandas;
+    tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS tests/cluster/test_no_trace.py"
 # arrow's native frames need pyarrow.
-MATRIX_DESELECT_FREE_THREADED="tests/cluster/test_report.py::test_dashboard_page
-    tests/cluster/test_report.py::test_dashboard_timeline_and_a_chosen_range
-    tests/inprocess/test_native.py::test_pyarrow_names_are_demangled
+MATRIX_DESELECT_FREE_THREADED="tests/inprocess/test_native.py::test_pyarrow_names_are_demangled
     tests/inprocess/test_native.py::test_cpp_exceptions_while_sampling"
 PYTHONS=${MATRIX_PYTHONS:-"3.13:sid 3.14:sid 3.15:sid 3.9:bullseye 3.13t:sid"} # MATRIX_PYTHONS: a few only
 # Debian ships no free-threaded CPython; sid's 3.14 and 3.15 sources cannot be fetched.
