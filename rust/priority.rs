@@ -41,14 +41,6 @@ fn lower_priority() {
     }
 }
 
-/// The slice the sampling thread asks for: the kernel's floor. Since Linux 6.12
-/// (EEVDF custom slices) a woken thread with a shorter slice than the running one
-/// preempts it. Without it the sampler woke behind a busy thread on its CPU and read
-/// its stack only after that thread's burst: a process pinned to one CPU showed 2% of
-/// 1 ms native bursts (AMD EPYC VM, 6.18), 85% with it. Fairness is unchanged: the
-/// thread's CPU share is its budget's, and a short slice only orders who runs first.
-const SAMPLER_SLICE_NS: u64 = 100_000;
-
 /// `struct sched_attr` of sched_setattr(2), first version (48 bytes).
 #[repr(C)]
 #[derive(Default)]
@@ -63,10 +55,17 @@ struct SchedAttr {
     period: u64,
 }
 
-/// Asks a short slice for the calling thread, keeping its policy and nice value;
-/// returns the slice the kernel now reports (ns), or None where it keeps none (before
-/// 6.12, a policy other than the default, a sandbox that refuses the calls).
-pub fn short_slice() -> Option<u64> {
+/// Asks a slice of `ns` for the calling thread (the sampling thread: long enough for
+/// a tick, far shorter than the default ~1.4 ms), keeping its policy and nice value;
+/// returns the slice the kernel now reports, or None where it keeps none (before 6.12,
+/// a policy other than the default, a sandbox that refuses the calls).
+///
+/// Since Linux 6.12 (EEVDF custom slices) a woken thread with a shorter slice than the
+/// running one preempts it. Without it the sampler woke behind a busy thread on its CPU
+/// and read its stack only after that thread's burst: a process pinned to one CPU
+/// showed 2% of 1 ms native bursts (AMD EPYC VM, 6.18), 84% with it. Fairness is
+/// unchanged: the thread's CPU share is its budget's; a short slice orders who runs first.
+pub fn short_slice(ns: u64) -> Option<u64> {
     let mut attr = SchedAttr { size: std::mem::size_of::<SchedAttr>() as u32, ..SchedAttr::default() };
     let size = attr.size;
     // SAFETY: `attr` is a valid sched_attr of `size` bytes; thread 0 is the caller.
@@ -74,12 +73,12 @@ pub fn short_slice() -> Option<u64> {
     if got != 0 || attr.policy != libc::SCHED_OTHER as u32 {
         return None;
     }
-    attr.runtime = SAMPLER_SLICE_NS;
+    attr.runtime = ns;
     // SAFETY: as above; only the calling thread's scheduling changes.
     let set = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
     // SAFETY: as above.
     let read = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &mut attr as *mut SchedAttr, size, 0) };
-    (set == 0 && read == 0 && attr.runtime == SAMPLER_SLICE_NS).then_some(attr.runtime)
+    (set == 0 && read == 0 && attr.runtime == ns).then_some(ns)
 }
 
 #[cfg(test)]
@@ -105,7 +104,7 @@ mod tests {
             // SAFETY: changes only this test thread's priority.
             unsafe { libc::nice(3) };
             let before = own_nice();
-            short_slice();
+            short_slice(100_000);
             (before, own_nice())
         });
         let (before, after) = nice.join().unwrap();

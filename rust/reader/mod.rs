@@ -134,6 +134,11 @@ pub trait StackReader {
     fn list_ns(&self) -> u64 {
         0
     }
+    /// The scheduler slice a tick with this reader needs (see `priority::short_slice`):
+    /// the fast reader's ticks take 20-150 us.
+    fn slice_ns(&self) -> u64 {
+        100_000
+    }
 }
 
 /// The reader a sampler was asked for.

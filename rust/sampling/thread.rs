@@ -136,10 +136,7 @@ fn frame_of(reader: &dyn StackReader, native: Option<&Native>, id: u64) -> Frame
 }
 
 pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result::Result<(), String>>) {
-    let slice_ns = priority::short_slice();
-    let mut stats = shared.stats.lock();
-    (stats.running, stats.slice_ns) = (true, slice_ns);
-    drop(stats);
+    shared.stats.lock().running = true;
     let config = shared.config.lock().clone();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let reader: Box<dyn StackReader> = match chosen {
@@ -152,9 +149,11 @@ pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result:
                 }
             },
         };
+        let slice_ns = priority::short_slice(reader.slice_ns());
         let mut stats = shared.stats.lock();
         stats.reader = Some(reader.name());
         stats.reader_stats = reader.stats();
+        stats.slice_ns = slice_ns;
         drop(stats);
         // Started before `start` returns, so its stats (or why it is off) are there then.
         let native = config.native.then(Native::start).and_then(|started| {

@@ -78,8 +78,10 @@ def test_numpy_matmul_shows_blas_under_the_python_line():
     # OpenBLAS's kernels are assembly without unwind information, which realigns its
     # stack: unwinding stops there unless the stack is scanned past it.
     assert stats["mismatched"] <= stats["answered"] // 10, stats
-    with_native = [st for st, _ in stacks(prof, "matmul") if native_frames(st)]
-    assert len(gemm) >= 0.8 * len(with_native), (len(gemm), len(with_native))
+    # By time, not by distinct stacks: numpy's own calls around gemm (allocation, the
+    # ufunc's set-up) are few samples but many stacks.
+    with_native = sum(w for st, w in stacks(prof, "matmul") if native_frames(st))
+    assert sum(w for _, w in gemm) >= 0.8 * with_native, (sum(w for _, w in gemm), with_native)
 
 
 def python_callback() -> None:

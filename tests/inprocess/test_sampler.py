@@ -226,14 +226,16 @@ def kernel_keeps_short_slices() -> bool:
 def test_bursts_on_the_samplers_own_cpu_are_sampled(kind):
     """On a CPU shared with a busy thread the sampler woke behind it and read its stack
     only after the burst: 2% of 1 ms native bursts seen, 48% of Python ones. Its short
-    slice lets it preempt the burst (threads inherit the affinity set here)."""
+    slice lets it preempt the burst; one shorter than its tick (py-spy's reader's) let
+    the burst preempt it mid-read. Threads inherit the affinity set here."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
     try:
         share, s = sampled_share_of_bursts(kind)
     finally:
         os.sched_setaffinity(0, before)
-    assert s.stats()["slice_us"] == 100, s.stats()["slice_us"]
+    stats = s.stats()
+    assert stats["slice_us"] == {"fast": 100, "pyspy": 400}[stats["reader"]], stats["slice_us"]
     assert 0.6 <= share <= 1.6, (share, s.stats()["reader_stats"])
 
 
