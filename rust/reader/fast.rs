@@ -300,6 +300,11 @@ impl StackReader for FastReader {
         "fast"
     }
 
+    /// The kernel's floor: ticks take 20-150 us (AMD EPYC).
+    fn slice_ns(&self) -> u64 {
+        100_000
+    }
+
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
         out.clear();
         self.mem.check_handler();

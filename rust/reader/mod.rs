@@ -134,11 +134,8 @@ pub trait StackReader {
     fn list_ns(&self) -> u64 {
         0
     }
-    /// The scheduler slice a tick with this reader needs (see `priority::short_slice`):
-    /// the fast reader's ticks take 20-150 us.
-    fn slice_ns(&self) -> u64 {
-        100_000
-    }
+    /// The scheduler slice a tick with this reader needs (see `priority::short_slice`).
+    fn slice_ns(&self) -> u64;
 }
 
 /// The reader a sampler was asked for.

@@ -236,7 +236,7 @@ def test_bursts_on_the_samplers_own_cpu_are_sampled(kind):
         os.sched_setaffinity(0, before)
     stats = s.stats()
     assert stats["slice_us"] == {"fast": 100, "pyspy": 400}[stats["reader"]], stats["slice_us"]
-    assert 0.6 <= share <= 1.6, (share, s.stats()["reader_stats"])
+    assert 0.6 <= share <= 1.6, (share, stats["reader_stats"])
 
 
 def test_budget_throttles_costly_ticks():
