@@ -8,7 +8,7 @@ use super::frees::FreeLog;
 use super::layout::Layout;
 use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
-use super::{Run, StackReader, ThreadStack, Want};
+use super::{Read, Run, StackReader, ThreadStack, Want};
 use crate::profile::model::Frame;
 use crate::reader::tags::{ReadMarks, ThreadTag, ThreadTags};
 use crate::reader::GilAt;
@@ -241,23 +241,16 @@ impl FastReader {
     /// of them ran, and those only working then are not kept. False if the last read
     /// asked for other threads, or a thread moved.
     fn reuse_last(&mut self, want: Want, out: &mut Vec<ThreadStack>) -> Result<bool, String> {
-        let Some((_, last)) = self.last_read.as_ref().filter(|(asked, _)| *asked == (want.idle, want.gil_only)) else {
-            return Ok(false);
-        };
-        let began = std::time::Instant::now();
-        let still = self.threads.stood_still(&self.layout, &mut self.mem, &mut self.batch);
-        self.list_ns += began.elapsed().as_nanos() as u64;
-        if !still? {
+        if !self.stands_still(want)? {
             return Ok(false);
         }
+        let Some((_, last)) = self.last_read.as_ref() else { return Ok(false) };
         for t in last {
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
             if want.keeps(t.runs_python, t.runs_python, in_task) {
                 out.push(ThreadStack { active: t.runs_python, cpu_ns: 0, ran: Some(0.0), ..t.clone() });
             }
         }
-        self.threads.stand_still();
-        self.quiet_reads += 1;
         Ok(true)
     }
 
@@ -305,11 +298,28 @@ impl StackReader for FastReader {
         100_000
     }
 
-    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
-        out.clear();
+    fn stands_still(&mut self, want: Want) -> Result<bool, String> {
         self.mem.check_handler();
-        if want.quiet && self.reuse_last(want, out)? {
-            return Ok(());
+        if self.last_read.as_ref().is_none_or(|(asked, _)| *asked != (want.idle, want.gil_only)) {
+            return Ok(false);
+        }
+        let began = std::time::Instant::now();
+        let still = self.threads.stood_still(&self.layout, &mut self.mem, &mut self.batch);
+        self.list_ns += began.elapsed().as_nanos() as u64;
+        if still? {
+            self.threads.stand_still();
+            self.quiet_reads += 1;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<Read, String> {
+        out.clear();
+        if !want.quiet {
+            self.mem.check_handler(); // else `stands_still` did
+        } else if self.reuse_last(want, out)? {
+            return Ok(Read::Again);
         }
         self.last_read = None; // a read that fails leaves nothing to give again
         let in_task = tags.tagged();
@@ -333,7 +343,7 @@ impl StackReader for FastReader {
             });
         }
         self.last_read = Some(((want.idle, want.gil_only), out.clone()));
-        Ok(())
+        Ok(Read::Fresh)
     }
 
     fn frame(&self, id: u64) -> Frame {

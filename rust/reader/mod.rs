@@ -112,11 +112,25 @@ pub enum GilAt {
     HeldElsewhere(bool),
 }
 
+/// What a read gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Read {
+    Fresh,
+    /// Nothing ran since the last read (asked for the same threads): its stacks again.
+    Again,
+}
+
 pub trait StackReader {
     /// "fast" or "pyspy".
     fn name(&self) -> &'static str;
+    /// Whether nothing ran since the last read, which asked for the same threads, and
+    /// every thread stands where it left them (asked when the process's clock says
+    /// no other thread used CPU): that read's stacks hold now.
+    fn stands_still(&mut self, _want: Want) -> Result<bool, String> {
+        Ok(false)
+    }
     /// Reads the stacks `want` asks for into `out`; Err when the whole tick failed.
-    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String>;
+    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<Read, String>;
     /// The frame behind an id this reader handed out.
     fn frame(&self, id: u64) -> Frame;
     /// Changes when earlier frame ids may mean other frames.

@@ -2,7 +2,7 @@
 //! know, and the oracle it is tested against.
 
 use super::threads::thread_cpu_ns;
-use super::{Run, StackReader, ThreadStack, Want};
+use super::{Read, Run, StackReader, ThreadStack, Want};
 use crate::profile::model::Frame;
 use crate::reader::tags::ThreadTags;
 use crate::reader::GilAt;
@@ -124,7 +124,7 @@ impl StackReader for PySpyReader {
         400_000
     }
 
-    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<(), String> {
+    fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<Read, String> {
         out.clear();
         let before = tags.snapshot();
         let mut traces = self.spy.get_stack_traces().map_err(|e| format!("{e:#}"))?;
@@ -161,7 +161,7 @@ impl StackReader for PySpyReader {
             }
         }
         self.live.sort_unstable();
-        Ok(())
+        Ok(Read::Fresh)
     }
 
     fn frame(&self, id: u64) -> Frame {

@@ -36,6 +36,10 @@ impl Backlog {
         self.taken.len() >= MOST
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.taken.is_empty()
+    }
+
     pub fn push(&mut self, taken: Taken) {
         self.taken.push(taken);
         self.deferred += 1;

@@ -1,5 +1,6 @@
-//! Where a tick's time goes: wall time per phase, summed over the run. Read from the
-//! time-stamp counter (vDSO), so timing a phase asks the kernel nothing.
+//! Where a tick's time goes: wall time per phase, summed over the run, and the CPU
+//! the wake before it cost. Read from the time-stamp counter (vDSO), so timing a phase
+//! asks the kernel nothing.
 
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
@@ -8,6 +9,9 @@ use std::time::Instant;
 /// A tick's phases, in the order it runs them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
+    /// The sleep before the tick and the wake: CPU the kernel charges the sampling
+    /// thread between ticks (CPU time, not wall time).
+    Wake,
     /// The interpreter's thread list, the GIL and which threads ran.
     Threads,
     /// The frames of the threads read, and code objects not cached.
@@ -22,7 +26,8 @@ pub enum Phase {
     Record,
 }
 
-const PHASES: [(Phase, &str); 6] = [
+const PHASES: [(Phase, &str); 7] = [
+    (Phase::Wake, "wake"),
     (Phase::Threads, "threads"),
     (Phase::Stacks, "stacks"),
     (Phase::States, "states"),
@@ -43,6 +48,10 @@ impl Phases {
         let now = Instant::now();
         self.ns[phase as usize] += now.duration_since(*since).as_nanos() as u64;
         *since = now;
+    }
+
+    pub fn add_ns(&mut self, phase: Phase, ns: u64) {
+        self.ns[phase as usize] += ns;
     }
 
     /// Moves `ns` of what `from` was given to `to` (a phase timed inside another).

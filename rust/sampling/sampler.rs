@@ -176,6 +176,7 @@ impl Sampler {
             "ticks": run.ticks,
             "failed_ticks": run.failed_ticks,
             "throttled_ticks": run.throttled_ticks,
+            "repeated_ticks": run.repeated_ticks,
             "boundary_samples": run.boundary_samples,
             "deferred_samples": run.deferred_samples,
             "requested_rate": config.rate,

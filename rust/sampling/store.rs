@@ -163,18 +163,27 @@ impl Store {
         let thread = Thread { process: 0, ident: r.ident, name: r.name };
         let thread = t.threads.find(&thread).unwrap_or_else(|| t.threads.intern(thread));
         let (time_ns, weight_us, cpu_us, flags) = (r.time_ns, r.weight_us, r.cpu_us, r.flags);
-        self.ring.push_back(Sample {
-            time_ns,
-            thread,
-            stack,
-            tag,
-            activity,
-            weight_us,
-            cpu_us,
-            count: 1,
-            flags,
-            cover: 0,
-        });
+        let count = 1;
+        self.push(Sample { time_ns, thread, stack, tag, activity, weight_us, cpu_us, count, flags, cover: 0 });
+    }
+
+    /// The `n` newest samples, if the store still holds them all as recorded.
+    pub fn newest(&self, n: usize) -> Option<Vec<Sample>> {
+        let start = self.ring.len().checked_sub(n)?;
+        Some(self.ring.range(start..).copied().collect())
+    }
+
+    /// Records `samples` (of this generation) again, at `time_ns` with `weight_us`: a
+    /// tick at which nothing ran sees what the tick before it saw.
+    pub fn repeat(&mut self, samples: &[Sample], time_ns: u64, weight_us: u32) {
+        for &s in samples {
+            self.push(Sample { time_ns, weight_us, ..s });
+        }
+    }
+
+    fn push(&mut self, sample: Sample) {
+        let time_ns = sample.time_ns;
+        self.ring.push_back(sample);
         self.recorded += 1;
         self.fold_older_than(time_ns.saturating_sub(self.retention.recent_ns));
         self.enforce_cap();
@@ -313,6 +322,22 @@ pub mod tests {
         }
         assert_eq!(s.tables.counts(), [2, 1, 1, 0, 1]);
         assert_eq!(s.stats().samples_held, 100);
+    }
+
+    #[test]
+    fn samples_repeat_at_a_new_time_with_their_ids() {
+        let mut s = Store::new(1 << 20);
+        push_task(&mut s, 1, "a", "x-1");
+        push_task(&mut s, 1, "b", "y-1");
+        let last = s.newest(2).unwrap();
+        assert!(s.newest(3).is_none(), "only what the store holds");
+        s.repeat(&last, 2, 20_000);
+        let again = s.newest(2).unwrap();
+        for (a, b) in last.iter().zip(&again) {
+            assert_eq!((b.time_ns, b.weight_us), (2, 20_000));
+            assert_eq!(Sample { time_ns: 1, weight_us: 10_000, ..*b }, *a);
+        }
+        assert_eq!(s.stats().samples_recorded, 4);
     }
 
     pub fn total_us(w: &ProfileData) -> u64 {

@@ -11,10 +11,10 @@
 
 use crate::priority;
 use crate::profile::model::Frame;
-use crate::profile::sample::{State, FLAG_BLOCKS_LOOP};
+use crate::profile::sample::{Sample, State, FLAG_BLOCKS_LOOP};
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
 use crate::reader::tags::{Marks, ThreadTags};
-use crate::reader::{Chosen, PySpyReader, StackReader, ThreadStack, Want};
+use crate::reader::{Chosen, PySpyReader, Read, StackReader, ThreadStack, Want};
 use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
 use crate::sampling::config::SamplerConfig;
@@ -48,6 +48,8 @@ pub struct RunStats {
     pub ticks: u64,
     pub failed_ticks: u64,
     pub throttled_ticks: u64,
+    /// Ticks at which nothing ran since one at which nothing ran: its samples, again.
+    pub repeated_ticks: u64,
     /// Samples whose thread started or ended a task while its stack was read: left untagged.
     pub boundary_samples: u64,
     pub cpu_ns: u64,
@@ -113,6 +115,10 @@ impl Shared {
 
 pub fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn weight_us(weight: Duration) -> u32 {
+    weight.as_micros().min(u32::MAX as u128) as u32
 }
 
 fn cpu_us(t: &ThreadStack) -> u32 {
@@ -203,6 +209,9 @@ struct Loop<'a> {
     watching: Watching,
     loops_now: LoopsNow,
     phases: Phases,
+    /// The samples of the last tick, one at which nothing ran, and the store generation
+    /// they belong to.
+    repeat: Option<(u64, Vec<Sample>)>,
 }
 
 impl<'a> Loop<'a> {
@@ -228,6 +237,7 @@ impl<'a> Loop<'a> {
             watching: Watching::default(),
             loops_now: LoopsNow::default(),
             phases: Phases::default(),
+            repeat: None,
         }
     }
 
@@ -235,6 +245,11 @@ impl<'a> Loop<'a> {
         let started = Instant::now();
         // Time is cut into slots of one interval, so ticks / elapsed is the rate.
         let mut slot = started;
+        // A tick is charged from its start to the next one's: the sleep and the wake
+        // between them cost the thread CPU too (40-75 us on a nested AMD EPYC VM, more
+        // than a tick), and leaving them out let the budget be overspent unseen.
+        let mut charged_to = own_cpu_ns();
+        let mut last_tick = Duration::ZERO;
         loop {
             let length = self.interval;
             let at = slot + length.mul_f64(self.rng.f64());
@@ -246,12 +261,19 @@ impl<'a> Loop<'a> {
             // also for the time it came late, up to one more slot.
             let weight = (now - slot).clamp(length, 2 * length);
             let clocks = clocks();
+            let cost = clocks.1.saturating_sub(charged_to);
+            charged_to = clocks.1;
+            // The last tick was charged its wall time when it ended; the rest is the wake's
+            // (less, if the tick was preempted: its wall time overcharged it).
+            let wake = cost as f64 - last_tick.as_nanos() as f64;
+            self.phases.add_ns(Phase::Wake, wake.max(0.0) as u64);
+            self.adapt(wake / 1e9, Duration::ZERO);
             self.tick(weight, clocks);
-            let cost = own_cpu_ns().saturating_sub(clocks.1);
-            self.adapt(cost, weight);
+            last_tick = now.elapsed();
+            self.adapt(last_tick.as_secs_f64(), weight);
             let mut stats = self.shared.stats.lock();
             stats.lateness.add(now.saturating_duration_since(at));
-            stats.cpu_ns += cost;
+            stats.cpu_ns += cost; // the cycle that ended as this tick began
             stats.wall_ns = started.elapsed().as_nanos() as u64;
             stats.interval_s = self.interval.as_secs_f64();
             stats.throttled_ticks += (self.interval > self.base) as u64;
@@ -268,6 +290,7 @@ impl<'a> Loop<'a> {
         self.backlog.flush(&mut self.shared.store.lock());
         self.watching.flush(&self.shared.stalls);
         let mut stats = self.shared.stats.lock();
+        stats.cpu_ns += own_cpu_ns().saturating_sub(charged_to);
         stats.wall_ns = started.elapsed().as_nanos() as u64;
         self.copy_counters(&mut stats);
     }
@@ -298,10 +321,10 @@ impl<'a> Loop<'a> {
     /// kept for `CREDIT_S` of wall time, so a costly tick among cheap ones costs no
     /// rate; the first tick (cold, the costliest) is paid for before any other, so a
     /// process too costly to read is never read at full rate first.
-    fn adapt(&mut self, cost_ns: u64, weight: Duration) {
+    fn adapt(&mut self, spent_s: f64, weight: Duration) {
         let budget = self.config.cpu_budget;
         let earned = budget * weight.as_secs_f64();
-        self.credit_s = (self.credit_s + earned - cost_ns as f64 / 1e9).min(budget * CREDIT_S);
+        self.credit_s = (self.credit_s + earned - spent_s).min(budget * CREDIT_S);
         self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
     }
 
@@ -319,22 +342,30 @@ impl<'a> Loop<'a> {
         let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all, quiet };
         let mut lap = Instant::now();
         let listed = self.reader.list_ns();
-        let read = self.reader.read(want, &self.shared.tags, &mut self.stacks);
+        let read = self.read(want, all);
         self.phases.add(Phase::Stacks, &mut lap);
         self.phases.move_ns(Phase::Stacks, Phase::Threads, self.reader.list_ns() - listed);
         match read {
-            Ok(()) => {
+            Ok(read) => {
                 self.track_threads();
-                self.read_states(time_ns, clocks);
+                self.record_cpu(time_ns, clocks);
+                let again = read == Read::Again && self.repeat.is_some();
+                if !again {
+                    self.read_states();
+                }
                 self.phases.add(Phase::States, &mut lap);
                 let now = (&self.stacks[..], &self.states[..], &self.kernel);
                 let weight_us = weight.as_micros() as u64;
                 let shared = self.shared;
                 self.loops_now = self.watching.tick(&shared.loops, &shared.stalls, now, time_ns, weight_us);
                 self.phases.add(Phase::Loops, &mut lap);
-                self.capture_native();
-                self.phases.add(Phase::Native, &mut lap);
-                self.record(time_ns, weight);
+                if again {
+                    self.record_again(time_ns, weight);
+                } else {
+                    self.capture_native();
+                    self.phases.add(Phase::Native, &mut lap);
+                    self.record(time_ns, weight, read);
+                }
                 if all {
                     self.keep_for_dump(time_ns);
                 }
@@ -352,6 +383,20 @@ impl<'a> Loop<'a> {
         self.phases.add(Phase::Record, &mut lap);
         self.phases.tick();
         self.shared.stats.lock().ticks += 1;
+    }
+
+    /// Reads the stacks; when nothing ran since a tick at which nothing ran either,
+    /// keeps that tick's stacks, states and samples (`repeat`), reading nothing more.
+    fn read(&mut self, want: Want, all: bool) -> Result<Read, String> {
+        let tags = &self.shared.tags;
+        if !(want.quiet && !all && self.repeat.is_some()) {
+            return self.reader.read(want, tags, &mut self.stacks);
+        }
+        if self.reader.stands_still(want)? {
+            return Ok(Read::Again);
+        }
+        self.repeat = None;
+        self.reader.read(Want { quiet: false, ..want }, tags, &mut self.stacks)
     }
 
     /// Opens the files of the threads alive now, before `start` returns: a server's
@@ -372,8 +417,8 @@ impl<'a> Loop<'a> {
         }
     }
 
-    /// Each stack's state, and the CPU the process and its native threads used.
-    fn read_states(&mut self, time_ns: u64, clocks: (u64, u64)) {
+    /// The CPU the process and its native threads used since the last tick.
+    fn record_cpu(&mut self, time_ns: u64, clocks: (u64, u64)) {
         if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), clocks) {
             let (p, n) = &mut self.cpu_pending;
             (*p, *n) = (*p + process, *n + native);
@@ -382,6 +427,10 @@ impl<'a> Loop<'a> {
                 series.record(time_ns, std::mem::take(p), std::mem::take(n));
             }
         }
+    }
+
+    /// Each stack's state.
+    fn read_states(&mut self) {
         let gil = self.reader.gil(&self.stacks);
         self.states.clear();
         for t in &self.stacks {
@@ -406,10 +455,30 @@ impl<'a> Loop<'a> {
         native.capture(&mut wanted);
     }
 
+    /// Records the samples of the tick before again, as `repeat` keeps them; where the
+    /// store moved on since or an export holds it, reads the states and records anew.
+    fn record_again(&mut self, time_ns: u64, weight: Duration) {
+        let store = self.shared.store.try_lock();
+        let kept = self.repeat.as_ref().zip(store).filter(|((generation, _), store)| *generation == store.generation());
+        match kept {
+            Some(((_, samples), mut store)) if self.backlog.is_empty() => {
+                store.repeat(samples, time_ns, weight_us(weight));
+                drop(store);
+                self.shared.stats.lock().repeated_ticks += 1;
+            }
+            _ => {
+                self.read_states();
+                self.record(time_ns, weight, Read::Again);
+            }
+        }
+    }
+
     /// Records the tick's samples; while an export holds the store, keeps them in the
     /// backlog instead of waiting, and records them first at the next tick that gets it.
-    fn record(&mut self, time_ns: u64, weight: Duration) {
-        let weight_us = weight.as_micros().min(u32::MAX as u128) as u32;
+    /// Samples read `Again` are kept in `repeat` for the next tick at which nothing ran.
+    fn record(&mut self, time_ns: u64, weight: Duration, read: Read) {
+        self.repeat = None;
+        let weight_us = weight_us(weight);
         let mut boundary = 0;
         let kept = self.kept(&mut boundary);
         self.shared.stats.lock().boundary_samples += boundary;
@@ -430,6 +499,7 @@ impl<'a> Loop<'a> {
             let live: FxHashSet<u64> = self.stacks.iter().map(|t| t.ident).collect();
             self.last_stack.retain(|ident, _| live.contains(ident));
         }
+        let recorded = kept.len();
         for (i, marks) in kept {
             let valid_for = (self.reader.epoch(), self.native.as_ref().map_or(0, Native::epoch), store.generation());
             if valid_for != self.ids_valid_for {
@@ -459,6 +529,9 @@ impl<'a> Loop<'a> {
                 cpu_us: cpu_us(t),
                 flags,
             });
+        }
+        if read == Read::Again {
+            self.repeat = store.newest(recorded).map(|samples| (store.generation(), samples));
         }
     }
 

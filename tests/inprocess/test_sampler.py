@@ -122,6 +122,43 @@ def test_idle_threads_follow_the_option(idle):
     assert profiles_named(doc, " alpha ")
 
 
+def first_park(go: threading.Event) -> None:
+    go.wait()
+
+
+def second_park(stop: threading.Event) -> None:
+    stop.wait()
+
+
+def parks_then_moves(go: threading.Event, stop: threading.Event) -> None:
+    first_park(go)
+    second_park(stop)
+
+
+def test_a_quiet_process_is_sampled_again_until_a_thread_moves():
+    """Ticks at which nothing ran record the samples of the tick before again, reading
+    no stack and no thread state; a thread that moves since is read anew."""
+    go = threading.Event()
+    s = Sampler(rate=100, idle=True, cpu_budget=1.0)
+    with Threads(("parker", parks_then_moves, (go,))):
+        s.start()
+        began = time.monotonic()
+        repeats = s.stats()["reader"] == "fast"  # py-spy's reader reads every tick anew
+        wait_for(lambda: s.stats()["repeated_ticks"] >= 20 or not repeats and s.stats()["ticks"] >= 50)
+        go.set()
+        moved = time.monotonic()
+        wait_for(lambda: time.monotonic() - moved >= 0.5 and s.stats()["ticks"] >= 2 * 50)
+        s.stop()
+        ended = time.monotonic()
+    doc = s.profile().speedscope()
+    (profile,) = profiles_named(doc, " parker ")
+    seconds = weight_by_function(doc, profile)
+    # Each park stands for the time the thread spent there, give or take a slot at
+    # each end (the sampler started a little after the thread, and stopped a little before).
+    assert abs(seconds.get("first_park", 0.0) - (moved - began)) < 0.3, (seconds, moved - began)
+    assert abs(seconds.get("second_park", 0.0) - (ended - moved)) < 0.3, (seconds, ended - moved)
+
+
 def sample_gaps(s: Sampler, ident: int, tmp_path) -> list[float]:
     """Seconds between consecutive samples of one thread, from the lossless file."""
     path = s.profile().save(tmp_path / "gaps.pyspy.gz")
