@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -38,6 +39,10 @@ static char buf[1 << 16];
 static struct iovec local[THREADS], remote[THREADS];
 static int fd_syscall, fd_schedstat, fd_stat, fd_status;
 static char big[16384];
+/* 128 pages of 4 KiB (no huge pages), one word read from each: a tick's data and code
+ * spread over pages, each a TLB miss once the sleep evicted them. */
+#define PAGES 128
+static volatile char *pages;
 
 static void call(int which) {
     struct timespec ts;
@@ -59,6 +64,9 @@ static void call(int which) {
         for (int i = 0; i < THREADS; i++) memcpy(buf + i * 400, blocks[i], 400);
         break;
     case 10: sigaction(11, NULL, (struct sigaction *)buf); break;
+    case 11:
+        for (int i = 0; i < PAGES; i++) (void)pages[(size_t)i * 3 * 4096 + 64 * (i % 60)];
+        break;
     }
 }
 
@@ -74,6 +82,7 @@ static const char *names[] = {
     "process_vm_readv, 11 ranges of 400 B on 11 threads' heaps",
     "memcpy of the same 11 ranges",
     "sigaction, a query",
+    "a word from each of 128 pages (no system call)",
 };
 
 /* CPU the kernel charges a thread for one sleep of `us` and the wake after it. */
@@ -86,6 +95,10 @@ static double wake_cost_us(long us) {
 }
 
 int main(void) {
+    size_t span = (size_t)PAGES * 3 * 4096;
+    pages = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    madvise((void *)pages, span, MADV_NOHUGEPAGE);
+    memset((void *)pages, 1, span);
     pthread_t t[THREADS];
     for (long i = 0; i < THREADS; i++) pthread_create(&t[i], NULL, parked, (void *)i);
     for (int i = 0; i < THREADS; i++)
