@@ -245,11 +245,10 @@ impl<'a> Loop<'a> {
         let started = Instant::now();
         // Time is cut into slots of one interval, so ticks / elapsed is the rate.
         let mut slot = started;
-        // A tick is charged from its start to the next one's: the sleep and the wake
-        // between them cost the thread CPU too (40-75 us on a nested AMD EPYC VM, more
-        // than a tick), and leaving them out let the budget be overspent unseen.
+        // The sleep and the wake between ticks cost the thread CPU too (40-75 us on a
+        // nested AMD EPYC VM, more than a tick): each is charged as the next tick
+        // begins. Left out, they let the budget be overspent unseen.
         let mut charged_to = own_cpu_ns();
-        let mut last_tick = Duration::ZERO;
         loop {
             let length = self.interval;
             let at = slot + length.mul_f64(self.rng.f64());
@@ -261,19 +260,18 @@ impl<'a> Loop<'a> {
             // also for the time it came late, up to one more slot.
             let weight = (now - slot).clamp(length, 2 * length);
             let clocks = clocks();
-            let cost = clocks.1.saturating_sub(charged_to);
-            charged_to = clocks.1;
-            // The last tick was charged its wall time when it ended; the rest is the wake's
-            // (less, if the tick was preempted: its wall time overcharged it).
-            let wake = cost as f64 - last_tick.as_nanos() as f64;
-            self.phases.add_ns(Phase::Wake, wake.max(0.0) as u64);
-            self.adapt(wake / 1e9, Duration::ZERO);
+            let wake = clocks.1.saturating_sub(charged_to);
+            self.phases.add_ns(Phase::Wake, wake);
+            self.adapt(wake, Duration::ZERO);
             self.tick(weight, clocks);
-            last_tick = now.elapsed();
-            self.adapt(last_tick.as_secs_f64(), weight);
+            // Its own clock, not its wall time: a tick preempted on a busy machine took
+            // milliseconds of wall time, and charging those swung the interval wildly.
+            charged_to = own_cpu_ns();
+            let cost = charged_to.saturating_sub(clocks.1);
+            self.adapt(cost, weight);
             let mut stats = self.shared.stats.lock();
             stats.lateness.add(now.saturating_duration_since(at));
-            stats.cpu_ns += cost; // the cycle that ended as this tick began
+            stats.cpu_ns += wake + cost;
             stats.wall_ns = started.elapsed().as_nanos() as u64;
             stats.interval_s = self.interval.as_secs_f64();
             stats.throttled_ticks += (self.interval > self.base) as u64;
@@ -321,10 +319,10 @@ impl<'a> Loop<'a> {
     /// kept for `CREDIT_S` of wall time, so a costly tick among cheap ones costs no
     /// rate; the first tick (cold, the costliest) is paid for before any other, so a
     /// process too costly to read is never read at full rate first.
-    fn adapt(&mut self, spent_s: f64, weight: Duration) {
+    fn adapt(&mut self, spent_ns: u64, weight: Duration) {
         let budget = self.config.cpu_budget;
         let earned = budget * weight.as_secs_f64();
-        self.credit_s = (self.credit_s + earned - spent_s).min(budget * CREDIT_S);
+        self.credit_s = (self.credit_s + earned - spent_ns as f64 / 1e9).min(budget * CREDIT_S);
         self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
     }
 
@@ -459,8 +457,9 @@ impl<'a> Loop<'a> {
     /// store moved on since or an export holds it, reads the states and records anew.
     fn record_again(&mut self, time_ns: u64, weight: Duration) {
         let store = self.shared.store.try_lock();
-        let kept = self.repeat.as_ref().zip(store).filter(|((generation, _), store)| *generation == store.generation());
-        match kept {
+        let repeatable =
+            self.repeat.as_ref().zip(store).filter(|((generation, _), store)| *generation == store.generation());
+        match repeatable {
             Some(((_, samples), mut store)) if self.backlog.is_empty() => {
                 store.repeat(samples, time_ns, weight_us(weight));
                 drop(store);
