@@ -208,6 +208,8 @@ pub fn render<'a>(
     // stack runs down into the frame's scroll instead of pushing them off the page.
     opts.direction = flamegraph::Direction::Inverted;
     opts.negate_differentials = negate;
+    // A narrow frame keeps its function and loses its file, not the other way round.
+    opts.text_truncate_direction = flamegraph::TextTruncateDirection::Right;
     let mut out = Vec::new();
     // inferno refuses lines without samples (an error, not an empty graph).
     flamegraph::from_lines(&mut opts, lines, &mut out).ok()?;

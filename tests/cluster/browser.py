@@ -50,14 +50,18 @@ def screenshot(driver: webdriver.Chrome, name: str) -> Path:
     return path
 
 
+def wait_for_flame_graph(driver: webdriver.Chrome) -> None:
+    """In a flame graph's frame: until its own init() has run (on load), which finds its frames."""
+    WebDriverWait(driver, 20).until(lambda d: d.execute_script("return typeof frames !== 'undefined' && !!frames;"))
+
+
 def search_first_flame_graph(driver: webdriver.Chrome, term: str) -> str:
     """Runs the flame graph's own search in its iframe; returns its 'Matched: N%' text."""
     frame = driver.find_element("css selector", "iframe.flame")
     driver.switch_to.frame(frame)
     try:
         assert driver.find_elements("css selector", "svg"), "the flame graph SVG is present"
-        # The graph's own init() runs on load; searching before it would find no frames.
-        WebDriverWait(driver, 20).until(lambda d: d.execute_script("return typeof frames !== 'undefined' && !!frames;"))
+        wait_for_flame_graph(driver)
         driver.execute_script("search(arguments[0]);", term)
         return driver.execute_script("return document.getElementById('matched').textContent;")
     finally:
