@@ -163,6 +163,7 @@ def record(
         except (OSError, ValueError) as e:
             raise click.ClickException(str(e)) from e
     missing = prof.metadata["missing"]
+    click.echo(prof.summary())
     click.echo(f"Saved {prof.n_samples} samples of {len(prof.processes)} processes to {output}")
     for name, error in missing.items():
         click.echo(f"missing {name}: {error}", err=True)

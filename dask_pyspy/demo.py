@@ -109,30 +109,16 @@ def _import_workload_modules() -> None:
 
 
 def _tell(prof: Profile, output: str) -> None:
-    """What was profiled, at what cost, where the report is and what it found."""
-    start, stop = prof.metadata["window"]  # the workload's time, not collecting and shutting down
-    click.echo(f"Profiled {stop - start:.1f} s: {prof.n_samples} samples from {len(prof.processes)} processes")
+    """What the profile found, what sampling cost, and where the report is."""
+    from dask_pyspy.render.findings import named
+
+    click.echo(prof.summary())
     for proc in prof.processes:
         s = proc["stats"]
         cpu = 100 * s["cpu_fraction"]
-        click.echo(f"  {proc['name']}: {s['achieved_rate']:.0f} Hz achieved, sampler CPU {cpu:.1f}% of a core")
+        click.echo(f"Sampler in {named(proc['name'])}: {s['achieved_rate']:.0f} Hz achieved, {cpu:.1f}% of a core")
     click.echo(f"Report: {os.path.abspath(output)}")
-    click.echo(found(prof.summary()))
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def found(summary: dict[str, Any]) -> str:
-    """One line of what the report found: the busiest task prefix and its top function."""
-    from dask_pyspy.render.report import function_file
-
-    if not summary["prefixes"]:
-        return "Found no samples in tasks."
-    busiest = summary["prefixes"][0]
-    line = f"Busiest task prefix: {busiest['prefix']} ({busiest['seconds']:.1f} s sampled)"
-    if busiest["top"]:
-        top = busiest["top"][0]
-        line += f", most in {top['name']} ({function_file(top)})"
-    return line

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from dask_pyspy import _native, config, metadata, options, stalls
 from dask_pyspy.files import check_writable, file_kind, read_regular, write_atomic
 from dask_pyspy.render.diff import ProfileDiff
+from dask_pyspy.render.findings import Summary, find
 from dask_pyspy.render.report import render_html, render_notebook
 
 TIMELINE_MAX_WINDOW = 7 * 86400.0  # seconds; a longer collection window is not drawn whole
@@ -192,9 +193,12 @@ class Profile:
         native = _native.Profile.merge_wire(list(parts.items()), metadata, spans or {})
         return cls(native, by=by, weight=weight)
 
-    def summary(self) -> dict[str, Any]:
-        """Totals: per process, per task prefix (with top functions), per thread state."""
-        return self._native.summary()
+    def summary(self) -> Summary:
+        """Totals as a dict: per process, per task prefix (with top functions), per thread
+        state. It prints as the profile's findings in words (`.findings`): the window, the
+        busiest task prefixes, what task threads did, the longest stall, any warning."""
+        totals = self._native.summary()
+        return Summary(totals, find(totals, self.metadata, self.processes))
 
     def timeline(self, step: float | None = None, by: str = "prefix") -> dict[str, Any]:
         """What ran when: wall and CPU seconds per time step, per process kind.

@@ -10,12 +10,12 @@ Rust (inferno).
 from __future__ import annotations
 
 import base64
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from dask_pyspy.render import stalls, tables, timeline
+from dask_pyspy.render.findings import Summary, function_file, window
 from dask_pyspy.render.pages import render, when
 
 
@@ -38,7 +38,7 @@ class Drawable(Protocol):
     @property
     def keeps_times(self) -> bool: ...
 
-    def summary(self) -> dict[str, Any]: ...
+    def summary(self) -> Summary: ...
 
     def timeline(self) -> dict[str, Any]: ...
 
@@ -62,11 +62,10 @@ class Drawable(Protocol):
 
 
 def _overview(profile: Drawable, summary: dict[str, Any]) -> list[Any]:
-    window = profile.metadata.get("window") or [summary["first"], summary["last"]]
-    duration = (window[1] - window[0]) if None not in window else 0.0
+    start, stop = window(profile.metadata, summary)
     return [
-        f"{when(window[0])} - {when(window[1])}",
-        float(duration),
+        f"{when(start)} - {when(stop)}",
+        float(stop - start) if start is not None and stop is not None else 0.0,
         len(profile.processes),
         sum(p["threads"] for p in summary["processes"]),
         summary["samples"],
@@ -293,6 +292,7 @@ def _figures(raw: Drawable, profile: Drawable, title: str, stalled: list[stalls.
         "timeline": timeline.charts(raw.timeline(), records) if raw.n_samples and raw.keeps_times else None,
         "stalls": _stall_section(profile, stalled),
         "summary": summary,
+        "findings": summary.findings,
         # Whether the speedscope file's samples are aggregated.
         "aggregated": profile is not raw or bool(raw.metadata.get("aggregate")),
         "overview": _overview(profile, summary),
@@ -300,7 +300,6 @@ def _figures(raw: Drawable, profile: Drawable, title: str, stalled: list[stalls.
         "split_header": ["CPU s", *columns.values()],
         "free_threaded": "gil" not in columns,
         "states": list(tables.state_rows(profile.processes, summary, columns)),
-        "oversubscribed": list(tables.oversubscribed(profile.processes, summary)),
         "missing": [[k, v] for k, v in (profile.metadata.get("missing") or {}).items()],
         "prefixes": list(_prefixes(summary, profile.metadata.get("tasks") or {}, columns)),
         **_graphs(profile, summary, columns),
@@ -310,13 +309,6 @@ def _figures(raw: Drawable, profile: Drawable, title: str, stalled: list[stalls.
         "everything": ["every sample", float(summary["seconds"]), *tables.split(summary, columns)],
         "idle_sampled": any(p["stats"]["config"]["idle"] for p in profile.processes),
     }
-
-
-def function_file(function: dict[str, Any]) -> str:
-    """A summary function's file, or a native one's library marked as such."""
-    if function.get("is_native"):
-        return f"{function['file']} (native)"  # a library, named below site-packages
-    return os.path.basename(function["file"])
 
 
 def render_html(profile: Drawable, title: str = "dask-pyspy report") -> str:
@@ -357,13 +349,7 @@ def render_dashboard(
 
 
 def render_notebook(profile: Drawable) -> str:
-    """A compact view for Jupyter: the headline numbers and the whole-cluster flame graph."""
+    """A compact view for Jupyter: the findings in words and the whole-cluster flame graph."""
     profile = _for_views(profile)
-    summary = profile.summary()
-    headline = [
-        len(profile.processes),
-        summary["samples"],
-        float(summary["seconds"]),
-        summary["prefixes"][0]["prefix"] if summary["prefixes"] else "-",
-    ]
-    return render("notebook.html", headline=headline, lead=profile.flamegraph_svg("dask-pyspy", by=_lead_by(profile)))
+    lead = profile.flamegraph_svg("dask-pyspy", by=_lead_by(profile))
+    return render("notebook.html", findings=profile.summary().findings, lead=lead)

@@ -10,7 +10,7 @@ from typing import Any
 from dask_pyspy.states import STATES
 
 
-def _lost_reads(stats: dict[str, Any]) -> tuple[int, int]:
+def lost_reads(stats: dict[str, Any]) -> tuple[int, int]:
     """Thread-reads left out (stacks that kept changing through every re-read, or a whole
     failed tick), and reads."""
     reader = stats.get("reader_stats") or {}
@@ -24,32 +24,46 @@ def _lost(lost: int, reads: int, title: str = "") -> dict[str, str]:
     return {"text": f"{100 * lost / max(reads, 1):.1f}%", "title": title}
 
 
-def _errors(stats: dict[str, Any]) -> str:
+def errors(stats: dict[str, Any]) -> str:
     """Real failures only: a panic, or the fast reader not used where it was wanted."""
     fallback = (stats.get("reader_stats") or {}).get("fallback_reason")
     return "; ".join(e for e in (stats.get("panic"), fallback and f"fast reader not used: {fallback}") if e)
 
 
-def _budget_for(stats: dict[str, Any]) -> str:
-    """The budget the requested rate needs at what a tick cost here, rounded up to 0.5%."""
+def budget_needed(stats: dict[str, Any]) -> tuple[float, float]:
+    """What a tick cost here (seconds), and the budget the requested rate needs at that
+    cost, in percent rounded up to 0.5."""
     per_tick = stats["cpu_s"] / max(stats["ticks"], 1)
-    needed = math.ceil(200 * per_tick * stats["requested_rate"]) / 2
+    return per_tick, math.ceil(200 * per_tick * stats["requested_rate"]) / 2
+
+
+def held_by_budget(stats: dict[str, Any]) -> bool:
+    """Whether the budget kept the rate below 90% of the requested one."""
+    return stats["achieved_rate"] < 0.9 * stats["requested_rate"] and bool(stats["throttled_ticks"])
+
+
+def fell_behind(stats: dict[str, Any]) -> bool:
+    """Whether the rate fell below 90% of the requested one with no budget to blame."""
+    return stats["achieved_rate"] < 0.9 * stats["requested_rate"] and not stats["throttled_ticks"]
+
+
+BUDGET_OPTION = "PySpyPlugin(cpu_budget=...) or dask config pyspy.cpu-budget"
+
+
+def _budget_for(stats: dict[str, Any]) -> str:
+    per_tick, needed = budget_needed(stats)
     return f"a tick costs {1e6 * per_tick:.0f} µs here, so {stats['requested_rate']:g} Hz needs {needed:g}%;"
 
 
 def _rate_note(stats: dict[str, Any]) -> str:
     """Why the achieved rate is below the requested one, and what to do about it."""
-    requested, achieved = stats["requested_rate"], stats["achieved_rate"]
-    if achieved >= 0.9 * requested:
-        return ""
-    if stats["throttled_ticks"]:
+    if held_by_budget(stats):
         budget = 100 * stats["config"]["cpu_budget"]
         return (
             f"held to the CPU budget ({budget:g}% of a core) on {stats['throttled_ticks']:,} of "
-            f"{stats['ticks']:,} ticks: {_budget_for(stats)} raise it with PySpyPlugin(cpu_budget=...) or "
-            f"dask config pyspy.cpu-budget, or ask for a lower rate"
+            f"{stats['ticks']:,} ticks: {_budget_for(stats)} raise it with {BUDGET_OPTION}, or ask for a lower rate"
         )
-    return "the sampling thread fell behind its schedule (a busy machine)"
+    return "the sampling thread fell behind its schedule (a busy machine)" if fell_behind(stats) else ""
 
 
 MAX_PROCESS_ROWS = 20  # per-process tables show the busiest; one line sums the rest
@@ -82,7 +96,7 @@ def process_rows(processes: list[dict[str, Any]], summary: dict[str, Any]) -> It
     shown, rest = _table_processes(processes, summary)
     for proc, totals in shown:
         s = proc["stats"]
-        errors = _errors(s)
+        failed = errors(s)
         yield [
             proc["name"],
             proc["pid"],
@@ -93,9 +107,9 @@ def process_rows(processes: list[dict[str, Any]], summary: dict[str, Any]) -> It
             float(s["achieved_rate"]),
             _rate_note(s),
             float(100 * s["cpu_fraction"]),
-            _lost(*_lost_reads(s), s.get("last_error") or ""),
+            _lost(*lost_reads(s), s.get("last_error") or ""),
             s["store"]["samples_evicted"],
-            {"text": errors, "class": "warn"} if errors else "",
+            {"text": failed, "class": "warn"} if failed else "",
         ]
     if rest:
         yield _processes_rest(rest)
@@ -104,8 +118,8 @@ def process_rows(processes: list[dict[str, Any]], summary: dict[str, Any]) -> It
 def _processes_rest(rest: list[Pair]) -> list[Any]:
     """The rest's sums; rates and costs per process do not sum, so they are left out."""
     stats = [p["stats"] for p, _ in rest]
-    lost, reads = (sum(column) for column in zip(*map(_lost_reads, stats)))
-    failing = sum(bool(_errors(s)) for s in stats)
+    lost, reads = (sum(column) for column in zip(*map(lost_reads, stats)))
+    failing = sum(bool(errors(s)) for s in stats)
     return [
         _more(rest),
         "",
@@ -128,14 +142,14 @@ FREE_THREADED_STATES = {"on_cpu": "on CPU", **{k: STATES[k] for k in ("cpu_wait"
 SUMMED = {"on_cpu": ("gil", "no_gil")}
 
 
-def _free_threaded(processes: list[dict[str, Any]]) -> bool:
+def free_threaded(processes: list[dict[str, Any]]) -> bool:
     """Every process ran on a free-threaded build with its GIL off."""
     readers = [p["stats"].get("reader_stats") or {} for p in processes]
     return bool(readers) and all(r.get("free_threaded") and not r.get("gil_enabled") for r in readers)
 
 
 def state_columns(processes: list[dict[str, Any]]) -> dict[str, str]:
-    return FREE_THREADED_STATES if _free_threaded(processes) else STATES
+    return FREE_THREADED_STATES if free_threaded(processes) else STATES
 
 
 OVERSUBSCRIBED = 0.2  # a process waiting this share of its time for a CPU is told so,

@@ -13,7 +13,7 @@ import pytest
 from distributed import LocalCluster
 
 from dask_pyspy import Profile
-from dask_pyspy.demo import found, sized
+from dask_pyspy.demo import sized
 from tests.cluster.workload import alpha
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -31,6 +31,8 @@ def test_record_writes_a_report(client, tmp_path):
     client.gather(futures)
     assert done.returncode == 0, done.stderr
     assert "Saved" in done.stdout and out.exists()
+    # The profile's findings open the output, as Profile.summary() prints them.
+    assert re.search(r"^Profiled \d+\.\d s, ", done.stdout, re.M) and "\n  alpha: " in done.stdout, done.stdout
     assert "iframe" in out.read_text()
 
 
@@ -56,8 +58,10 @@ def test_demo_prints_the_profiles_window(tmp_path):
     start, stop = prof.metadata["window"]
     assert printed == pytest.approx(stop - start, abs=0.05), done.stdout  # not the cluster's shutdown too
     summary = prof.summary()
-    assert lines[-2:] == [f"Report: {out}", found(summary)], lines
-    assert found(summary).startswith(f"Busiest task prefix: {summary['prefixes'][0]['prefix']} (")
+    # The same findings as Profile.summary() prints, then the sampler's cost, then the report.
+    assert lines[-1] == f"Report: {out}", lines
+    assert str(summary) in done.stdout, (str(summary), done.stdout)
+    assert f"  {summary['prefixes'][0]['prefix']}: " in done.stdout
     slow = next(p for p in summary["prefixes"] if p["prefix"] == "slow_python_loop")
     assert slow["top"][0]["name"] == "slow_python_loop", slow["top"]
 

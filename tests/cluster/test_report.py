@@ -141,12 +141,17 @@ def sampled_report(sampler: Sampler, until: Callable[[dict], bool]) -> str:
         sampler.stop()
 
 
+def sampler_table(chromium):
+    """The table of each process's sampler, under "About this profile"."""
+    return chromium.find_element("xpath", "//table[.//th[normalize-space()='achieved Hz']]")
+
+
 def process_row(chromium, html: str, tmp_path) -> dict[str, str]:
     """The report's first process row as the browser shows it, by column."""
     path = tmp_path / "row.html"
     path.write_text(html)
     chromium.get(path.as_uri())
-    table = chromium.find_elements("css selector", "table")[1]
+    table = sampler_table(chromium)
     header = [th.text.replace("\n", " ") for th in table.find_elements("css selector", "th")]
     cells = [td.text for td in table.find_elements("css selector", "tr")[1].find_elements("css selector", "td")]
     return dict(zip(header, cells))
@@ -164,6 +169,11 @@ def test_throttling_is_explained_and_lost_samples_are_a_rate(chromium, tmp_path)
     # What the asked rate would need, from what a tick cost: more than the budget held to.
     needed = re.search(r"2000 Hz needs ([\d.]+)%", row["why lower"])
     assert needed and float(needed.group(1)) > 0.1, row["why lower"]
+    # The summary opens with it, in one sentence with the fix, linked to the sampler's figures.
+    warning = chromium.find_element("css selector", ".findings .warn")
+    assert warning.text.startswith("The CPU budget (0.1% of a core) held "), warning.text
+    assert f"needs {needed.group(1)}%; raise it with PySpyPlugin(cpu_budget=...)" in warning.text, warning.text
+    assert warning.find_element("tag name", "a").get_attribute("href").endswith("#about")
     assert re.fullmatch(r"\d+\.\d%", row["samples lost"]), row
     assert row["errors"] == "", "lost samples and throttling are not errors"
     assert console_errors(chromium) == []
@@ -189,7 +199,7 @@ def test_a_reader_fallback_is_an_error(chromium, tmp_path, monkeypatch):
     html = sampled_report(Sampler(reader="auto"), until=lambda st: st["ticks"])
     row = process_row(chromium, html, tmp_path)
     assert row["reader"] == "pyspy" and row["errors"].startswith("fast reader not used:"), row
-    cell = chromium.find_elements("css selector", "table")[1].find_elements("css selector", "tr")[1]
+    cell = sampler_table(chromium).find_elements("css selector", "tr")[1]
     assert cell.find_elements("css selector", "td .warn"), "real failures are styled as warnings"
 
 
@@ -392,7 +402,8 @@ def test_an_aggregated_collection_keeps_its_timeline(client, chromium, tmp_path)
 def test_notebook_view(client):
     prof = client.pyspy_profile(last=30)
     html = prof._repr_html_()
-    assert "<iframe" in html and "sampled thread-seconds" in html
+    # The findings in words, as Profile.summary() prints them, then the graph.
+    assert "<iframe" in html and html.index(prof.summary().findings.window) < html.index("<iframe")
 
 
 def test_report_filename_must_be_html(client):

@@ -134,3 +134,8 @@ def sleep_on_loop(comm: object = None, seconds: float = 1.0) -> None:
 
 def add_loop_handlers(dask_scheduler: object) -> None:
     dask_scheduler.handlers.update(spin_on_loop=spin_on_loop, sleep_on_loop=sleep_on_loop)  # type: ignore[attr-defined]
+
+
+def a_task_whose_function_name_is_wider_than_its_frame(i: int, seconds: float = 0.002) -> int:
+    spin(seconds)
+    return i

@@ -102,7 +102,7 @@ def rows(page: str) -> list[list[str]]:
 
 def section(page: str, heading: str) -> str:
     """The page from an <h2> heading to the next one."""
-    return page.split(f"<h2>{heading}</h2>", 1)[1].split("<h2>", 1)[0]
+    return re.split(rf"<h2[^>]*>{re.escape(heading)}</h2>", page, maxsplit=1)[1].split("<h2", 1)[0]
 
 
 def graph(page: str, title: str) -> str:

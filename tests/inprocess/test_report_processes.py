@@ -1,4 +1,4 @@
-"""The summary's per-process tables of a cluster larger than MAX_PROCESS_ROWS: the
+"""The report's per-process tables of a cluster larger than MAX_PROCESS_ROWS: the
 busiest processes get a row each, one line sums the rest. The processes are copies of
 windows of a real sampler's profile, each window longer than the last."""
 
@@ -48,9 +48,10 @@ def processes() -> list[Profile]:
 
 
 def tables(profile: Profile) -> tuple[list[list[str]], list[list[str]]]:
-    """The rows of the processes table and of the states table."""
-    summary = section(profile.to_html(), "Summary").split("<table>")
-    return rows(summary[2]), rows(summary[3])
+    """The rows of the samplers' table (after the window's) and of the states table."""
+    page = profile.to_html()
+    about, processes = section(page, "About this profile").split("<table>"), section(page, "Processes").split("<table>")
+    return rows(about[2]), rows(processes[1])
 
 
 def number(cell: str) -> float:

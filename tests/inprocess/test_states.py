@@ -36,6 +36,7 @@ def test_more_busy_threads_than_cores_wait_for_a_cpu():
     assert "<th>waiting for a CPU</th>" in html
     named = re.search(rf"ran (\d+) task threads there on {cores} cores", html)
     assert named and int(named.group(1)) >= 2 * cores, "the report names the cause"
+    assert named.group(0) in str(profile.summary()), "and so does the summary a notebook prints"
 
 
 def test_a_sleep_is_blocked():
