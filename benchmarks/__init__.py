@@ -2,3 +2,8 @@
 
 Not part of the test suite: run `python -m benchmarks [--quick]` on a quiet machine.
 """
+
+import os
+
+# The checkout that holds this package: child processes run from it to import benchmarks.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,9 +14,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks import ROOT
+
 N_WORKERS = 16
 THREADS = 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
