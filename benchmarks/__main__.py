@@ -12,7 +12,7 @@ from benchmarks.common import kept_sections, machine
 
 # The sections in the order they run and are written, each with the module whose run(quick) makes it.
 SECTIONS = {
-    "overhead": "benchmarks.overhead",
+    "overhead": "benchmarks.overhead.overhead",
     "sample_cost": "benchmarks.sample_cost",
     "tick_anatomy": "benchmarks.tick_anatomy",
     "oracle": "benchmarks.oracle",
@@ -22,7 +22,7 @@ SECTIONS = {
     "diff": "benchmarks.diff",
     "rate": "benchmarks.rate",
     "idle": "benchmarks.idle",
-    "memory": "benchmarks.memory",
+    "memory": "benchmarks.overhead.memory",
     "collection": "benchmarks.collection",
     "activities": "benchmarks.activities",
     "retention": "benchmarks.retention",
