@@ -112,7 +112,7 @@ def parallel(seconds: float) -> dict[str, Any]:
 
 def oracle(rounds: int) -> dict[str, int]:
     """Parked stacks (depths 1-300, a generator, a coroutine) dumped and compared with Python's."""
-    from benchmarks.oracle import dumped_stacks, parked
+    from benchmarks.fidelity.oracle import dumped_stacks, parked
     from dask_pyspy import Sampler
 
     equal = total = 0
@@ -140,7 +140,7 @@ def beta(_: int) -> None:
 def local_threads(tasks: int) -> dict[str, Any]:
     import dask
 
-    from benchmarks.attribution import ours, tagged_and_precision
+    from benchmarks.fidelity.attribution import ours, tagged_and_precision
     from dask_pyspy import PySpyProfiler
 
     work = [dask.delayed(f, pure=False)(i) for i in range(tasks // 2) for f in (alpha, beta)]

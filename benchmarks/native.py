@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from benchmarks import bias
 from benchmarks.common import Section, interleave, spread, table, verdict
+from benchmarks.fidelity import bias
 from benchmarks.native_agreement import agreement
 from benchmarks.native_runs import Fidelity, cost_run, run_child, signals
 
