@@ -13,14 +13,14 @@ from benchmarks.common import kept_sections, machine
 # The sections in the order they run and are written, each with the module whose run(quick) makes it.
 SECTIONS = {
     "overhead": "benchmarks.overhead.overhead",
-    "sample_cost": "benchmarks.sample_cost",
-    "tick_anatomy": "benchmarks.tick_anatomy",
+    "sample_cost": "benchmarks.tick.sample_cost",
+    "tick_anatomy": "benchmarks.tick.tick_anatomy",
     "oracle": "benchmarks.fidelity.oracle",
     "bias": "benchmarks.fidelity.bias",
     "states": "benchmarks.states",
     "attribution": "benchmarks.fidelity.attribution",
     "diff": "benchmarks.fidelity.diff",
-    "rate": "benchmarks.rate",
+    "rate": "benchmarks.tick.rate",
     "idle": "benchmarks.fidelity.idle",
     "memory": "benchmarks.overhead.memory",
     "collection": "benchmarks.collection",
