@@ -17,7 +17,7 @@ SECTIONS = {
     "tick_anatomy": "benchmarks.tick.tick_anatomy",
     "oracle": "benchmarks.fidelity.oracle",
     "bias": "benchmarks.fidelity.bias",
-    "states": "benchmarks.states",
+    "states": "benchmarks.states.states",
     "attribution": "benchmarks.fidelity.attribution",
     "diff": "benchmarks.fidelity.diff",
     "rate": "benchmarks.tick.rate",
