@@ -23,7 +23,7 @@ SECTIONS = {
     "rate": "benchmarks.tick.rate",
     "idle": "benchmarks.fidelity.idle",
     "memory": "benchmarks.overhead.memory",
-    "collection": "benchmarks.collection",
+    "collection": "benchmarks.collection.collection",
     "activities": "benchmarks.activities",
     "retention": "benchmarks.retention",
     "history_windows": "benchmarks.history_windows",
