@@ -24,7 +24,7 @@ SECTIONS = {
     "idle": "benchmarks.fidelity.idle",
     "memory": "benchmarks.overhead.memory",
     "collection": "benchmarks.collection.collection",
-    "activities": "benchmarks.activities",
+    "activities": "benchmarks.activities.activities",
     "retention": "benchmarks.history.retention",
     "history_windows": "benchmarks.history.history_windows",
     "export_lateness": "benchmarks.history.export_lateness",

@@ -18,7 +18,8 @@ import dask
 from distributed import Client, LocalCluster
 
 import dask_pyspy
-from benchmarks import ROOT, activities
+from benchmarks import ROOT
+from benchmarks.activities import activities
 from benchmarks.common import Section, interleave, spread, table, verdict
 from benchmarks.stalls_servers import THRESHOLD_S, wait_for, watching
 from dask_pyspy.sampler import Sampler
