@@ -31,7 +31,7 @@ SECTIONS = {
     "bounded_loads": "benchmarks.history.bounded_loads",
     "free_threaded": "benchmarks.free_threaded",
     "native": "benchmarks.native",
-    "stalls": "benchmarks.stalls",
+    "stalls": "benchmarks.stalls.stalls",
 }
 
 
