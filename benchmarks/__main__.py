@@ -30,7 +30,7 @@ SECTIONS = {
     "export_lateness": "benchmarks.history.export_lateness",
     "bounded_loads": "benchmarks.history.bounded_loads",
     "free_threaded": "benchmarks.free_threaded",
-    "native": "benchmarks.native",
+    "native": "benchmarks.native.native",
     "stalls": "benchmarks.stalls.stalls",
 }
 

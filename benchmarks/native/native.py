@@ -15,8 +15,8 @@ from typing import Callable
 
 from benchmarks.common import Section, interleave, spread, table, verdict
 from benchmarks.fidelity import bias
-from benchmarks.native_agreement import agreement
-from benchmarks.native_runs import Fidelity, cost_run, run_child, signals
+from benchmarks.native.native_agreement import agreement
+from benchmarks.native.native_runs import Fidelity, cost_run, run_child, signals
 
 COST_RATE, COST_CPU = 0.02, 0.015
 SYMBOLS_MAX = 64 << 20
