@@ -29,7 +29,7 @@ SECTIONS = {
     "history_windows": "benchmarks.history.history_windows",
     "export_lateness": "benchmarks.history.export_lateness",
     "bounded_loads": "benchmarks.history.bounded_loads",
-    "free_threaded": "benchmarks.free_threaded",
+    "free_threaded": "benchmarks.free_threaded.free_threaded",
     "native": "benchmarks.native.native",
     "stalls": "benchmarks.stalls.stalls",
 }
