@@ -10,34 +10,35 @@ import time
 
 from benchmarks.common import kept_sections, machine
 
-SECTIONS = [
-    "overhead",
-    "sample_cost",
-    "tick_anatomy",
-    "oracle",
-    "bias",
-    "states",
-    "attribution",
-    "diff",
-    "rate",
-    "idle",
-    "memory",
-    "collection",
-    "activities",
-    "retention",
-    "history_windows",
-    "export_lateness",
-    "bounded_loads",
-    "free_threaded",
-    "native",
-    "stalls",
-]
+# The sections in the order they run and are written, each with the module whose run(quick) makes it.
+SECTIONS = {
+    "overhead": "benchmarks.overhead.overhead",
+    "sample_cost": "benchmarks.tick.sample_cost",
+    "tick_anatomy": "benchmarks.tick.tick_anatomy",
+    "oracle": "benchmarks.fidelity.oracle",
+    "bias": "benchmarks.fidelity.bias",
+    "states": "benchmarks.states.states",
+    "attribution": "benchmarks.fidelity.attribution",
+    "diff": "benchmarks.fidelity.diff",
+    "rate": "benchmarks.tick.rate",
+    "idle": "benchmarks.fidelity.idle",
+    "memory": "benchmarks.overhead.memory",
+    "collection": "benchmarks.collection.collection",
+    "activities": "benchmarks.activities.activities",
+    "retention": "benchmarks.history.retention",
+    "history_windows": "benchmarks.history.history_windows",
+    "export_lateness": "benchmarks.history.export_lateness",
+    "bounded_loads": "benchmarks.history.bounded_loads",
+    "free_threaded": "benchmarks.free_threaded.free_threaded",
+    "native": "benchmarks.native.native",
+    "stalls": "benchmarks.stalls.stalls",
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="shorter runs (~15 minutes on 2 cores)")
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
     parser.add_argument("-o", "--output", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     parser.add_argument(
         "--baseline",
@@ -48,16 +49,16 @@ def main() -> None:
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(chosen) - set(SECTIONS)
     if unknown:
-        parser.error(f"--only: unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+        parser.error(f"--only: unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
     if args.baseline:
         for name in ("bias", "export_lateness"):
-            importlib.import_module(f"benchmarks.{name}").BASELINE = args.baseline
+            importlib.import_module(SECTIONS[name]).BASELINE = args.baseline
     parts = ["# dask-pyspy benchmarks", machine(), "Each section says when and in which mode it last ran."]
     sections = kept_sections(args.output)
     for name in chosen:
         print(f"== {name}", flush=True)
         began = time.time()
-        section = importlib.import_module(f"benchmarks.{name}").run(args.quick)
+        section = importlib.import_module(SECTIONS[name]).run(args.quick)
         # The machine may be shared: the load says how much the figures are worth.
         mode = "quick" if args.quick else "full"
         section.notes.append(

@@ -1,6 +1,6 @@
 """The benchmarks' cluster: a scheduler and N_WORKERS worker processes started by the `dask`
 command line, real processes so the scheduler's memory is its own, each torn down with its
-process group (collection.py, retention.py)."""
+process group (collection/collection.py, history/retention.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks import ROOT
+
 N_WORKERS = 16
 THREADS = 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from benchmarks.bias_child import alternate
+from benchmarks.fidelity.bias_child import alternate
 from dask_pyspy import Profile, Sampler, _native
 from tests.conftest import FREE_THREADED, frame_names, profiles_named, wait_for, weight_by_function
 

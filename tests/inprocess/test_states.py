@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from benchmarks.thread_work import hash_, matmul, nap, parquet, shares, spin, write_parquet
+from benchmarks.states.thread_work import hash_, matmul, nap, parquet, shares, spin, write_parquet
 
 
 def test_threads_contending_for_the_gil_wait_for_it():

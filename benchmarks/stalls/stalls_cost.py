@@ -18,10 +18,10 @@ import dask
 from distributed import Client, LocalCluster
 
 import dask_pyspy
-from benchmarks import activities
+from benchmarks import ROOT
+from benchmarks.activities import activities
 from benchmarks.common import Section, interleave, spread, table, verdict
-from benchmarks.process_cluster import ROOT
-from benchmarks.stalls_servers import THRESHOLD_S, wait_for, watching
+from benchmarks.stalls.stalls_servers import THRESHOLD_S, wait_for, watching
 from dask_pyspy.sampler import Sampler
 
 RECORD_BYTES = 12  # a stall record (rust/sampling/stalls.rs)
@@ -183,7 +183,7 @@ def _mappings() -> dict[tuple[int, int], int]:
 
 def record_memory_apart() -> dict[str, Any]:
     """`record_memory` in a fresh process, whose large allocations are the records' alone."""
-    code = "import json; from benchmarks.stalls_cost import record_memory; print(json.dumps(record_memory()))"
+    code = "import json; from benchmarks.stalls.stalls_cost import record_memory; print(json.dumps(record_memory()))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if done.returncode != 0:

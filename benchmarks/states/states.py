@@ -11,7 +11,7 @@ import tempfile
 from typing import Any, Callable
 
 from benchmarks.common import Section, table
-from benchmarks.thread_work import STATES, Accounted, hash_, matmul, nap, parquet, shares, spin, write_parquet
+from benchmarks.states.thread_work import STATES, Accounted, hash_, matmul, nap, parquet, shares, spin, write_parquet
 
 CORES = len(os.sched_getaffinity(0))
 

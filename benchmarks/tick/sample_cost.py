@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from benchmarks import ROOT
 from benchmarks.common import READERS, Section, sampler_tid, table, verdict
 from dask_pyspy import Sampler
 
@@ -82,7 +83,7 @@ def measure(reader: str, lines: bool, seconds: float, rate: float = 200) -> dict
 CHILD = """
 import sys
 sys.path.insert(0, {root!r})
-from benchmarks.sample_cost import measure, parked
+from benchmarks.tick.sample_cost import measure, parked
 with parked({threads}, {depth}):
     r = measure({reader!r}, True, 2.0)
 print("FRAMES", r["frames"], "TICKS", r["ticks"])
@@ -94,7 +95,6 @@ def readv_calls(reader: str, threads: int, depth: int) -> list[str]:
     strace = shutil.which("strace")
     if strace is None:
         return ["strace not installed", "-"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         done = subprocess.run(
             [
@@ -107,7 +107,7 @@ def readv_calls(reader: str, threads: int, depth: int) -> list[str]:
                 out.name,
                 sys.executable,
                 "-c",
-                CHILD.format(root=root, threads=threads, depth=depth, reader=reader),
+                CHILD.format(root=ROOT, threads=threads, depth=depth, reader=reader),
             ],
             capture_output=True,
             text=True,

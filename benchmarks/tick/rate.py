@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any
 
-from benchmarks import bias
 from benchmarks.common import READERS, Section, table, verdict
+from benchmarks.fidelity import bias
 from dask_pyspy import Sampler
 
 CHILD = os.path.join(os.path.dirname(__file__), "phases_child.py")

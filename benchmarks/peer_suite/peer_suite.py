@@ -150,7 +150,11 @@ def describe(outcomes: list[str]) -> str:
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peer_suite",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("checkout", type=Path, nargs="?", help="root of a distributed source checkout")
     parser.add_argument("--python", default=sys.executable, help="interpreter to run pytest with")
     parser.add_argument("--runs", type=int, default=2, help="runs per mode")
@@ -343,7 +347,3 @@ def main() -> None:
     if args.results:
         write_section(str(args.results), args.section, markdown(result))
         print(f"wrote {args.results}")
-
-
-if __name__ == "__main__":
-    main()

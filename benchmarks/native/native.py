@@ -13,10 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from benchmarks import bias
 from benchmarks.common import Section, interleave, spread, table, verdict
-from benchmarks.native_agreement import agreement
-from benchmarks.native_runs import Fidelity, cost_run, run_child, signals
+from benchmarks.fidelity import bias
+from benchmarks.native.native_agreement import agreement
+from benchmarks.native.native_runs import Fidelity, cost_run, run_child, signals
 
 COST_RATE, COST_CPU = 0.02, 0.015
 SYMBOLS_MAX = 64 << 20

@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 from benchmarks.common import Section, table, verdict
-from benchmarks.native_runs import PYSPY, PYSPY_RATE, Doc, Fidelity, Recording, record, signals
+from benchmarks.native.native_runs import PYSPY, PYSPY_RATE, Doc, Fidelity, Recording, record, signals
 
 CLASSES = (
     "numpy core (umath, multiarray)",

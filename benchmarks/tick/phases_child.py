@@ -15,7 +15,7 @@ from distributed import Client, LocalCluster
 
 import dask_pyspy
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.workload import cpu_task, tiny  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from distributed import Client, LocalCluster
 
 import dask_pyspy
-from benchmarks.stalls_servers import (
+from benchmarks.stalls.stalls_servers import (
     Line,
     Servers,
     add_handlers,

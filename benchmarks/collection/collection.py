@@ -2,7 +2,8 @@
 the scheduler's transient memory, and event-loop stalls, with a task stream running.
 
 This module runs the section and makes its tables and verdicts; the cluster is in
-process_cluster.py, its load in collection_load.py, the measuring in collection_meters.py."""
+benchmarks/process_cluster.py, its load in collection_load.py, the measuring in
+collection_meters.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Any, Callable
 from distributed import Client
 
 import dask_pyspy
-from benchmarks.collection_load import IN_FLIGHT, TARGET, TaskStream, fill
-from benchmarks.collection_meters import (
+from benchmarks.collection.collection_load import IN_FLIGHT, TARGET, TaskStream, fill
+from benchmarks.collection.collection_meters import (
     ReplyMeter,
     Rig,
     baseline,
@@ -27,8 +28,8 @@ from benchmarks.collection_meters import (
     unknown_keyword,
     worker_replies,
 )
+from benchmarks.collection.merge_scale import scale_rows
 from benchmarks.common import Section, spread, table, verdict
-from benchmarks.merge_scale import scale_rows
 from benchmarks.process_cluster import N_WORKERS, THREADS, cluster
 from benchmarks.stacks import PREFIXES
 from benchmarks.stacks import VARIANTS as PATHS_PER_PREFIX
@@ -275,7 +276,7 @@ def run(quick: bool) -> Section:
             ),
             "Towards 1000 workers: copies of one worker's part above (raw, and aggregated), each as its own process "
             "with task keys of its own, merged in one fresh process as the client merges a collection "
-            "(`python -m benchmarks.merge_scale`); the report drawn from the merged profile after.",
+            "(`python -m benchmarks.collection.merge_scale`); the report drawn from the merged profile after.",
             table(["part", "workers", "samples", "wire MiB", "merge s", "peak MiB over RSS", "then"], scale),
         ],
         [n for m in measured for n in m.notes]

@@ -2,7 +2,7 @@
 parts, raw and aggregated, in one process. The parts are copies of a real worker's
 part, each as its own process with task keys of its own.
 
-Run as `python -m benchmarks.merge_scale PART N [aggregate]`: one merge in a fresh
+Run as `python -m benchmarks.collection.merge_scale PART N [aggregate]`: one merge in a fresh
 process, so its peak memory is its own; prints one JSON line. `aggregate`: PART is an
 aggregated part, and the merged profile says so as the scheduler's collection does.
 """
@@ -98,7 +98,7 @@ def scale_rows(parts: dict[str, bytes]) -> tuple[list[list[object]], dict[tuple[
                     [
                         sys.executable,
                         "-m",
-                        "benchmarks.merge_scale",
+                        "benchmarks.collection.merge_scale",
                         path,
                         str(n),
                         *(["aggregate"] if kind == "aggregated" else []),

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.common import Section, table, verdict
-from benchmarks.stalls_provoke import COLD_THREADS, KINDS, Provoked, Runs
-from benchmarks.stalls_servers import THRESHOLD_S
+from benchmarks.stalls.stalls_provoke import COLD_THREADS, KINDS, Provoked, Runs
+from benchmarks.stalls.stalls_servers import THRESHOLD_S
 
 SLEEP_CALL = "clock_nanosleep"
 

@@ -4,7 +4,8 @@ threads that really run at once are each sampled, and tasks keep their own tags.
 Measured in the free-threaded interpreter ci/matrix.sh builds (its venv in the sid
 root under $DASK_PYSPY_ROOTS); from another interpreter this section runs itself there
 through chroot (as root), so `python -m benchmarks --only free_threaded` works as the
-other sections do. In 3.13t itself: `python -m benchmarks.free_threaded` prints JSON.
+other sections do. In 3.13t itself: `python -m benchmarks.free_threaded.free_threaded`
+prints JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from benchmarks import ROOT as CHECKOUT
 from benchmarks.common import Section, run_for, sampler_tid, table, verdict
 
 ROOT = os.path.join(os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots"), "sid")
@@ -112,7 +114,7 @@ def parallel(seconds: float) -> dict[str, Any]:
 
 def oracle(rounds: int) -> dict[str, int]:
     """Parked stacks (depths 1-300, a generator, a coroutine) dumped and compared with Python's."""
-    from benchmarks.oracle import dumped_stacks, parked
+    from benchmarks.fidelity.oracle import dumped_stacks, parked
     from dask_pyspy import Sampler
 
     equal = total = 0
@@ -140,7 +142,7 @@ def beta(_: int) -> None:
 def local_threads(tasks: int) -> dict[str, Any]:
     import dask
 
-    from benchmarks.attribution import ours, tagged_and_precision
+    from benchmarks.fidelity.attribution import ours, tagged_and_precision
     from dask_pyspy import PySpyProfiler
 
     work = [dask.delayed(f, pure=False)(i) for i in range(tasks // 2) for f in (alpha, beta)]
@@ -167,16 +169,15 @@ def measure(quick: bool) -> dict[str, Any]:
 
 def in_root(quick: bool) -> dict[str, Any]:
     """The measurement, run in the free-threaded interpreter of the sid root."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     dest = os.path.join(ROOT, "opt", "t")
     subprocess.run(["rm", "-rf", dest], check=True)
     os.makedirs(dest)
-    subprocess.run(f"tar -c --exclude=__pycache__ benchmarks | tar -x -C {dest}", shell=True, cwd=here, check=True)
+    subprocess.run(f"tar -c --exclude=__pycache__ benchmarks | tar -x -C {dest}", shell=True, cwd=CHECKOUT, check=True)
     for m in ("proc", "dev", "sys"):
         if not os.path.ismount(os.path.join(ROOT, m)):
             subprocess.run(["mount", "--bind", f"/{m}", os.path.join(ROOT, m)], check=True)
     python = f"{VENV}/bin/python"
-    cmd = ["chroot", ROOT, "/usr/bin/env", "-C", "/opt/t", python, "-m", "benchmarks.free_threaded"]
+    cmd = ["chroot", ROOT, "/usr/bin/env", "-C", "/opt/t", python, "-m", "benchmarks.free_threaded.free_threaded"]
     done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 

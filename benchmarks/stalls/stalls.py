@@ -14,10 +14,10 @@ import platform
 import distributed
 
 import dask_pyspy
-from benchmarks import stalls_agreement, stalls_attribution, stalls_cost
 from benchmarks.common import Section, cpu_model
-from benchmarks.stalls_provoke import GAP_S, idle_cluster, run_on_servers
-from benchmarks.stalls_servers import PAIRED_WITHIN_S, THRESHOLD_S, TICK_LIMIT_S
+from benchmarks.stalls import stalls_agreement, stalls_attribution, stalls_cost
+from benchmarks.stalls.stalls_provoke import GAP_S, idle_cluster, run_on_servers
+from benchmarks.stalls.stalls_servers import PAIRED_WITHIN_S, THRESHOLD_S, TICK_LIMIT_S
 
 
 def run(quick: bool) -> Section:

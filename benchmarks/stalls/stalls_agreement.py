@@ -8,8 +8,8 @@ import statistics
 from typing import Any
 
 from benchmarks.common import Section, spread, table, verdict
-from benchmarks.stalls_provoke import GAP_S, KINDS, LENGTHS_S, Observed, Provoked, Runs
-from benchmarks.stalls_servers import PAIRED_WITHIN_S, THRESHOLD_S, TICK_LIMIT_S, Line, pair
+from benchmarks.stalls.stalls_provoke import GAP_S, KINDS, LENGTHS_S, Observed, Provoked, Runs
+from benchmarks.stalls.stalls_servers import PAIRED_WITHIN_S, THRESHOLD_S, TICK_LIMIT_S, Line, pair
 from dask_pyspy.stalls import describe
 
 AGREE_S, AGREE_SHARE = 0.05, 0.05  # target 1: within 50 ms or 5%

@@ -18,9 +18,10 @@ import threading
 import time
 from typing import Any
 
+from benchmarks import ROOT
 from benchmarks.common import Section, cpu_model, sampler_tid, table, verdict
-from benchmarks.rate import busy
-from benchmarks.sample_cost import parked
+from benchmarks.tick.rate import busy
+from benchmarks.tick.sample_cost import parked
 from dask_pyspy import Sampler
 
 RATE = 100
@@ -80,17 +81,19 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
 
 
 def in_child(shape: str, budget: float, seconds: float, count: bool) -> dict[str, Any]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = json.dumps([shape, budget, seconds, count])
-    code = f"import json; from benchmarks.tick_anatomy import measure as m; print(json.dumps(m(*json.loads({args!r}))))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    code = (
+        "import json; from benchmarks.tick.tick_anatomy import measure as m; "
+        f"print(json.dumps(m(*json.loads({args!r}))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def call_costs() -> list[dict[str, Any]]:
-    """benchmarks/tick_calls.c, built with the machine's C compiler and run."""
+    """benchmarks/tick/tick_calls.c, built with the machine's C compiler and run."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return []
