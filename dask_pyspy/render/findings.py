@@ -174,7 +174,7 @@ def _longest_stall(processes: list[dict[str, Any]]) -> str:
     if not explained:
         return ""
     longest = explained[0]
-    held = "; ".join(f"{seconds:.1f} s {phrase}" for seconds, phrase in stalls.parts(longest)) or "not sampled"
+    held = "; ".join(f"{seconds:.1f} s {phrase}" for seconds, phrase in stalls.parts(longest)) or "no sample inside it"
     return f"The longest event-loop stall was {longest['duration']:.1f} s in {named(longest['process'])}: {held}."
 
 
