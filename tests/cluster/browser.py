@@ -55,6 +55,29 @@ def wait_for_flame_graph(driver: webdriver.Chrome) -> None:
     WebDriverWait(driver, 20).until(lambda d: d.execute_script("return typeof frames !== 'undefined' && !!frames;"))
 
 
+def flame_labels(driver: webdriver.Chrome) -> list[tuple[str, str]]:
+    """In a flame graph's frame: each frame's shown text and its tooltip (name, count)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('#frames g')).filter(g => g.querySelector('text')).map(g => "
+        "[g.querySelector('text').textContent, g.querySelector('title').textContent]);"
+    )
+
+
+def first_graph_labels(driver: webdriver.Chrome) -> list[tuple[str, str]]:
+    """`flame_labels` of the page's first flame graph, once its script has laid them out."""
+    driver.switch_to.frame(driver.find_element("css selector", "iframe.flame"))
+    try:
+        wait_for_flame_graph(driver)
+        return flame_labels(driver)
+    finally:
+        driver.switch_to.default_content()
+
+
+def cut_from_the_left(labels: list[tuple[str, str]]) -> list[str]:
+    """Labels that lost their start, the function ('..alg.py:57'); a bare '..' had room for no letter."""
+    return [text for text, _ in labels if text.startswith("..") and text != ".."]
+
+
 def search_first_flame_graph(driver: webdriver.Chrome, term: str) -> str:
     """Runs the flame graph's own search in its iframe; returns its 'Matched: N%' text."""
     frame = driver.find_element("css selector", "iframe.flame")

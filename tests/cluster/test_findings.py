@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 import dask_pyspy
-from tests.cluster.browser import console_errors, screenshot, start_chromium, wait_for_flame_graph
+from tests.cluster.browser import (
+    console_errors,
+    cut_from_the_left,
+    first_graph_labels,
+    flame_labels,
+    screenshot,
+    start_chromium,
+)
 from tests.cluster.workload import a_task_whose_function_name_is_wider_than_its_frame as long_named
 from tests.cluster.workload import alpha
 
@@ -64,34 +71,24 @@ def test_report_answers_first_and_keeps_the_sampler_for_last(report, chromium):
     assert console_errors(chromium) == []
 
 
-def _labels(driver) -> list[tuple[str, str]]:
-    """Each frame's shown text and its full name (its tooltip, less the count)."""
-    return driver.execute_script(
-        "return Array.from(document.querySelectorAll('g')).filter(g => g.querySelector('text')).map(g => "
-        "[g.querySelector('text').textContent, g.querySelector('title').textContent]);"
-    )
-
-
 def test_flame_graph_labels_keep_the_function(report, chromium):
     path, _ = report
     chromium.set_window_size(1400, 1000)
     chromium.get(path.as_uri())
+    labels = first_graph_labels(chromium)
+    cut = [(text, title) for text, title in labels if text.endswith("..")]
+    assert any(title.startswith(LONG) for _, title in cut), "the long name is cut, or the test shows nothing"
+    for text, title in cut:
+        assert title.startswith(text[:-2]), (text, title)
+    # Zoomed in, the graph's own script lays the labels out again.
     chromium.switch_to.frame(chromium.find_element("css selector", "iframe.flame"))
     try:
-        wait_for_flame_graph(chromium)
-        labels = _labels(chromium)
-        cut = [(text, title) for text, title in labels if text.endswith("..")]
-        assert any(title.startswith(LONG) for _, title in cut), "the long name is cut, or the test shows nothing"
-        for text, title in cut:
-            assert title.startswith(text[:-2]), (text, title)
-        # Zoomed in, the graph's own script lays the labels out again.
         chromium.execute_script(
             "zoom(Array.from(frames.querySelectorAll('g')).find("
             "g => g.querySelector('title').textContent.startsWith(arguments[0])));",
             LONG,
         )
-        labels += _labels(chromium)
+        labels += flame_labels(chromium)
     finally:
         chromium.switch_to.default_content()
-    # A bare ".." is a frame with room for no letter (inferno's script draws it so).
-    assert not [text for text, _ in labels if text.startswith("..") and text != ".."], labels
+    assert not cut_from_the_left(labels), labels

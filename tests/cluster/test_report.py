@@ -23,7 +23,14 @@ from selenium.webdriver.support.ui import WebDriverWait
 import dask_pyspy
 from dask_pyspy import Sampler
 from dask_pyspy.render.tables import FREE_THREADED_STATES, STATES
-from tests.cluster.browser import console_errors, screenshot, search_first_flame_graph, start_chromium
+from tests.cluster.browser import (
+    console_errors,
+    cut_from_the_left,
+    first_graph_labels,
+    screenshot,
+    search_first_flame_graph,
+    start_chromium,
+)
 from tests.cluster.workload import alpha, beta, gamma, recurse, spin
 from tests.conftest import FREE_THREADED
 
@@ -293,6 +300,7 @@ def test_dashboard_page(client, chromium):
     body = chromium.find_element("tag name", "body").text
     assert "Live stacks" in body and "Task time across the cluster" in body
     assert search_first_flame_graph(chromium, "alpha") != "Matched: 0%"
+    assert not cut_from_the_left(first_graph_labels(chromium)), "labels keep their function"
     screenshot(chromium, "dashboard")
     assert console_errors(chromium) == []
     # Auto-refresh: choosing 5 s keeps the window and reloads the page by itself.

@@ -14,7 +14,7 @@ from distributed import span
 
 from dask_pyspy import Profile
 from dask_pyspy._native import _testing
-from tests.cluster.browser import console_errors, screenshot, start_chromium
+from tests.cluster.browser import console_errors, cut_from_the_left, first_graph_labels, screenshot, start_chromium
 from tests.cluster.test_cli import run
 from tests.cluster.workload import spin_then_grind
 from tests.conftest import self_seconds
@@ -121,6 +121,7 @@ def test_cli_diff_of_saved_files_in_chromium(runs, tmp_path):
         frames = grind_frames(driver)
         assert frames, "the differential graph draws grind"
         assert all(fill.startswith("rgb(255,") for _, fill in frames), f"grind grew, so it is red: {frames}"
+        assert not cut_from_the_left(first_graph_labels(driver)), "labels keep their function"
         screenshot(driver, "diff")
         assert console_errors(driver) == []
     finally:
