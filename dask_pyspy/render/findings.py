@@ -192,12 +192,7 @@ def _warnings(totals: dict[str, Any], metadata: dict[str, Any], processes: list[
     if not totals["samples"]:
         yield Warning("No samples in this window: was the plugin running, and did the window cover the work?")
     for o in tables.oversubscribed(processes, totals):
-        yield Warning(
-            f"Oversubscribed: on {o['host']}, {_names(o['waiting'])} waited for a CPU more than {o['percent']}% "
-            f"of their sampled time ({_count(o['processes'], 'process', 'es')} ran {o['threads']} task threads "
-            f"there on {o['cores'] or 'an unknown number of'} cores); fewer workers or threads per worker, or fewer "
-            "BLAS threads, would let them run instead."
-        )
+        yield Warning(_oversubscribed(o))
     yield from _rate_warnings(processes)
     yield from _sampler_warnings(processes)
     missing = metadata.get("missing") or {}
@@ -207,6 +202,19 @@ def _warnings(totals: dict[str, Any], metadata: dict[str, Any], processes: list[
             "listed, and a profile collected again may hold them.",
             about=True,
         )
+
+
+def _oversubscribed(o: dict[str, Any]) -> str:
+    """A host whose processes waited for a CPU, and why: too many task threads, or others' load."""
+    cores = o["cores"]
+    said = (
+        f"Oversubscribed: on {o['host']}, {_names(o['waiting'])} waited for a CPU more than {o['percent']}% of the "
+        f"time sampled; {_count(o['processes'], 'process', 'es')} ran {_count(o['threads'], 'task thread')} there "
+        f"on {_count(cores, 'core') if cores else 'an unknown number of cores'}"
+    )
+    if cores and o["threads"] < cores:
+        return said + ", so other programs took the CPUs: give the cluster a host of its own, or fewer neighbours."
+    return said + ": fewer workers or threads per worker (or fewer BLAS threads) would let them run instead."
 
 
 def _rate_warnings(processes: list[dict[str, Any]]) -> Iterator[Warning]:

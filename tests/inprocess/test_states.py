@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -36,7 +38,23 @@ def test_more_busy_threads_than_cores_wait_for_a_cpu():
     assert "<th>waiting for a CPU</th>" in html
     named = re.search(rf"ran (\d+) task threads there on {cores} cores", html)
     assert named and int(named.group(1)) >= 2 * cores, "the report names the cause"
+    assert "fewer workers or threads per worker" in html, "and what to do"
     assert named.group(0) in str(profile.summary()), "and so does the summary a notebook prints"
+
+
+def test_other_programs_taking_the_cpus_are_named_as_the_cause():
+    cores = len(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores)]
+    try:
+        got, profile = shares(hash_, 1)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    # One task thread beside twice the cores of busy processes: it waits most of the time.
+    assert got["cpu_wait"] >= 0.25, got
+    said = str(profile.summary())
+    assert "ran 1 task thread there" in said and "other programs took the CPUs" in said, said
 
 
 def test_a_sleep_is_blocked():
