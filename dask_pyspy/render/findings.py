@@ -25,7 +25,7 @@ NAMED = 3  # processes named in a warning; the rest are counted
 
 
 @dataclass
-class Warning:
+class Alert:
     """One sentence of what went wrong, with its fix; `about`: the details are the
     sampler's own figures, in the report's "About this profile"."""
 
@@ -43,12 +43,7 @@ class Findings:
     prefixes: list[str] = field(default_factory=list)
     states: str = ""
     stall: str = ""
-    warnings: list[Warning] = field(default_factory=list)
-
-    @property
-    def needs_attention(self) -> bool:
-        """Whether the sampler's own figures hold something a user must read."""
-        return any(w.about for w in self.warnings)
+    warnings: list[Alert] = field(default_factory=list)
 
     def text(self) -> str:
         """The findings as a short text block, a sentence or a list item a line."""
@@ -188,16 +183,16 @@ def _names(names: list[str]) -> str:
     return shown + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
 
 
-def _warnings(totals: dict[str, Any], metadata: dict[str, Any], processes: list[dict[str, Any]]) -> Iterator[Warning]:
+def _warnings(totals: dict[str, Any], metadata: dict[str, Any], processes: list[dict[str, Any]]) -> Iterator[Alert]:
     if not totals["samples"]:
-        yield Warning("No samples in this window: was the plugin running, and did the window cover the work?")
+        yield Alert("No samples in this window: was the plugin running, and did the window cover the work?")
     for o in tables.oversubscribed(processes, totals):
-        yield Warning(_oversubscribed(o))
+        yield Alert(_oversubscribed(o))
     yield from _rate_warnings(processes)
     yield from _sampler_warnings(processes)
     missing = metadata.get("missing") or {}
     if missing:
-        yield Warning(
+        yield Alert(
             f"Missing: {_names(list(missing))} could not be sampled or did not answer; each one's reason is "
             "listed, and a profile collected again may hold them.",
             about=True,
@@ -217,7 +212,7 @@ def _oversubscribed(o: dict[str, Any]) -> str:
     return said + ": fewer workers or threads per worker (or fewer BLAS threads) would let them run instead."
 
 
-def _rate_warnings(processes: list[dict[str, Any]]) -> Iterator[Warning]:
+def _rate_warnings(processes: list[dict[str, Any]]) -> Iterator[Alert]:
     """The budget that held the rate down, with the budget the requested rate needs; a
     sampler that fell behind."""
     held = [p for p in processes if tables.held_by_budget(p["stats"])]
@@ -225,7 +220,7 @@ def _rate_warnings(processes: list[dict[str, Any]]) -> Iterator[Warning]:
         stats = [p["stats"] for p in held]
         per_tick, needed = max(tables.budget_needed(s) for s in stats)
         rates = sorted(s["achieved_rate"] for s in stats)
-        yield Warning(
+        yield Alert(
             f"The CPU budget ({100 * stats[0]['config']['cpu_budget']:g}% of a core) held "
             f"{_names([p['name'] for p in held])} to {_range(rates)} Hz of the "
             f"{max(s['requested_rate'] for s in stats):g} asked for: a tick costs up to {1e6 * per_tick:.0f} µs "
@@ -235,7 +230,7 @@ def _rate_warnings(processes: list[dict[str, Any]]) -> Iterator[Warning]:
     behind = [p for p in processes if tables.fell_behind(p["stats"])]
     if behind:
         rates = sorted(p["stats"]["achieved_rate"] for p in behind)
-        yield Warning(
+        yield Alert(
             f"The sampling thread of {_names([p['name'] for p in behind])} fell behind its schedule "
             f"({_range(rates)} Hz): the machine was busy; the samples are unbiased, only fewer.",
             about=True,
@@ -247,11 +242,11 @@ def _range(rates: list[float]) -> str:
     return low if low == high else f"{low}-{high}"
 
 
-def _sampler_warnings(processes: list[dict[str, Any]]) -> Iterator[Warning]:
+def _sampler_warnings(processes: list[dict[str, Any]]) -> Iterator[Alert]:
     """Reads lost past LOST_WARNING, and sampler errors."""
     lossy = [p["name"] for p in processes if _lost_share(p["stats"]) > LOST_WARNING]
     if lossy:
-        yield Warning(
+        yield Alert(
             f"Samples lost: {_names(lossy)} left out more than {100 * LOST_WARNING:g}% of thread reads, stacks "
             "that kept changing while they were copied (usually a machine short of CPU); the rest are not biased "
             "by it.",
@@ -259,7 +254,7 @@ def _sampler_warnings(processes: list[dict[str, Any]]) -> Iterator[Warning]:
         )
     failing = [f"{p['name']} ({tables.errors(p['stats'])})" for p in processes if tables.errors(p["stats"])]
     if failing:
-        yield Warning(f"Sampler errors: {_names(failing)}.", about=True)
+        yield Alert(f"Sampler errors: {_names(failing)}.", about=True)
 
 
 def _lost_share(stats: dict[str, Any]) -> float:
