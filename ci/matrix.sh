@@ -12,7 +12,8 @@ set -euo pipefail
 # what the plugin leaves behind. The report's other pages, the dashboard and speedscope's
 # app render what Rust wrote, the same on any interpreter: the main suite runs them.
 REPORT_TESTS="tests/cluster/test_report.py::test_report_opens_offline_and_escapes_names
-    tests/cluster/test_report.py::test_task_views_lead_with_task_code tests/cluster/test_report.py::test_a_reader_fallback_is_an_error"
+    tests/cluster/test_report.py::test_task_views_lead_with_task_code tests/cluster/test_report.py::test_a_reader_fallback_is_an_error
+    tests/cluster/test_findings.py::test_summary_prints_the_findings_and_keeps_the_totals"
 MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py tests/inprocess/test_stalls.py
     tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS
     tests/cluster/test_no_trace.py"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,9 @@ FIND_EVERY_S = 0.05
 # How far from distributed's line its stall may have ended: its tick waits for the
 # callbacks queued behind the stall.
 ENDED_WITHIN_S = 0.5
+# How long ours waits for distributed's line to be written first (a handler that never
+# writes it, filtered by level, costs this wait once).
+TOLD_WITHIN_S = 5.0
 
 
 class LoopWatch:
@@ -60,6 +64,23 @@ class LoopWatch:
         self.sampler.native.unwatch_loop(watch)
 
 
+class _Told(str):
+    """distributed's message, marking when a handler first formats it: its line is being
+    written then, under the handler's lock, which ours then waits for. A filter runs
+    before any handler, so without it ours could be written first."""
+
+    told: threading.Event
+
+    def __new__(cls, message: str, told: threading.Event) -> _Told:
+        marked = super().__new__(cls, message)
+        marked.told = told
+        return marked
+
+    def __str__(self) -> str:
+        self.told.set()
+        return str.__str__(self)
+
+
 class ExplainStalls(logging.Filter):
     """On `distributed.core`: lets every record through, and after distributed's line on
     an unresponsive loop logs ours, at its level, explaining the stall it measured.
@@ -90,11 +111,14 @@ class ExplainStalls(logging.Filter):
         if isinstance(record.msg, str) and record.msg.startswith(UNRESPONSIVE):
             seconds = record.args[-1] if isinstance(record.args, tuple) and record.args else None
             if isinstance(seconds, (int, float)):
-                in_background(self._explain, record, float(seconds))
+                told = threading.Event()
+                record.msg = _Told(record.msg, told)
+                in_background(self._explain, record, float(seconds), told)
         return True
 
-    def _explain(self, record: logging.LogRecord, seconds: float) -> None:
+    def _explain(self, record: logging.LogRecord, seconds: float, told: threading.Event) -> None:
         stall = self._find(record.created, seconds)
+        told.wait(TOLD_WITHIN_S)
         out = logging.getLogger(record.name)
         if stall is None:
             out.debug("dask-pyspy: the sampler saw no stall like that %.2f s one", seconds)

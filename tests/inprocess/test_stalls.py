@@ -4,6 +4,7 @@ native watch: what each stall reads on this interpreter and reader."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 import time
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 
 from dask_pyspy import Profile, Sampler
+from dask_pyspy.server.stalls import TICK_LOGGER, UNRESPONSIVE, ExplainStalls
 from dask_pyspy.stalls import describe
-from tests.conftest import most_sampled_state
+from tests.conftest import most_sampled_state, wait_for
 
 THRESHOLD = 0.2
 
@@ -79,6 +81,45 @@ def test_a_busy_loop_stalls_for_as_long_as_it_ran(stalled):
     assert stall["duration"] >= 0.95
     assert stall["stack"][0].startswith("spin (test_stalls.py")
     assert most_sampled_state(stall) in ("cpu-gil", "cpu", "cpu-wait"), stall["states"]  # "cpu": free-threaded
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class Late(logging.Filter):
+    """distributed's line reaches its handlers late, as on a loaded machine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg.startswith(UNRESPONSIVE):  # a str method: formats nothing
+            time.sleep(0.5)
+        return True
+
+
+def test_our_line_follows_distributed_s_even_when_its_handlers_come_late(stalled):
+    sampler, began, _ = stalled
+    stall = at(sampler.stalls()["explained"], began[0])
+    tick, lines, late = logging.getLogger(TICK_LOGGER), Lines(), Late()
+    ExplainStalls.hold(sampler)
+    tick.addFilter(late)
+    tick.addHandler(lines)
+    try:
+        message = UNRESPONSIVE + " in %s for %.2fs."
+        record = tick.makeRecord(tick.name, logging.WARNING, __file__, 0, message, ("Worker", stall["duration"]), None)
+        record.created = stall["start"] + stall["duration"] + 0.05  # when distributed's tick saw it
+        tick.handle(record)
+        wait_for(lambda: len(lines.lines) >= 2, "both lines")
+    finally:
+        tick.removeHandler(lines)
+        tick.removeFilter(late)
+        ExplainStalls.release()
+    assert lines.lines[0].startswith(UNRESPONSIVE), lines.lines
+    assert lines.lines[1].startswith("dask-pyspy: that") and "stall" in lines.lines[1], lines.lines
 
 
 def test_a_blocked_loop_names_its_system_call(stalled):
