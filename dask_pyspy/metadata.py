@@ -122,6 +122,7 @@ STATS = {
                 "lost_reads": Omittable(NUMBER),
                 "torn_reads": Omittable(NUMBER),
                 "fallback_reason": Omittable(OrNull(TEXT)),
+                "fallback_expected": Omittable(FLAG),
                 "free_threaded": Omittable(FLAG),
                 "gil_enabled": Omittable(FLAG),
             }

@@ -202,10 +202,11 @@ def _warnings(totals: dict[str, Any], metadata: dict[str, Any], processes: list[
 def _oversubscribed(o: dict[str, Any]) -> str:
     """A host whose processes waited for a CPU, and why: too many task threads, or others' load."""
     cores = o["cores"]
+    on = _count(cores, "core") if cores else "an unknown number of cores"
     said = (
         f"Oversubscribed: on {o['host']}, {_names(o['waiting'])} waited for a CPU more than {o['percent']}% of the "
-        f"time sampled; {_count(o['processes'], 'process', 'es')} ran {_count(o['threads'], 'task thread')} there "
-        f"on {_count(cores, 'core') if cores else 'an unknown number of cores'}"
+        f"time they were ready to run; {_count(o['processes'], 'process', 'es')} ran "
+        f"{_count(o['threads'], 'task thread')} there on {on}"
     )
     if cores and o["threads"] < cores:
         return said + ", so other programs took the CPUs: give the cluster a host of its own, or fewer neighbours."

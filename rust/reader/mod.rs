@@ -172,7 +172,15 @@ impl std::str::FromStr for ReaderChoice {
 /// the sampling thread (it cannot move between threads).
 pub enum Chosen {
     Fast(Box<FastReader>),
-    PySpy { reason: Option<String> },
+    PySpy { fallback: Option<Fallback> },
+}
+
+/// Why py-spy's reader runs where `auto` was asked for; `expected` where it is this
+/// interpreter's reader by design (3.9 and 3.10, which the fast reader never reads),
+/// not a failure.
+pub struct Fallback {
+    pub reason: String,
+    pub expected: bool,
 }
 
 /// The reader for `choice`, opened (and self-checked) with the GIL held. py-spy's
@@ -181,14 +189,16 @@ pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Res
     let no_pyspy = free_threaded(py).then_some("py-spy's reader does not read free-threaded (no-GIL) builds");
     match (choice, no_pyspy) {
         (ReaderChoice::Pyspy, Some(why)) => Err(Error::Broken(format!("reader='pyspy' cannot be used: {why}"))),
-        (ReaderChoice::Pyspy, None) => Ok(Chosen::PySpy { reason: None }),
+        (ReaderChoice::Pyspy, None) => Ok(Chosen::PySpy { fallback: None }),
         (ReaderChoice::Fast, _) => open_fast(py, mode)
             .map(|r| Chosen::Fast(Box::new(r)))
             .map_err(|e| Error::Broken(format!("reader='fast' cannot be used: {e}"))),
         (ReaderChoice::Auto, _) => match (open_fast(py, mode), no_pyspy) {
             (Ok(r), _) => Ok(Chosen::Fast(Box::new(r))),
             (Err(e), Some(why)) => Err(Error::Broken(format!("no reader reads this interpreter: {e}; {why}"))),
-            (Err(e), None) => Ok(Chosen::PySpy { reason: Some(e) }),
+            (Err(reason), None) => {
+                Ok(Chosen::PySpy { fallback: Some(Fallback { reason, expected: py.version_info() < (3, 11) }) })
+            }
         },
     }
 }

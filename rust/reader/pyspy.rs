@@ -2,7 +2,7 @@
 //! know, and the oracle it is tested against.
 
 use super::threads::thread_cpu_ns;
-use super::{Read, Run, StackReader, ThreadStack, Want};
+use super::{Fallback, Read, Run, StackReader, ThreadStack, Want};
 use crate::profile::model::Frame;
 use crate::reader::tags::ThreadTags;
 use crate::reader::GilAt;
@@ -26,15 +26,15 @@ pub struct PySpyReader {
     frames: Vec<Frame>,
     frame_ids: HashMap<Frame, u64>,
     epoch: u64,
-    reason: Option<String>,
+    fallback: Option<Fallback>,
 }
 
 /// Frames interned by the adapter are forgotten past this many.
 const MAX_FRAMES: usize = 500_000;
 
 impl PySpyReader {
-    /// Attaches py-spy to this process; `reason` says why the fast reader is not used.
-    pub fn new(lines: bool, function: bool, reason: Option<String>) -> Result<PySpyReader, String> {
+    /// Attaches py-spy to this process; `fallback` says why the fast reader is not used.
+    pub fn new(lines: bool, function: bool, fallback: Option<Fallback>) -> Result<PySpyReader, String> {
         let config = py_spy::Config {
             // Locking our own process would suspend the sampling thread too.
             blocking: LockingStrategy::NonBlocking,
@@ -59,7 +59,7 @@ impl PySpyReader {
             frames: Vec::new(),
             frame_ids: HashMap::new(),
             epoch: 0,
-            reason,
+            fallback,
         })
     }
 
@@ -186,7 +186,8 @@ impl StackReader for PySpyReader {
     }
 
     fn stats(&self) -> Value {
-        json!({"fallback_reason": self.reason})
+        let (reason, expected) = self.fallback.as_ref().map(|f| (&f.reason, f.expected)).unzip();
+        json!({"fallback_reason": reason, "fallback_expected": expected.unwrap_or(false)})
     }
 }
 

@@ -147,7 +147,7 @@ pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result:
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let reader: Box<dyn StackReader> = match chosen {
             Chosen::Fast(fast) => fast,
-            Chosen::PySpy { reason } => match PySpyReader::new(config.lines, config.function, reason) {
+            Chosen::PySpy { fallback } => match PySpyReader::new(config.lines, config.function, fallback) {
                 Ok(spy) => Box::new(spy),
                 Err(e) => {
                     let _ = ready.send(Err(e));

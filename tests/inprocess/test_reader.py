@@ -149,6 +149,8 @@ def test_auto_reader_is_the_fast_one_where_it_works():
     else:
         assert stats["reader"] == "pyspy"
         assert f"CPython 3.{sys.version_info.minor}" in stats["reader_stats"]["fallback_reason"]
+        # 3.9 and 3.10 have py-spy's reader by design: the report shows no error for it.
+        assert stats["reader_stats"]["fallback_expected"] == (sys.version_info < (3, 11)), stats["reader_stats"]
 
 
 def test_fast_reader_where_it_cannot_work_raises(monkeypatch):
@@ -172,6 +174,7 @@ def test_fast_reader_where_it_cannot_work_raises(monkeypatch):
         assert f"CPython 3.{sys.version_info.minor}" in reason
         if FAST_WORKS:
             assert "self-check failed" in reason and "frame 0 reads as" in reason
+            assert not stats["reader_stats"]["fallback_expected"], "a failed self-check is an error"
     finally:
         auto.stop()
 
