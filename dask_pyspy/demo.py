@@ -82,6 +82,7 @@ def run_demo(output: str, days: int, workers: int | None = None, threads: int | 
     from distributed import Client
 
     import dask_pyspy
+    from dask_pyspy.render.findings import count
 
     _import_workload_modules()
     cores = len(os.sched_getaffinity(0))
@@ -89,7 +90,7 @@ def run_demo(output: str, days: int, workers: int | None = None, threads: int | 
     how = "as asked" if workers and threads else f"sized to {cores} cores, one kept for the scheduler"
     with local_cluster(n_workers, n_threads) as cluster, Client(cluster) as client:
         client.register_plugin(dask_pyspy.PySpyPlugin())
-        click.echo(f"Cluster up: {_count(n_workers, 'worker')} x {_count(n_threads, 'thread')} ({how})")
+        click.echo(f"Cluster up: {count(n_workers, 'worker')} x {count(n_threads, 'thread')} ({how})")
         click.echo(f"Dashboard: {client.dashboard_link}")
         click.echo(f"Profiling {days} days of data: a dataframe shuffle, a numpy QR, a slow Python function")
         with dask_pyspy.profile(output, client=client) as rec:
@@ -118,7 +119,3 @@ def _tell(prof: Profile, output: str) -> None:
         cpu = 100 * s["cpu_fraction"]
         click.echo(f"Sampler in {named(proc['name'])}: {s['achieved_rate']:.0f} Hz achieved, {cpu:.1f}% of a core")
     click.echo(f"Report: {os.path.abspath(output)}")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -99,27 +99,30 @@ def find(totals: dict[str, Any], metadata: dict[str, Any], processes: list[dict[
 
 def _window(totals: dict[str, Any], metadata: dict[str, Any], processes: list[dict[str, Any]]) -> str:
     start, stop = window(metadata, totals)
-    span = f"{when(start)} to {when(stop)[11:] if when(start)[:10] == when(stop)[:10] else when(stop)}"
+    first, last = when(start), when(stop)
+    span = f"{first} to {last[11:] if first[:10] == last[:10] else last}"  # the date once, if one
     duration = f"{stop - start:.1f} s, " if start is not None and stop is not None else ""
     threads = sum(p["threads"] for p in totals["processes"])
     return (
-        f"Profiled {duration}{span}: {_count(len(processes), 'process', 'es')}, {_count(threads, 'thread')}, "
-        f"{_count(totals['samples'], 'sample')}."
+        f"Profiled {duration}{span}: {count(len(processes), 'process', 'es')}, {count(threads, 'thread')}, "
+        f"{count(totals['samples'], 'sample')}."
     )
 
 
-def _count(n: int, noun: str, plural: str = "s") -> str:
+def count(n: int, noun: str, plural: str = "s") -> str:
+    """`n` and its noun, plural but for one: "1 thread", "2,134 samples"."""
     return f"{n:,} {noun}{'' if n == 1 else plural}"
 
 
-MOSTLY = {
+DOING = {  # by state, what a thread was doing
     "gil": "running Python (holding the GIL)",
     "no_gil": "on a CPU without the GIL",
     "gil_wait": "waiting for the GIL",
     "cpu_wait": "waiting for a CPU",
-    "native": "waiting for native threads",
-    "blocked": "blocked",
+    "native": "waiting for native threads (BLAS, arrow)",
+    "blocked": "blocked (I/O, locks, sleeps)",
 }
+WAITS = ("gil_wait", "cpu_wait", "native", "blocked")
 ON_CPU = "on a CPU"  # running Python or C alike, where there is no GIL
 
 
@@ -129,9 +132,9 @@ def _prefix(prefix: dict[str, Any], task_seconds: float, no_gil: bool) -> str:
     if prefix["top"]:
         top = prefix["top"][0]
         line += f", most in {top['name']} ({function_file(top)})"
-    seconds = {phrase: prefix.get(k, 0.0) for k, phrase in MOSTLY.items()}
+    seconds = {phrase: prefix.get(k, 0.0) for k, phrase in DOING.items()}
     if no_gil:
-        seconds[ON_CPU] = seconds.pop(MOSTLY["gil"]) + seconds.pop(MOSTLY["no_gil"])
+        seconds[ON_CPU] = seconds.pop(DOING["gil"]) + seconds.pop(DOING["no_gil"])
     phrase = max(seconds, key=seconds.__getitem__)
     if seconds[phrase]:
         line += f"; {100 * seconds[phrase] / (prefix['seconds'] or 1.0):.0f}% {phrase}"
@@ -143,14 +146,6 @@ def _task_totals(totals: dict[str, Any]) -> dict[str, float]:
     return {k: totals.get(k, 0.0) - totals["untagged"].get(k, 0.0) for k in ("seconds", *STATES)}
 
 
-WAITS = {
-    "gil_wait": "waiting for the GIL",
-    "cpu_wait": "waiting for a CPU",
-    "native": "waiting for native threads (BLAS, arrow)",
-    "blocked": "blocked (I/O, locks, sleeps)",
-}
-
-
 def _states(task: dict[str, float], totals: dict[str, Any], no_gil: bool) -> str:
     """What task threads (or, with no task time, all threads) did, as shares of their time."""
     of, who = (task, "Task threads") if task["seconds"] > 0 else (totals, "Threads")
@@ -160,7 +155,7 @@ def _states(task: dict[str, float], totals: dict[str, Any], no_gil: bool) -> str
     on_cpu = f"{100 * (share['gil'] + share['no_gil']):.0f}% of their time {ON_CPU}"
     if not no_gil:
         on_cpu += f" ({100 * share['gil']:.0f}% holding the GIL)"
-    waits = [f"{100 * share[k]:.0f}% {phrase}" for k, phrase in WAITS.items() if share[k] >= SHOWN_STATE]
+    waits = [f"{100 * share[k]:.0f}% {DOING[k]}" for k in WAITS if share[k] >= SHOWN_STATE]
     return f"{who} spent {', '.join([on_cpu, *waits])}."
 
 
@@ -202,11 +197,11 @@ def _warnings(totals: dict[str, Any], metadata: dict[str, Any], processes: list[
 def _oversubscribed(o: dict[str, Any]) -> str:
     """A host whose processes waited for a CPU, and why: too many task threads, or others' load."""
     cores = o["cores"]
-    on = _count(cores, "core") if cores else "an unknown number of cores"
+    on = count(cores, "core") if cores else "an unknown number of cores"
     said = (
         f"Oversubscribed: on {o['host']}, {_names(o['waiting'])} waited for a CPU more than {o['percent']}% of the "
-        f"time they were ready to run; {_count(o['processes'], 'process', 'es')} ran "
-        f"{_count(o['threads'], 'task thread')} there on {on}"
+        f"time they were ready to run; {count(o['processes'], 'process', 'es')} ran "
+        f"{count(o['threads'], 'task thread')} there on {on}"
     )
     if cores and o["threads"] < cores:
         return said + ", so other programs took the CPUs: give the cluster a host of its own, or fewer neighbours."
@@ -253,7 +248,7 @@ def _sampler_warnings(processes: list[dict[str, Any]]) -> Iterator[Alert]:
             "by it.",
             about=True,
         )
-    failing = [f"{p['name']} ({tables.errors(p['stats'])})" for p in processes if tables.errors(p["stats"])]
+    failing = [f"{p['name']} ({failed})" for p in processes if (failed := tables.errors(p["stats"]))]
     if failing:
         yield Alert(f"Sampler errors: {_names(failing)}.", about=True)
 
