@@ -31,8 +31,10 @@ def test_record_writes_a_report(client, tmp_path):
     client.gather(futures)
     assert done.returncode == 0, done.stderr
     assert "Saved" in done.stdout and out.exists()
-    # The profile's findings open the output, as Profile.summary() prints them.
-    assert re.search(r"^Profiled \d+\.\d s, ", done.stdout, re.M) and "\n  alpha: " in done.stdout, done.stdout
+    # The profile's findings open the output, as Profile.summary() prints them (which
+    # prefixes the 2 s caught depends on the machine's load; test_demo compares the text).
+    opened = re.search(r"^Profiled \d+\.\d s, ", done.stdout, re.M)
+    assert opened and opened.start() < done.stdout.index("Saved"), done.stdout
     assert "iframe" in out.read_text()
 
 
