@@ -63,8 +63,7 @@ struct Files {
     /// What it was last seen blocked in (`Running`: never), and the system call's number.
     blocked_in: Wait,
     call: Option<u16>,
-    /// When it was last seen blocked on a futex (the GIL, a lock), and in any other call.
-    futex_at: Option<Instant>,
+    /// When it was last seen blocked in a call other than a futex's (the GIL, a lock).
     other_at: Option<Instant>,
     /// The tick that last drew its state: `wait` holds for a tick only if the one
     /// before drew it too, as a thread not read meanwhile (idle) may have run.
@@ -87,7 +86,6 @@ impl Files {
             wait: None,
             blocked_in: Wait::Running,
             call: None,
-            futex_at: None,
             other_at: None,
             drawn_at: 0,
             drawn_call: None,
@@ -109,10 +107,8 @@ impl Files {
         if call.is_some() {
             self.call = call;
         }
-        match wait {
-            Wait::Gil | Wait::Lock => self.futex_at = Some(Instant::now()),
-            Wait::Other => self.other_at = Some(Instant::now()),
-            Wait::Running => {}
+        if wait == Wait::Other {
+            self.other_at = Some(Instant::now());
         }
         (wait, true)
     }
@@ -278,12 +274,12 @@ impl States {
         self.files.get(&tid).filter(|f| f.drawn_at == self.ticks).and_then(|f| f.drawn_call)
     }
 
-    /// Whether every wait of `tid` seen lately was on a futex (the GIL, a lock), and at
-    /// least one was: such waits return no `EINTR` to the code that made them (glibc
-    /// and CPython retry), unlike a sleep, a poll or I/O.
-    pub fn blocks_on_futexes_only(&self, tid: u64) -> bool {
+    /// Whether `tid` was watched and not seen lately in a wait other than a futex's
+    /// (the GIL, a lock): futex waits return no `EINTR` to the code that made them
+    /// (glibc and CPython retry), unlike a sleep, a poll or I/O.
+    pub fn waits_on_futexes_only(&self, tid: u64) -> bool {
         let lately = |at: Option<Instant>| at.is_some_and(|t| t.elapsed() < WAITS_LATELY);
-        self.files.get(&tid).is_some_and(|f| lately(f.futex_at) && !lately(f.other_at))
+        self.files.get(&tid).is_some_and(|f| !lately(f.other_at))
     }
 
     /// Keeps the files of each thread of `live` (sorted) open, and only those: a

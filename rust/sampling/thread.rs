@@ -162,7 +162,8 @@ pub fn run(shared: Arc<Shared>, chosen: Chosen, ready: mpsc::Sender<std::result:
         stats.slice_ns = slice_ns;
         drop(stats);
         // Started before `start` returns, so its stats (or why it is off) are there then.
-        let native = config.native.then(Native::start).and_then(|started| {
+        let interval = Duration::from_secs_f64(config.interval_secs());
+        let native = config.native.then(|| Native::start(interval)).and_then(|started| {
             let stats = started.as_ref().map_or_else(|off| NativeStats::off(off.clone()), Native::stats);
             shared.stats.lock().native = Some(stats);
             started.ok()
@@ -437,17 +438,23 @@ impl<'a> Loop<'a> {
     }
 
     /// Merges the native stacks of threads on a CPU (or waiting for one) into their
-    /// Python stacks; which of them are signalled is native capture's choice.
+    /// Python stacks; which threads get a timer is native capture's choice.
     fn capture_native(&mut self) {
         let Some(native) = self.native.as_mut() else { return };
         let on_cpu = |s: &State| matches!(s, State::Cpu | State::CpuGil | State::CpuWait);
         let kernel = &self.kernel;
         let mut wanted: Vec<Wanted<'_>> = (self.stacks.iter_mut().zip(&self.states))
-            .filter(|(t, s)| on_cpu(s) && !t.frames.is_empty())
-            .filter_map(|(t, _)| {
+            .filter(|(t, _)| !t.frames.is_empty())
+            .filter_map(|(t, s)| {
                 let tid = t.native_tid?;
-                let futexes_only = kernel.blocks_on_futexes_only(tid);
-                Some(Wanted { tid, frames: &mut t.frames, evals: t.evals.as_deref(), pointer: t.pointer, futexes_only })
+                Some(Wanted {
+                    tid,
+                    frames: &mut t.frames,
+                    evals: t.evals.as_deref(),
+                    pointer: t.pointer,
+                    on_cpu: on_cpu(s),
+                    may_signal: kernel.waits_on_futexes_only(tid),
+                })
             })
             .collect();
         native.capture(&mut wanted);

@@ -77,7 +77,7 @@ def test_numpy_matmul_shows_blas_under_the_python_line():
     assert stats["off"] is None and stats["modules"]["symbols"] > 0
     # OpenBLAS's kernels are assembly without unwind information, which realigns its
     # stack: unwinding stops there unless the stack is scanned past it.
-    assert stats["mismatched"] <= stats["answered"] // 10, stats
+    assert stats["mismatched"] <= stats["captures"] // 10, stats
     # By time, not by distinct stacks: numpy's own calls around gemm (allocation, the
     # ufunc's set-up) are few samples but many stacks.
     with_native = sum(w for st, w in stacks(prof, "matmul") if native_frames(st))
@@ -216,13 +216,11 @@ def test_a_thread_blocking_the_signal_gets_python_only_samples():
         while not stop.is_set():
             sum(range(1000))
 
-    s, prof = record(
-        blocked, "blocked", lambda s: s.stats()["native"]["timed_out"] + s.stats()["native"]["still_pending"] >= 20
-    )
+    s, prof = record(blocked, "blocked", lambda s: s.stats()["native"]["no_capture"] >= 20)
     samples = stacks(prof, "blocked")
     assert samples and not any(native_frames(st) for st, _ in samples)
     stats = s.stats()["native"]
-    assert stats["timed_out"] >= 1 and stats["off"] is None
+    assert stats["captures"] == 0 and stats["off"] is None
 
 
 def test_the_applications_handler_wins():
@@ -257,6 +255,56 @@ def test_the_applications_handler_wins():
             signal.signal(sig, signal.SIG_DFL)
     finally:
         signal.signal(top, signal.SIG_DFL)
+
+
+PENDING_AT_STOP = textwrap.dedent(
+    """
+    import signal, threading
+    from dask_pyspy import Sampler
+
+    def pending(sig):
+        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+            line = next(l for l in f if l.startswith("SigPnd:"))
+        return int(line.split()[1], 16) >> (sig - 1) & 1
+
+    s = Sampler(native=True, rate=200, cpu_budget=0.5)
+    s.start()
+    sig = s.stats()["native"]["signal"]
+    stopped, result = threading.Event(), []
+
+    def busy():
+        # The timer's signal waits, blocked, until the sampler has stopped.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+        while not pending(sig):
+            sum(range(1000))
+        result.append("pending")
+        stopped.wait()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        result.append("delivered")
+
+    t = threading.Thread(target=busy)
+    t.start()
+    while not result:
+        t.join(0.01)
+    s.stop()
+    stopped.set()
+    t.join()
+    again = Sampler(native=True, rate=200, cpu_budget=0.5)
+    again.start()
+    again.stop()
+    assert again.stats()["native"]["off"] is None, again.stats()["native"]
+    print("OK", result)
+    """
+)
+
+
+def test_a_signal_pending_when_the_sampler_stops_never_ends_the_process():
+    """A timer's signal can still be pending after its timer is deleted (before Linux
+    6.13, which drops such a signal): restoring the default disposition, which ends
+    the process for a real-time signal, would let it kill a worker."""
+    done = subprocess.run([sys.executable, "-c", PENDING_AT_STOP], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.strip() == "OK ['pending', 'delivered']", done.stdout
 
 
 def test_one_process_one_native_sampler():
@@ -322,7 +370,7 @@ CHURN = textwrap.dedent(
     s.stop()
     st = s.stats()["native"]
     assert st["merged"] > 0 and st["off"] is None, st
-    print("OK", st["asked"], st["answered"], st["merged"], st["mismatched"], st["modules"]["listings"])
+    print("OK", st["captures"], st["merged"], st["mismatched"], st["modules"]["listings"])
     """
 )
 
@@ -351,7 +399,7 @@ CPP_EXCEPTIONS = textwrap.dedent(
         except pa.ArrowInvalid:
             caught += 1
     s.stop()
-    assert caught > 100 and s.stats()["native"]["answered"] > 0, (caught, s.stats()["native"])
+    assert caught > 100 and s.stats()["native"]["captures"] > 0, (caught, s.stats()["native"])
     print("OK", caught)
     """
 )

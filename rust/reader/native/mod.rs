@@ -1,15 +1,16 @@
-//! Native (C, C++, Rust) frames of this process's threads, without ptrace: the sampler
-//! sends each running thread a real-time signal whose handler copies its registers and
-//! the top of its stack (`signal`); the sampling thread then unwinds the copy
-//! (`unwind`, over the modules' tables in `modules`), names the addresses (`symbols`,
-//! `resolve`) and merges them with the thread's Python frames (`merge`).
+//! Native (C, C++, Rust) frames of this process's threads, without ptrace: a timer
+//! on each busy thread's CPU clock (`timers`) sends it a real-time signal whose
+//! handler copies its registers and the top of its stack (`signal`); at its next
+//! tick the sampling thread unwinds the copy (`unwind`, over the modules' tables in
+//! `modules`), names the addresses (`symbols`, `resolve`) and merges them with the
+//! thread's Python frames (`merge`).
 
 mod merge;
 mod modules;
 mod resolve;
-mod running;
 mod signal;
 mod symbols;
+mod timers;
 mod unwind;
 
 pub use merge::NATIVE;
@@ -20,35 +21,54 @@ use framehop::x86_64::CacheX86_64;
 use merge::{merge, Mismatch, Named};
 use modules::Modules;
 use resolve::Resolver;
-use running::{Running, Verdict};
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use serde::Serialize;
-use signal::{Regs, Slot, SLOTS};
+use signal::{Armed, Regs};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
+use timers::{Timers, Unarmed};
 use unwind::{return_addresses, unwind, unwind_from, word_at, End, NativeFrame};
 
-/// How long a tick waits for threads to answer: a thread that blocks the signal, or
-/// waits for a CPU, gets a Python-only sample.
-const ANSWER_WITHIN: Duration = Duration::from_millis(5);
 /// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
 const FIRST_COPY: usize = 32 << 10;
+/// Ticks after its capture a thread's native frames stand for it, while its innermost
+/// Python frame is the one they were captured under: its timer fires at the kernel's
+/// tick after each interval of its CPU time, so a little less often than the sampler ticks.
+const REUSE_TICKS: u64 = 2;
 /// How often the loader's module counts are checked, for modules loaded or unloaded
 /// at addresses already seen.
 const LIST_EVERY: Duration = Duration::from_secs(1);
 /// How often the modules' file pages read are given back: the pages of the tables
 /// in use come back at once, the rest (names looked up once) stay out of the RSS.
 const RELEASE_EVERY: Duration = Duration::from_secs(30);
-/// Per-sample costs kept for the medians in the stats.
+/// Per-capture costs kept for the medians in the stats.
 const COSTS_KEPT: usize = 1024;
+/// Before 4.19 a signal restarts a `fork` in progress, and a large process's fork
+/// can restart for as long as its threads are signalled.
+const LEAST_KERNEL: (u32, u32) = (4, 19);
 
 /// The process (by pid, so a forked child starts over) whose sampler captures native stacks.
 static OWNER: AtomicI32 = AtomicI32::new(0);
 
 /// Why native capture cannot run here at all, or None.
-pub fn unsupported() -> Option<&'static str> {
-    (!cfg!(all(target_os = "linux", target_arch = "x86_64"))).then_some("native frames are read on Linux x86-64 only")
+pub fn unsupported() -> Option<String> {
+    if !cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+        return Some("native frames are read on Linux x86-64 only".into());
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    too_old(release.trim()).then(|| {
+        format!(
+            "native frames need Linux 4.19 or later (before it a signal restarts a fork); this is {}",
+            release.trim()
+        )
+    })
+}
+
+/// Whether a kernel `release` ("4.14.0-1-amd64") is older than `LEAST_KERNEL`.
+fn too_old(release: &str) -> bool {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) < LEAST_KERNEL
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -56,35 +76,35 @@ pub struct NativeStats {
     pub signal: i32,
     /// Why capture stopped, if it did.
     pub off: Option<String>,
-    /// Threads asked for their native stack.
-    pub asked: u64,
-    pub answered: u64,
-    /// Asked threads that did not answer in time (blocked the signal, or waited for a CPU).
-    pub timed_out: u64,
-    /// Threads not asked because an earlier signal to them is still pending.
-    pub still_pending: u64,
-    /// Threads not asked because they were asleep or in a system call when their turn came.
-    pub blocked: u64,
-    /// Threads not asked because they blocked since last looked at (see `running.rs`).
-    pub blocked_lately: u64,
-    /// Threads whose status file is open.
-    pub status_files: usize,
-    /// Samples merged with their native frames.
+    /// Threads with a timer on their CPU clock now.
+    pub armed: usize,
+    /// Captures taken from threads' slots.
+    pub captures: u64,
+    /// Samples of threads on a CPU with no capture to merge: none since their last
+    /// one, or one older than a few ticks (a thread that blocks the signal, or that
+    /// used little CPU).
+    pub no_capture: u64,
+    /// Threads left unarmed because every slot was taken.
+    pub no_slot: u64,
+    /// Signals that found their thread's slot still being read or written.
+    pub busy: u64,
+    /// Samples merged with their native frames (`reused`: with those of a capture
+    /// taken at an earlier tick, under the same innermost Python frame).
     pub merged: u64,
-    /// Samples whose halves disagreed: kept with their Python frames only.
+    pub reused: u64,
+    /// Captures whose halves disagreed: their samples kept their Python frames only.
     pub mismatched: u64,
-    /// Of those, samples whose thread was in another Python frame when signalled than
-    /// when its Python frames were read.
+    /// Of those, captures taken in another innermost Python frame than the one the
+    /// Python read found.
     pub moved: u64,
     /// Unwinds that ended where no unwind information led further.
     pub lost_unwinds: u64,
     /// Samples merged only once their stack was scanned past a frame without unwind
     /// information (hand-written assembly: BLAS kernels).
     pub scanned: u64,
-    /// Median cost per native thread-sample, in microseconds: signal round trip
-    /// (shared by the threads asked together), unwind, and symbols and merge (with
+    /// Median cost per capture, in microseconds: unwind, and symbols and merge (with
     /// any scan past assembly).
-    pub median_us: [f64; 3],
+    pub median_us: [f64; 2],
     pub modules: modules::ModuleStats,
     pub unknown_addresses: u64,
 }
@@ -96,9 +116,20 @@ impl NativeStats {
     }
 }
 
+/// A thread's last capture that merged, kept to stand for it until its next.
+struct Latest {
+    tick: u64,
+    epoch: u64,
+    pointer: Option<u64>,
+    named: Vec<Named>,
+    end: End,
+    copy_end: u64,
+}
+
 pub struct Native {
     signal: i32,
-    seq: u64,
+    timers: Timers,
+    tick: u64,
     modules: Modules,
     listed: Instant,
     released: Instant,
@@ -108,34 +139,36 @@ pub struct Native {
     /// Per thread, where its last scan past assembly found the return address that
     /// merged, above the frame it stopped at.
     scanned_at: FxHashMap<u64, u64>,
-    running: Running,
-    /// Threads whose signal went unanswered and may still be pending.
-    unanswered: FxHashSet<u64>,
-    costs: VecDeque<[u32; 3]>,
+    latest: FxHashMap<u64, Latest>,
+    costs: VecDeque<[u32; 2]>,
     stats: NativeStats,
     unwound: Vec<NativeFrame>,
     named: Vec<Named>,
     merged: Vec<u64>,
 }
 
-/// A thread to capture: its kernel id, Python frame ids and eval runs; the merged
-/// stack replaces its frames.
+/// A thread whose native frames are wanted: its kernel id, Python frame ids and eval
+/// runs; the merged stack replaces its frames.
 pub struct Wanted<'a> {
     pub tid: u64,
     pub frames: &'a mut Vec<u64>,
     pub evals: Option<&'a [Run]>,
     /// Where its innermost frame pointer lives, and what the Python read found there.
     pub pointer: Option<FramePointer>,
-    /// Every wait of the thread seen lately was on a futex (see `running.rs`).
-    pub futexes_only: bool,
+    /// On a CPU or waiting for one: its native frames are merged into its sample.
+    pub on_cpu: bool,
+    /// Not seen lately in a wait a signal would interrupt (see `timers`): it may be
+    /// signalled.
+    pub may_signal: bool,
 }
 
 impl Native {
-    /// Takes this process's native capture: installs the handler on a free real-time
-    /// signal (never one the application handles).
-    pub fn start() -> Result<Native, String> {
+    /// Takes this process's native capture, with a timer every `interval` of a busy
+    /// thread's CPU: installs the handler on a free real-time signal (never one the
+    /// application handles).
+    pub fn start(interval: Duration) -> Result<Native, String> {
         if let Some(why) = unsupported() {
-            return Err(why.into());
+            return Err(why);
         }
         let pid = std::process::id() as i32;
         let owner = OWNER.load(Ordering::Acquire);
@@ -149,7 +182,8 @@ impl Native {
         };
         Ok(Native {
             signal: sig,
-            seq: 0,
+            timers: Timers::new(sig, interval),
+            tick: 0,
             modules: Modules::new(),
             listed: Instant::now(),
             released: Instant::now(),
@@ -157,8 +191,7 @@ impl Native {
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
             scanned_at: FxHashMap::default(),
-            running: Running::default(),
-            unanswered: FxHashSet::default(),
+            latest: FxHashMap::default(),
             costs: VecDeque::new(),
             stats: NativeStats { signal: sig, ..Default::default() },
             unwound: Vec::new(),
@@ -178,9 +211,10 @@ impl Native {
         self.resolver.frame(id).cloned().unwrap_or_else(|| Frame::native("?".into(), "?".into()))
     }
 
-    /// Captures the native stacks of `threads`, merging each into its frames; only
-    /// those `running.rs` finds computing are asked.
+    /// Arms the threads that may be signalled (and disarms the others), and merges
+    /// the native frames of each thread on a CPU into its frames.
     pub fn capture(&mut self, threads: &mut [Wanted<'_>]) {
+        self.tick += 1;
         if self.stats.off.is_some() {
             return;
         }
@@ -189,6 +223,7 @@ impl Native {
                 "the application put a handler of its own on signal {}: native frames are off",
                 self.signal
             ));
+            self.timers = Timers::new(self.signal, Duration::ZERO);
             return;
         }
         if self.listed.elapsed() >= LIST_EVERY {
@@ -199,99 +234,91 @@ impl Native {
             self.modules.release();
             self.released = Instant::now();
         }
-        for batch in threads.chunks_mut(SLOTS) {
-            self.capture_batch(batch);
+        for w in threads {
+            if let Some(slot) = self.armed(w) {
+                if w.on_cpu {
+                    self.merge_capture(slot, w);
+                }
+            }
         }
     }
 
-    /// Forgets what was kept per thread for threads not in `live` (sorted): they exited,
-    /// so no signal of ours can still be pending for them.
+    /// `w`'s slot, with its request brought up to date; None if it may not be signalled.
+    fn armed(&mut self, w: &Wanted<'_>) -> Option<Armed> {
+        if !w.may_signal {
+            self.timers.disarm(w.tid);
+            return None;
+        }
+        match self.timers.arm(w.tid) {
+            Ok(slot) => {
+                slot.ask(self.copy_size(w.tid), w.pointer);
+                Some(slot)
+            }
+            Err(Unarmed::NoSlot) => {
+                self.stats.no_slot += 1;
+                None
+            }
+            Err(Unarmed::Refused) => None,
+        }
+    }
+
+    /// Merges the capture waiting in `slot` into `w`'s frames, or else its last one
+    /// while it stands for the thread.
+    fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>) {
+        if let Some((regs, stack, pointer)) = slot.capture() {
+            self.take(regs, stack, pointer, w);
+            slot.release();
+            return;
+        }
+        let standing = self.latest.get(&w.tid).filter(|l| {
+            self.tick - l.tick <= REUSE_TICKS
+                && l.epoch == self.resolver.epoch
+                && w.pointer.is_none_or(|p| l.pointer == Some(p.seen))
+        });
+        match standing.map(|l| merge(w.frames, w.evals, &l.named, l.end, l.copy_end, &mut self.merged)) {
+            Some(Ok(())) => {
+                std::mem::swap(w.frames, &mut self.merged);
+                self.stats.merged += 1;
+                self.stats.reused += 1;
+            }
+            _ => self.stats.no_capture += 1,
+        }
+    }
+
+    /// Forgets what was kept per thread for threads not in `live` (sorted): they exited.
     pub fn keep_threads(&mut self, live: &[u64]) {
         let alive = |tid: &u64| live.binary_search(tid).is_ok();
-        self.running.forget(live, Instant::now());
+        self.timers.keep(live);
         self.copy.retain(|tid, _| alive(tid));
         self.scanned_at.retain(|tid, _| alive(tid));
-        self.unanswered.retain(alive);
+        self.latest.retain(|tid, _| alive(tid));
     }
 
-    fn capture_batch(&mut self, batch: &mut [Wanted<'_>]) {
-        let started = Instant::now();
-        let asked = self.ask(batch, started);
-        if asked.is_empty() {
-            return;
-        }
-        wait_for_answers(&asked, started + ANSWER_WITHIN);
-        let round_trip = started.elapsed();
-        for (s, &(i, seq)) in asked.iter().enumerate() {
-            self.take(Slot::at(s), seq, &mut batch[i], round_trip);
-        }
-    }
-
-    /// Signals the threads of `batch` that may be asked: (index in `batch`, request) per slot.
-    fn ask(&mut self, batch: &[Wanted<'_>], now: Instant) -> Vec<(usize, u64)> {
-        let mut asked = Vec::with_capacity(batch.len());
-        for (i, w) in batch.iter().enumerate() {
-            let verdict = self.running.check(w.tid, self.signal, w.futexes_only, now);
-            if verdict != Verdict::Pending {
-                self.unanswered.remove(&w.tid);
-            }
-            match verdict {
-                Verdict::Ask => {}
-                Verdict::Pending => self.stats.still_pending += 1,
-                Verdict::Blocked => self.stats.blocked += 1,
-                Verdict::BlockedLately => self.stats.blocked_lately += 1,
-            }
-            if verdict != Verdict::Ask {
-                continue;
-            }
-            if !signal::is_ours(self.signal) {
-                break; // the application took the signal since the tick began
-            }
-            self.seq += 1;
-            let slot = Slot::at(asked.len());
-            slot.ask(self.seq, self.copy_size(w.tid), w.pointer);
-            if signal::send(self.signal, w.tid, asked.len(), self.seq) {
-                asked.push((i, self.seq));
-            } else {
-                slot.release();
-            }
-        }
-        self.stats.asked += asked.len() as u64;
-        asked
-    }
-
-    /// The answer in `slot` to request `seq`, unwound and merged into `w`'s frames;
-    /// an unanswered request is withdrawn and its thread remembered.
-    fn take(&mut self, slot: &Slot, seq: u64, w: &mut Wanted<'_>, round_trip: Duration) {
-        if !slot.answered(seq) && slot.withdraw(seq) {
-            self.stats.timed_out += 1;
-            self.unanswered.insert(w.tid);
-            return;
-        }
-        while !slot.answered(seq) {
-            std::thread::yield_now(); // the handler is writing: it finishes without blocking
-        }
-        self.stats.answered += 1;
+    /// A capture unwound and merged into `w`'s frames, and kept to stand for the
+    /// thread until its next.
+    fn take(&mut self, regs: Regs, stack: &[u8], pointer: Option<u64>, w: &mut Wanted<'_>) {
+        self.stats.captures += 1;
         let t0 = Instant::now();
-        let (regs, stack, pointer) = slot.answer();
         let mut end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
         let t1 = Instant::now();
-        // A frame pointer that differs: the thread ran on between its Python read and the
-        // signal, the halves are of two moments (a frame it returned from would sit
-        // above the native callee).
+        // A frame pointer that differs: the thread was in another Python frame when
+        // captured than when read, the halves are of two moments.
         let moved = w.pointer.is_some_and(|p| pointer != Some(p.seen));
         let copy_end = self.copy_end(w.tid, regs, stack);
         let mut merged = !moved && self.merge_into(w, end, copy_end).is_ok();
         if !moved && !merged && end != End::Cut {
             (end, merged) = self.scan_past_assembly(w, regs, stack, copy_end).unwrap_or((end, false));
         }
-        let copied = stack.len();
-        slot.release();
-        self.after_unwind(w.tid, end, copied, !merged && !moved);
+        self.after_unwind(w.tid, end, stack.len(), !merged && !moved);
+        if merged {
+            let named = self.named.clone();
+            let latest = Latest { tick: self.tick, epoch: self.resolver.epoch, pointer, named, end, copy_end };
+            self.latest.insert(w.tid, latest);
+        }
         self.stats.merged += u64::from(merged);
         self.stats.mismatched += u64::from(!merged);
         self.stats.moved += u64::from(moved);
-        self.keep_costs([round_trip, t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
+        self.keep_costs([t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
     }
 
     /// An unwind that stopped short of the eval loops may have met assembly without
@@ -306,23 +333,43 @@ impl Native {
         copy_end: u64,
     ) -> Option<(End, bool)> {
         let (from, kept) = (self.unwound.last()?.sp, self.unwound.len());
-        let modules = &mut self.modules;
-        // The thread's last scan that merged, first: a kernel called from the same
-        // place keeps its caller's return address as far above its stack pointer.
+        // The thread's last scan that merged, first, and alone if it merges (a scan
+        // reads every word of a stack its kernel realigned): a kernel called from the
+        // same place keeps its caller's return address as far above its stack pointer.
         let last = (self.scanned_at.get(&w.tid))
             .and_then(|&off| Some((from + off, word_at(stack, regs.sp, from + off)?)))
-            .filter(|&(_, ra)| modules.after_call(ra));
-        let found = return_addresses(regs, stack, from, |a| modules.after_call(a));
-        for at in last.into_iter().chain(found.into_iter().filter(|&f| Some(f) != last)) {
-            self.unwound.truncate(kept);
-            let end = unwind_from(&self.modules.unwinder, &mut self.cache, regs, stack, at, &mut self.unwound);
-            if self.merge_into(w, end, copy_end).is_ok() {
-                self.stats.scanned += 1;
-                self.scanned_at.insert(w.tid, at.0 - from);
+            .filter(|&(_, ra)| self.modules.after_call(ra));
+        if let Some(at) = last {
+            if let Some(end) = self.merge_from(w, regs, stack, copy_end, (kept, from), at) {
                 return Some((end, true));
             }
         }
-        None
+        let modules = &mut self.modules;
+        let found = return_addresses(regs, stack, from, |a| modules.after_call(a));
+        let end = found
+            .into_iter()
+            .filter(|&f| Some(f) != last)
+            .find_map(|at| self.merge_from(w, regs, stack, copy_end, (kept, from), at))?;
+        Some((end, true))
+    }
+
+    /// Unwinds again from the return address `at` (above the `kept` frames, the last
+    /// of them at `from`) and merges; how the unwind ended, if the halves agree.
+    fn merge_from(
+        &mut self,
+        w: &mut Wanted<'_>,
+        regs: Regs,
+        stack: &[u8],
+        copy_end: u64,
+        (kept, from): (usize, u64),
+        at: (u64, u64),
+    ) -> Option<End> {
+        self.unwound.truncate(kept);
+        let end = unwind_from(&self.modules.unwinder, &mut self.cache, regs, stack, at, &mut self.unwound);
+        self.merge_into(w, end, copy_end).ok()?;
+        self.stats.scanned += 1;
+        self.scanned_at.insert(w.tid, at.0 - from);
+        Some(end)
     }
 
     /// The bytes of stack a signal asks `tid` to copy.
@@ -370,7 +417,7 @@ impl Native {
         Ok(())
     }
 
-    fn keep_costs(&mut self, costs: [u32; 3]) {
+    fn keep_costs(&mut self, costs: [u32; 2]) {
         if self.costs.len() >= COSTS_KEPT {
             self.costs.pop_front();
         }
@@ -380,13 +427,14 @@ impl Native {
     /// The counters, with the medians of the recent costs.
     pub fn stats(&self) -> NativeStats {
         let mut stats = NativeStats {
-            status_files: self.running.open(),
+            armed: self.timers.count(),
+            busy: self.timers.busy(),
             unknown_addresses: self.resolver.unknown,
             modules: self.modules.stats,
             ..self.stats.clone()
         };
         if !self.costs.is_empty() {
-            stats.median_us = [0, 1, 2].map(|k| {
+            stats.median_us = [0, 1].map(|k| {
                 let mut v: Vec<u32> = self.costs.iter().map(|c| c[k]).collect();
                 v.sort_unstable();
                 v[v.len() / 2] as f64 / 1000.0
@@ -396,24 +444,22 @@ impl Native {
     }
 }
 
-/// Sleeps until every request in `asked` (slot order) is answered, or `deadline`.
-fn wait_for_answers(asked: &[(usize, u64)], deadline: Instant) {
-    loop {
-        let seen = signal::answers();
-        let now = Instant::now();
-        if asked.iter().enumerate().all(|(s, &(_, seq))| Slot::at(s).answered(seq)) || now >= deadline {
-            return;
-        }
-        signal::wait_for_answer(seen, deadline - now);
+impl Drop for Native {
+    fn drop(&mut self) {
+        let _ = OWNER.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Relaxed);
     }
 }
 
-impl Drop for Native {
-    fn drop(&mut self) {
-        // A signal still pending would end the process under the default disposition.
-        if self.unanswered.is_empty() {
-            signal::uninstall(self.signal);
-        }
-        let _ = OWNER.compare_exchange(std::process::id() as i32, 0, Ordering::AcqRel, Ordering::Relaxed);
+#[cfg(test)]
+mod tests {
+    use super::too_old;
+
+    #[test]
+    fn kernels_before_4_19_are_refused() {
+        assert!(too_old("4.14.336-1-amd64"));
+        assert!(too_old("3.10.0-1160.el7.x86_64"));
+        assert!(!too_old("4.19.0-27-amd64"));
+        assert!(!too_old("6.18.0"));
+        assert!(!too_old("5.4.0-generic"));
     }
 }

@@ -1,31 +1,39 @@
-//! The signal that asks a thread for its native stack, and its handler.
+//! The signal that captures a running thread's native stack, and its handler.
 //!
-//! The handler only copies: the interrupted registers, a bounded slice of the
-//! thread's stack and the thread's innermost Python frame pointer (by
-//! `process_vm_readv` on our own pid, which stops short at an unmapped page instead
-//! of faulting), into a slot the sampler set aside, published with one atomic store.
-//! No allocation, lock or unwinding runs in it: the sampling thread unwinds the copy
-//! afterwards, and merges it only with a Python read that saw the same frame pointer.
+//! Each busy thread gets a timer on its own CPU clock (`timers`), which the kernel
+//! fires only while the thread runs, so a busy thread is captured where it runs,
+//! without waiting for a CPU to answer a request. The handler only copies: the
+//! interrupted registers, a bounded slice of the thread's stack and the thread's
+//! innermost Python frame pointer (by `process_vm_readv` on our own pid, which stops
+//! short at an unmapped page instead of faulting), into the thread's slot, published
+//! with one atomic store. No allocation, lock or unwinding runs in it: the sampling
+//! thread unwinds the copy at its next tick, and merges it only with a Python read
+//! that saw the same frame pointer.
 //!
-//! A slot's state word holds the request's sequence number beside its phase, so a
-//! late answer to an abandoned request can never fill a newer one.
+//! A slot's state word holds its arming's generation beside its phase, and the
+//! timer's signal carries that generation: a signal still pending from an earlier
+//! arming (or an earlier sampler in this process) never fills a newer one. The
+//! handler stays installed for the life of the process, so no signal of ours can
+//! ever meet the default disposition, which would end the process.
 
 use crate::reader::FramePointer;
 use nix::libc;
-use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
 
-/// Slots, so threads asked at once.
-pub const SLOTS: usize = 16;
+/// Slots, so threads captured at once.
+pub const SLOTS: usize = 64;
 /// The most stack a slot holds.
 pub const MAX_COPY: usize = 256 << 10;
 const PAGE: u64 = 4096;
 const MAX_IOVECS: usize = MAX_COPY / PAGE as usize + 1;
 
+/// Phases: armed and empty, the handler writing, a capture waiting, the sampler reading.
+const EMPTY: u64 = 0;
+const WRITING: u64 = 1;
+const DONE: u64 = 2;
+const READING: u64 = 3;
+/// A slot no timer fills (generation 0).
 const FREE: u64 = 0;
-const ASKED: u64 = 1;
-const WRITING: u64 = 2;
-const DONE: u64 = 3;
 
 /// A frame pointer the handler could not read.
 const UNREAD: u64 = u64::MAX;
@@ -45,11 +53,11 @@ pub struct Regs {
 const KEPT: [libc::c_int; 5] = [libc::REG_RBX, libc::REG_R12, libc::REG_R13, libc::REG_R14, libc::REG_R15];
 
 pub struct Slot {
-    /// `seq << 2 | phase`.
+    /// `generation << 2 | phase`.
     state: AtomicU64,
-    /// Bytes to copy, set with the request.
+    /// Bytes to copy.
     want: AtomicU64,
-    /// Where the request's frame pointer is (`at` 0: none; `via` + 1, 0: none).
+    /// Where the thread's frame pointer is (`at` 0: none; `via` + 1, 0: none).
     pointer_at: AtomicU64,
     pointer_via: AtomicU64,
     /// The frame pointer found there (`UNREAD`: none).
@@ -59,11 +67,13 @@ pub struct Slot {
     bp: AtomicU64,
     kept: [AtomicU64; 5],
     copied: AtomicU64,
+    /// Signals that found the slot being read, or still being written.
+    busy: AtomicU64,
     buf: AtomicPtr<u8>,
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // one value per slot of the table
-const EMPTY: Slot = Slot {
+const UNUSED: Slot = Slot {
     state: AtomicU64::new(FREE),
     want: AtomicU64::new(0),
     pointer_at: AtomicU64::new(0),
@@ -74,104 +84,123 @@ const EMPTY: Slot = Slot {
     bp: AtomicU64::new(0),
     kept: [const { AtomicU64::new(0) }; 5],
     copied: AtomicU64::new(0),
+    busy: AtomicU64::new(0),
     buf: AtomicPtr::new(std::ptr::null_mut()),
 };
-static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
+static TABLE: [Slot; SLOTS] = [UNUSED; SLOTS];
+/// The process the table belongs to: a forked child starts it over.
 static PID: AtomicI32 = AtomicI32::new(0);
-/// Answers given so far: the sampler sleeps on it (a futex) while threads answer.
-static ANSWERS: AtomicU32 = AtomicU32::new(0);
+/// Armings so far in this process: each arming's generation is new.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
 
-/// The slots' buffers, allocated once per process and never freed: a handler may
-/// still be writing into one when its sampler goes.
+/// Frees the slots no handler is writing (every one, in a process new to the table).
+/// A slot a handler never finishes writing (its thread was cancelled in it) stays
+/// taken. Buffers are allocated once per process and never freed.
 pub fn prepare() {
-    PID.store(std::process::id() as i32, Ordering::Relaxed);
+    let pid = std::process::id() as i32;
+    let new_process = PID.swap(pid, Ordering::AcqRel) != pid;
     for slot in &TABLE {
         if slot.buf.load(Ordering::Acquire).is_null() {
             let buf = Box::leak(vec![0u8; MAX_COPY].into_boxed_slice());
             slot.buf.store(buf.as_mut_ptr(), Ordering::Release);
         }
-        slot.state.store(FREE, Ordering::Release);
-    }
-}
-
-impl Slot {
-    pub fn at(index: usize) -> &'static Slot {
-        &TABLE[index]
-    }
-
-    /// Opens request `seq` for up to `want` bytes of stack and the frame pointer at `pointer`.
-    pub fn ask(&self, seq: u64, want: usize, pointer: Option<FramePointer>) {
-        self.want.store(want.min(MAX_COPY) as u64, Ordering::Relaxed);
-        self.pointer_at.store(pointer.map_or(0, |p| p.at), Ordering::Relaxed);
-        self.pointer_via.store(pointer.and_then(|p| p.via).map_or(0, |v| v + 1), Ordering::Relaxed);
-        self.state.store(seq << 2 | ASKED, Ordering::Release);
-    }
-
-    pub fn answered(&self, seq: u64) -> bool {
-        self.state.load(Ordering::Acquire) == seq << 2 | DONE
-    }
-
-    /// Withdraws an unanswered request; false if the handler is writing it (then
-    /// wait for `answered`).
-    pub fn withdraw(&self, seq: u64) -> bool {
-        let asked = seq << 2 | ASKED;
-        match self.state.compare_exchange(asked, FREE, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => true,
-            Err(now) => now != seq << 2 | WRITING,
+        if new_process || slot.state.load(Ordering::Acquire) & 3 != WRITING {
+            slot.state.store(FREE, Ordering::Release);
         }
     }
+}
 
-    /// The registers, stack bytes and frame pointer (None: not read) of an answered request.
-    pub fn answer(&self) -> (Regs, &[u8], Option<u64>) {
-        let regs = Regs {
-            ip: self.ip.load(Ordering::Relaxed),
-            sp: self.sp.load(Ordering::Relaxed),
-            bp: self.bp.load(Ordering::Relaxed),
-            kept: self.kept.each_ref().map(|r| r.load(Ordering::Relaxed)),
-        };
-        let pointer = Some(self.pointer.load(Ordering::Relaxed)).filter(|&p| p != UNREAD);
-        let len = self.copied.load(Ordering::Relaxed) as usize;
-        let buf = self.buf.load(Ordering::Acquire);
-        // SAFETY: the buffer is MAX_COPY bytes and never freed; the handler wrote
-        // `len` of them before publishing DONE, and writes no more until asked again.
-        (regs, unsafe { std::slice::from_raw_parts(buf, len.min(MAX_COPY)) }, pointer)
+/// A slot armed for one thread: its index and generation, as the timer's signal
+/// carries them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Armed {
+    pub index: usize,
+    pub generation: u64,
+}
+
+impl Armed {
+    /// Takes a free slot; None if every one is taken.
+    pub fn take() -> Option<Armed> {
+        let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
+        let index = TABLE.iter().position(|s| {
+            s.state.compare_exchange(FREE, generation << 2 | EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        })?;
+        TABLE[index].busy.store(0, Ordering::Relaxed);
+        Some(Armed { index, generation })
     }
 
-    pub fn release(&self) {
-        self.state.store(FREE, Ordering::Release);
+    /// The signal's value: the slot and its generation.
+    pub fn value(self) -> u64 {
+        self.generation << 8 | self.index as u64
+    }
+
+    fn slot(self) -> &'static Slot {
+        &TABLE[self.index]
+    }
+
+    /// What the handler copies: up to `want` bytes of stack, and the frame pointer at `pointer`.
+    pub fn ask(self, want: usize, pointer: Option<FramePointer>) {
+        let slot = self.slot();
+        slot.want.store(want.min(MAX_COPY) as u64, Ordering::Relaxed);
+        slot.pointer_at.store(pointer.map_or(0, |p| p.at), Ordering::Relaxed);
+        slot.pointer_via.store(pointer.and_then(|p| p.via).map_or(0, |v| v + 1), Ordering::Relaxed);
+    }
+
+    /// The capture waiting in the slot, held until `release`: registers, stack bytes
+    /// and frame pointer (None: not read). None if there is none, or the handler is
+    /// writing one.
+    pub fn capture(self) -> Option<(Regs, &'static [u8], Option<u64>)> {
+        let slot = self.slot();
+        let g = self.generation << 2;
+        slot.state.compare_exchange(g | DONE, g | READING, Ordering::AcqRel, Ordering::Relaxed).ok()?;
+        let regs = Regs {
+            ip: slot.ip.load(Ordering::Relaxed),
+            sp: slot.sp.load(Ordering::Relaxed),
+            bp: slot.bp.load(Ordering::Relaxed),
+            kept: slot.kept.each_ref().map(|r| r.load(Ordering::Relaxed)),
+        };
+        let pointer = Some(slot.pointer.load(Ordering::Relaxed)).filter(|&p| p != UNREAD);
+        let len = slot.copied.load(Ordering::Relaxed) as usize;
+        let buf = slot.buf.load(Ordering::Acquire);
+        // SAFETY: the buffer is MAX_COPY bytes and never freed; the handler wrote
+        // `len` of them before publishing DONE, and writes none while it is READING.
+        Some((regs, unsafe { std::slice::from_raw_parts(buf, len.min(MAX_COPY)) }, pointer))
+    }
+
+    /// Ends a `capture`: the handler may fill the slot again.
+    pub fn release(self) {
+        let g = self.generation << 2;
+        let _ = self.slot().state.compare_exchange(g | READING, g | EMPTY, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// Signals that found the slot busy.
+    pub fn busy(self) -> u64 {
+        self.slot().busy.load(Ordering::Relaxed)
+    }
+
+    /// Frees the slot once its timer is deleted; false while a handler is still
+    /// writing into it (then try again later: a handler that never finishes keeps it).
+    pub fn retire(self) -> bool {
+        let state = &self.slot().state;
+        let now = state.load(Ordering::Acquire);
+        if now >> 2 != self.generation {
+            return true;
+        }
+        now & 3 != WRITING && state.compare_exchange(now, FREE, Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
 }
 
-/// The kernel's `siginfo_t` for `SI_QUEUE` on x86-64: 128 bytes, the value at 24.
+/// The kernel's `siginfo_t` for `SI_TIMER` on x86-64: 128 bytes, the value at 24.
 #[repr(C)]
-struct QueueInfo {
+struct TimerInfo {
     signo: i32,
     errno: i32,
     code: i32,
     _pad: i32,
-    pid: i32,
-    uid: u32,
+    timer: i32,
+    overrun: i32,
     value: u64,
     _rest: [u64; 13],
-}
-
-/// Sends request `seq` for slot `index` to thread `tid`; false if it could not be sent
-/// (the thread is gone).
-pub fn send(signal: i32, tid: u64, index: usize, seq: u64) -> bool {
-    let pid = PID.load(Ordering::Relaxed);
-    let info = QueueInfo {
-        signo: signal,
-        errno: 0,
-        code: libc::SI_QUEUE,
-        _pad: 0,
-        pid,
-        uid: unsafe { libc::getuid() },
-        value: seq << 8 | index as u64,
-        _rest: [0; 13],
-    };
-    // SAFETY: a plain system call on a value that outlives it.
-    let rc = unsafe { libc::syscall(libc::SYS_rt_tgsigqueueinfo, pid, tid as i32, signal, &info as *const QueueInfo) };
-    rc == 0
 }
 
 /// Whether `signal`'s handler is ours.
@@ -188,7 +217,7 @@ fn current(signal: i32) -> Option<libc::sigaction> {
 }
 
 /// Installs the handler on the highest real-time signal nobody handles, or keeps it
-/// where it already is; None if every one is taken.
+/// where it already is; None if every one is taken. It is never uninstalled.
 pub fn install() -> Option<i32> {
     let (low, high) = (libc::SIGRTMIN(), libc::SIGRTMAX());
     if let Some(sig) = (low..=high).find(|&s| is_ours(s)) {
@@ -214,19 +243,6 @@ pub fn install() -> Option<i32> {
     })
 }
 
-/// Gives `signal` back its default disposition, if it is still ours. Only when no
-/// request is outstanding: a pending signal would then end the process.
-pub fn uninstall(signal: i32) {
-    if is_ours(signal) {
-        // SAFETY: restores SIG_DFL, as found at install.
-        unsafe {
-            let mut dfl: libc::sigaction = std::mem::zeroed();
-            dfl.sa_sigaction = libc::SIG_DFL;
-            libc::sigaction(signal, &dfl, std::ptr::null_mut());
-        }
-    }
-}
-
 extern "C" fn handler(_signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     // SAFETY: errno is this thread's; the kernel passes valid info and context.
     unsafe {
@@ -236,20 +252,26 @@ extern "C" fn handler(_signal: libc::c_int, info: *mut libc::siginfo_t, context:
     }
 }
 
-/// Async-signal-safe: atomics, reads of the context, one system call.
+/// Async-signal-safe: atomics, reads of the context, one or two system calls.
 unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
     if info.is_null() || context.is_null() {
         return;
     }
-    let info = &*(info as *const QueueInfo);
-    let pid = PID.load(Ordering::Relaxed);
-    if info.code != libc::SI_QUEUE || info.pid != pid {
+    let info = &*(info as *const TimerInfo);
+    if info.code != libc::SI_TIMER {
         return;
     }
-    let (index, seq) = ((info.value & 0xff) as usize, info.value >> 8);
+    let (index, generation) = ((info.value & 0xff) as usize, info.value >> 8);
     let Some(slot) = TABLE.get(index) else { return };
-    let asked = seq << 2 | ASKED;
-    if slot.state.compare_exchange(asked, seq << 2 | WRITING, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+    let g = generation << 2;
+    let now = slot.state.load(Ordering::Acquire);
+    if now >> 2 != generation {
+        return; // an earlier arming's signal
+    }
+    if !matches!(now & 3, EMPTY | DONE)
+        || slot.state.compare_exchange(now, g | WRITING, Ordering::AcqRel, Ordering::Relaxed).is_err()
+    {
+        slot.busy.fetch_add(1, Ordering::Relaxed);
         return;
     }
     let gregs = &(*(context as *const libc::ucontext_t)).uc_mcontext.gregs;
@@ -261,7 +283,8 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
     let want = slot.want.load(Ordering::Relaxed);
     let buf = slot.buf.load(Ordering::Acquire);
     let at = slot.pointer_at.load(Ordering::Relaxed);
-    let (word, copied) = if buf.is_null() { (None, 0) } else { copy_stack(pid, at, sp, want, buf) };
+    let (word, copied) =
+        if buf.is_null() { (None, 0) } else { copy_stack(PID.load(Ordering::Relaxed), at, sp, want, buf) };
     let via = slot.pointer_via.load(Ordering::Relaxed).checked_sub(1);
     let pointer = match (word, via) {
         (Some(p), None) => Some(p),
@@ -276,23 +299,8 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
         kept.store(gregs[reg as usize] as u64, Ordering::Relaxed);
     }
     slot.copied.store(copied, Ordering::Relaxed);
-    slot.state.store(seq << 2 | DONE, Ordering::Release);
-    ANSWERS.fetch_add(1, Ordering::Release);
-    libc::syscall(libc::SYS_futex, ANSWERS.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, 1, 0usize);
-}
-
-/// The count of answers, for `wait_for_answer`.
-pub fn answers() -> u32 {
-    ANSWERS.load(Ordering::Acquire)
-}
-
-/// Sleeps until an answer comes after `seen` answers, or `timeout` passes.
-pub fn wait_for_answer(seen: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
-    // SAFETY: a futex wait on our own counter; it returns at once if the count moved.
-    unsafe {
-        libc::syscall(libc::SYS_futex, ANSWERS.as_ptr(), libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG, seen, &ts);
-    }
+    // Retired while writing: the slot is no longer this arming's.
+    let _ = slot.state.compare_exchange(g | WRITING, g | DONE, Ordering::AcqRel, Ordering::Relaxed);
 }
 
 /// The word at `addr` (where a frame pointer lives): from the stack copy `buf` of
