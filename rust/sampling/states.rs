@@ -63,8 +63,8 @@ struct Files {
     /// What it was last seen blocked in (`Running`: never), and the system call's number.
     blocked_in: Wait,
     call: Option<u16>,
-    /// When it was last seen blocked in a call other than a futex's (the GIL, a lock).
-    other_at: Option<Instant>,
+    /// When it was last seen blocked in a call that a signal ends with `EINTR`.
+    eintr_at: Option<Instant>,
     /// The tick that last drew its state: `wait` holds for a tick only if the one
     /// before drew it too, as a thread not read meanwhile (idle) may have run.
     drawn_at: u64,
@@ -86,7 +86,7 @@ impl Files {
             wait: None,
             blocked_in: Wait::Running,
             call: None,
-            other_at: None,
+            eintr_at: None,
             drawn_at: 0,
             drawn_call: None,
             schedstat: File::open(format!("/proc/self/task/{tid}/schedstat")).ok(),
@@ -107,8 +107,8 @@ impl Files {
         if call.is_some() {
             self.call = call;
         }
-        if wait == Wait::Other {
-            self.other_at = Some(Instant::now());
+        if wait == Wait::Other && call.is_some_and(ends_with_eintr) {
+            self.eintr_at = Some(Instant::now());
         }
         (wait, true)
     }
@@ -150,6 +150,33 @@ fn classify(line: &str, gil: &GilAt) -> (Wait, Option<u16>) {
         _ => Wait::Other,
     };
     (wait, nr.and_then(|n| u16::try_from(n).ok()))
+}
+
+/// Whether a signal ends system call `nr` with `EINTR` even under `SA_RESTART`
+/// (signal(7)): sleeps, polls and waits with a timeout. Reads, writes, socket calls
+/// without a timeout and futex waits (the GIL, locks) are restarted.
+fn ends_with_eintr(nr: u16) -> bool {
+    const CALLS: [libc::c_long; 18] = [
+        libc::SYS_poll,
+        libc::SYS_ppoll,
+        libc::SYS_select,
+        libc::SYS_pselect6,
+        libc::SYS_epoll_wait,
+        libc::SYS_epoll_pwait,
+        libc::SYS_epoll_pwait2,
+        libc::SYS_nanosleep,
+        libc::SYS_clock_nanosleep,
+        libc::SYS_pause,
+        libc::SYS_rt_sigsuspend,
+        libc::SYS_rt_sigtimedwait,
+        libc::SYS_semop,
+        libc::SYS_semtimedop,
+        libc::SYS_msgrcv,
+        libc::SYS_msgsnd,
+        libc::SYS_io_getevents,
+        libc::SYS_io_uring_enter,
+    ];
+    CALLS.contains(&libc::c_long::from(nr))
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -274,12 +301,11 @@ impl States {
         self.files.get(&tid).filter(|f| f.drawn_at == self.ticks).and_then(|f| f.drawn_call)
     }
 
-    /// Whether `tid` was watched and not seen lately in a wait other than a futex's
-    /// (the GIL, a lock): futex waits return no `EINTR` to the code that made them
-    /// (glibc and CPython retry), unlike a sleep, a poll or I/O.
-    pub fn waits_on_futexes_only(&self, tid: u64) -> bool {
+    /// Whether `tid` was watched and not seen lately in a call that a signal ends
+    /// with `EINTR`, which C code may not retry.
+    pub fn may_be_signalled(&self, tid: u64) -> bool {
         let lately = |at: Option<Instant>| at.is_some_and(|t| t.elapsed() < WAITS_LATELY);
-        self.files.get(&tid).is_some_and(|f| !lately(f.other_at))
+        self.files.get(&tid).is_some_and(|f| !lately(f.eintr_at))
     }
 
     /// Keeps the files of each thread of `live` (sorted) open, and only those: a

@@ -453,7 +453,7 @@ impl<'a> Loop<'a> {
                     evals: t.evals.as_deref(),
                     pointer: t.pointer,
                     on_cpu: on_cpu(s),
-                    may_signal: kernel.waits_on_futexes_only(tid),
+                    may_signal: kernel.may_be_signalled(tid),
                 })
             })
             .collect();

@@ -86,6 +86,9 @@ pub struct NativeStats {
     pub no_capture: u64,
     /// Threads left unarmed because every slot was taken.
     pub no_slot: u64,
+    /// Samples of threads on a CPU that were not armed: seen lately in a call a
+    /// signal would end with `EINTR` (see `timers`).
+    pub not_signalled: u64,
     /// Signals that found their thread's slot still being read or written.
     pub busy: u64,
     /// Samples merged with their native frames (`reused`: with those of a capture
@@ -247,6 +250,7 @@ impl Native {
     fn armed(&mut self, w: &Wanted<'_>) -> Option<Armed> {
         if !w.may_signal {
             self.timers.disarm(w.tid);
+            self.stats.not_signalled += u64::from(w.on_cpu);
             return None;
         }
         match self.timers.arm(w.tid) {

@@ -5,8 +5,8 @@
 //!
 //! A signal that lands while a thread is entering a system call that would sleep
 //! (`poll`, `select`, `nanosleep`) makes it return `EINTR`, which C code may not
-//! retry. So only threads that were not seen in such a wait lately are armed: their
-//! waits are on futexes (the GIL, locks), which glibc and CPython retry.
+//! retry. So only threads not seen in such a call lately are armed; the handler's
+//! `SA_RESTART` restarts the rest (reads, writes, futex waits: the GIL, locks).
 
 use super::signal::Armed;
 use nix::libc;
