@@ -157,8 +157,9 @@ class SamplerOptions:
             ``"pyspy"`` (py-spy's reader, ~8 syscalls per frame). ``stats()["reader"]``
             says which one runs, ``stats()["reader_stats"]["fallback_reason"]`` why.
         native: also capture the native (C, C++, Rust) frames of each thread running on a
-            CPU, merged with its Python frames (Linux x86-64; a real-time signal per such
-            thread, never to one in a system call). ``stats()["native"]`` counts what it did.
+            CPU, merged with its Python frames (Linux x86-64, 4.19 or later; a timer on each
+            busy thread's CPU clock signals it where it runs). ``stats()["native"]`` counts
+            what it did.
     """
 
     rate: float = _checked_by(number)

@@ -67,8 +67,8 @@ def cost(section: Section, seconds: float, rounds: int, fidelity: list[Fidelity]
                 spread(m["rate"], "{:.1f}"),
                 spread([100 * c for c in m["cpu"]], "{:.2f}"),
                 spread([100 * t for t in m["throttled"]], "{:.0f}"),
-                " / ".join(spread(m[k], "{:.1f}") for k in ("round_trip", "unwind", "symbols")) if native else "-",
-                f"{sum(m['asked']):.0f} / {sum(m['answered']):.0f} / {sum(m['timed_out']):.0f}" if native else "-",
+                " / ".join(spread(m[k], "{:.1f}") for k in ("unwind", "symbols")) if native else "-",
+                f"{sum(m['captures']):.0f} / {sum(m['merged']):.0f} / {sum(m['no_capture']):.0f}" if native else "-",
             ]
         )
         mismatched = sum(m["mismatched"]) if native else None
@@ -91,8 +91,8 @@ def cost(section: Section, seconds: float, rounds: int, fidelity: list[Fidelity]
                 "achieved Hz",
                 "sampler CPU, % of a core",
                 "ticks throttled by the budget, %",
-                "per native thread-sample µs: round trip / unwind / symbols+merge",
-                "signals asked / answered / timed out",
+                "per capture µs: unwind / symbols+merge",
+                "captures / samples merged / samples on a CPU without one",
             ],
             rows,
         )
@@ -101,10 +101,9 @@ def cost(section: Section, seconds: float, rounds: int, fidelity: list[Fidelity]
     rate_ok = all(abs(r - 100) <= 100 * COST_RATE for r in nat["rate"])
     cpu_ok = all(c <= COST_CPU for c in nat["cpu"])
     section.notes += [
-        "The round trip is wall time from the signal's sending to the last answer of its batch, mostly the signal's "
-        "delivery (the thread must be on a CPU to run the handler); the sampler sleeps meanwhile. Unwind and "
-        "symbols+merge are the sampler thread's CPU per thread-sample. The handler's own copy of registers and stack "
-        "top runs in the sampled thread and is not in the sampler's CPU.",
+        "A busy thread's timer on its own CPU clock signals it where it runs; the sampler takes its latest capture "
+        "at each tick and never waits. Unwind and symbols+merge are the sampler thread's CPU per capture. The "
+        "handler's own copy of registers and stack top runs in the sampled thread and is not in the sampler's CPU.",
         f"Target: achieved rate 100 Hz ± {100 * COST_RATE:.0f}% with native=True. Measured "
         f"{spread(nat['rate'], '{:.1f}')}: {verdict(rate_ok)}.",
         f"Target: sampler CPU ≤ {100 * COST_CPU:.1f}% of a core with native=True. Measured "

@@ -234,12 +234,11 @@ def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> Non
             agreement_table(section, classifier, layout, what, runs)
     section.notes.append(
         "Why the shares can differ: dask-pyspy (idle=False) keeps a thread's sample when it ran at least half the "
-        "interval or holds the GIL, and signals only threads that ran at least half of it, are running now and did "
-        "not block since last looked at; py-spy keeps every thread in state R (running or waiting for a CPU). A "
-        "sample whose capture failed (not asked, no answer in time, or mismatched halves) keeps its Python "
-        "frames only: its leaf counts as Python code. py-spy stops the process with ptrace for each of its samples; "
-        "a stop counts as a voluntary context switch, so beside py-spy threads often read as blocked lately and are "
-        "not asked: the alone columns are dask-pyspy without py-spy (another run of the same workload)."
+        "interval or holds the GIL, and merges native frames into the samples of threads on a CPU, from a timer on "
+        "each thread's own CPU clock; py-spy keeps every thread in state R (running or waiting for a CPU). A "
+        "sample without a capture (none in the last ticks, or mismatched halves) keeps its Python frames only: its "
+        "leaf counts as Python code. py-spy stops the process with ptrace for each of its samples: the alone "
+        "columns are dask-pyspy without py-spy (another run of the same workload)."
     )
     for label, others in classifier.others.items():
         total = sum(others.values()) or 1.0
@@ -264,8 +263,8 @@ def agreement_table(
     rows, worst, worst_native = agreement_rows(ours, kept, theirs, own)
     captures = "; ".join(
         f"{label}: {sum(classifier.leaves(r.doc)[0].values()):.1f} thread-s sampled, {100 * r.captured:.0f}% with "
-        f"native frames (threads {signals(r.stats['native'])}, mismatched {r.stats['native']['mismatched']}, "
-        f"round trip median {r.stats['native']['median_us'][0]:.0f} µs)"
+        f"native frames ({signals(r.stats['native'])}, mismatched {r.stats['native']['mismatched']}, "
+        f"unwind median {r.stats['native']['median_us'][-2]:.0f} µs)"
         for label, r in runs.items()
     )
     section.tables.append(

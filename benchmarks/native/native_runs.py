@@ -96,19 +96,23 @@ def cost_run(native: bool, seconds: float, budget: float | None = None) -> dict[
     }
     if native:
         n = stats["native"]
-        out.update(zip(("round_trip", "unwind", "symbols"), n["median_us"]))
-        out.update({k: float(n[k]) for k in ("asked", "answered", "timed_out", "merged", "mismatched")})
+        # The last two medians: a baseline that signalled on request also gave its round trip first.
+        out.update(zip(("unwind", "symbols"), n["median_us"][-2:]))
+        out.update({k: float(n.get(k, 0)) for k in ("captures", "no_capture", "merged", "mismatched")})
     return out
 
 
-#: Counters of threads not signalled, by the names the build at hand uses.
-NOT_ASKED = ("in_syscall", "blocked", "blocked_lately", "still_pending")
+#: What native capture did, by the names of the build at hand: timers on the threads'
+#: CPU clocks (captures ...), or signals on request in a baseline (asked ...).
+COUNTED = (
+    *("captures", "reused", "no_capture", "not_signalled", "busy"),
+    *("asked", "answered", "timed_out", "blocked", "blocked_lately", "still_pending"),
+)
 
 
 def signals(n: dict[str, Any]) -> str:
     """What native capture did with the threads it considered, as counts."""
-    counted = ("asked", "answered", "timed_out", *NOT_ASKED)
-    return ", ".join(f"{k.replace('_', ' ')} {n[k]}" for k in counted if k in n)
+    return ", ".join(f"{k.replace('_', ' ')} {n[k]}" for k in COUNTED if k in n)
 
 
 def lost_reads(stats: dict[str, Any]) -> dict[str, float]:

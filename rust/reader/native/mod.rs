@@ -267,7 +267,8 @@ impl Native {
     }
 
     /// Merges the capture waiting in `slot` into `w`'s frames, or else its last one
-    /// while it stands for the thread.
+    /// while it stands for the thread (never where the reader gives no frame pointer
+    /// to tell that the thread is still in the frame it was captured in).
     fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>) {
         if let Some((regs, stack, pointer)) = slot.capture() {
             self.take(regs, stack, pointer, w);
@@ -277,7 +278,7 @@ impl Native {
         let standing = self.latest.get(&w.tid).filter(|l| {
             self.tick - l.tick <= REUSE_TICKS
                 && l.epoch == self.resolver.epoch
-                && w.pointer.is_none_or(|p| l.pointer == Some(p.seen))
+                && w.pointer.is_some_and(|p| l.pointer == Some(p.seen))
         });
         match standing.map(|l| merge(w.frames, w.evals, &l.named, l.end, l.copy_end, &mut self.merged)) {
             Some(Ok(())) => {
