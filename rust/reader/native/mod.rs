@@ -20,7 +20,7 @@ use crate::reader::{FramePointer, Run};
 use framehop::x86_64::CacheX86_64;
 use merge::{merge, Mismatch, Named};
 use modules::Modules;
-use resolve::Resolver;
+use resolve::{Kind, Resolver};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use signal::{Armed, Regs};
@@ -95,10 +95,12 @@ pub struct NativeStats {
     /// taken at an earlier tick, under the same innermost Python frame).
     pub merged: u64,
     pub reused: u64,
-    /// Captures whose halves disagreed: their samples kept their Python frames only.
+    /// Captures whose halves disagreed, with native frames that their samples lost
+    /// (those kept their Python frames only).
     pub mismatched: u64,
-    /// Of those, captures taken in another innermost Python frame than the one the
-    /// Python read found.
+    /// Captures taken in another innermost Python frame than the one the Python read
+    /// found: mismatched, unless taken in the interpreter's own code (running Python),
+    /// where the native half had nothing to add.
     pub moved: u64,
     /// Unwinds that ended where no unwind information led further.
     pub lost_unwinds: u64,
@@ -271,9 +273,11 @@ impl Native {
     /// to tell that the thread is still in the frame it was captured in).
     fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>) {
         if let Some((regs, stack, pointer)) = slot.capture() {
-            self.take(regs, stack, pointer, w);
+            let merged = self.take(regs, stack, pointer, w);
             slot.release();
-            return;
+            if merged {
+                return;
+            }
         }
         let standing = self.latest.get(&w.tid).filter(|l| {
             self.tick - l.tick <= REUSE_TICKS
@@ -300,8 +304,8 @@ impl Native {
     }
 
     /// A capture unwound and merged into `w`'s frames, and kept to stand for the
-    /// thread until its next.
-    fn take(&mut self, regs: Regs, stack: &[u8], pointer: Option<u64>, w: &mut Wanted<'_>) {
+    /// thread until its next; false if the halves disagreed.
+    fn take(&mut self, regs: Regs, stack: &[u8], pointer: Option<u64>, w: &mut Wanted<'_>) -> bool {
         self.stats.captures += 1;
         let t0 = Instant::now();
         let mut end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
@@ -321,9 +325,18 @@ impl Native {
             self.latest.insert(w.tid, latest);
         }
         self.stats.merged += u64::from(merged);
-        self.stats.mismatched += u64::from(!merged);
+        // Captured in the interpreter's own code, the native half had nothing to add.
+        self.stats.mismatched += u64::from(!merged && !(moved && self.in_interpreter()));
         self.stats.moved += u64::from(moved);
         self.keep_costs([t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
+        merged
+    }
+
+    /// Whether the capture just unwound was in the interpreter's own code (running
+    /// Python), where a merge shows no native frame.
+    fn in_interpreter(&mut self) -> bool {
+        let leaf = self.unwound.first().map(|f| self.resolver.resolve(f.pc, &mut self.modules).1);
+        leaf.is_some_and(|kind| kind != Kind::Shown)
     }
 
     /// An unwind that stopped short of the eval loops may have met assembly without
