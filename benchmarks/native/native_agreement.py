@@ -42,7 +42,7 @@ Frame = dict[str, Any]
 
 def package_libraries() -> dict[str, list[str]]:
     """File name -> paths of the shared libraries of numpy, pandas and pyarrow: dask-pyspy's
-    native frames name only the file."""
+    native frames name only the file outside site-packages."""
     spec = importlib.util.find_spec("numpy")
     assert spec is not None and spec.origin is not None
     site = os.path.dirname(os.path.dirname(spec.origin))
@@ -91,8 +91,10 @@ class Classifier:
 
     def path(self, frame: Frame) -> str:
         file = str(frame.get("file", ""))
-        if "/" in file:  # py-spy: the whole path
+        if file.startswith("/"):  # py-spy: the whole path
             return file
+        if "/" in file:  # dask-pyspy: the path below site-packages
+            return "/" + file
         paths = self.libraries.get(file, [file])
         if len(paths) == 1:
             return paths[0]

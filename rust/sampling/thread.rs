@@ -452,6 +452,7 @@ impl<'a> Loop<'a> {
                     frames: &mut t.frames,
                     evals: t.evals.as_deref(),
                     pointer: t.pointer,
+                    clock_ns: t.clock_ns,
                     on_cpu: on_cpu(s),
                     may_signal: kernel.may_be_signalled(tid),
                 })

@@ -32,10 +32,12 @@ use unwind::{return_addresses, unwind, unwind_from, word_at, End, NativeFrame};
 
 /// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
 const FIRST_COPY: usize = 32 << 10;
-/// Ticks after its capture a thread's native frames stand for it, while its innermost
-/// Python frame is the one they were captured under: its timer fires at the kernel's
-/// tick after each interval of its CPU time, so a little less often than the sampler ticks.
-const REUSE_TICKS: u64 = 2;
+/// How long a thread's capture stands for it, while its innermost Python frame is the
+/// one it was captured under, in intervals of the thread's CPU time: its timer fires at
+/// the kernel's first tick after each interval of it (sooner where the thread's clock
+/// is not known: in ticks of the sampler). A thread sharing a core is sampled each tick
+/// but captured only every few.
+const STANDS_FOR: u64 = 2;
 /// How often the loader's module counts are checked, for modules loaded or unloaded
 /// at addresses already seen.
 const LIST_EVERY: Duration = Duration::from_secs(1);
@@ -124,6 +126,8 @@ impl NativeStats {
 /// A thread's last capture that merged, kept to stand for it until its next.
 struct Latest {
     tick: u64,
+    /// The thread's CPU clock at the tick that took it.
+    clock_ns: Option<u64>,
     epoch: u64,
     pointer: Option<u64>,
     named: Vec<Named>,
@@ -133,6 +137,7 @@ struct Latest {
 
 pub struct Native {
     signal: i32,
+    interval: Duration,
     timers: Timers,
     tick: u64,
     modules: Modules,
@@ -160,6 +165,8 @@ pub struct Wanted<'a> {
     pub evals: Option<&'a [Run]>,
     /// Where its innermost frame pointer lives, and what the Python read found there.
     pub pointer: Option<FramePointer>,
+    /// Its CPU clock at the Python read, where read.
+    pub clock_ns: Option<u64>,
     /// On a CPU or waiting for one: its native frames are merged into its sample.
     pub on_cpu: bool,
     /// Not seen lately in a wait a signal would interrupt (see `timers`): it may be
@@ -187,6 +194,7 @@ impl Native {
         };
         Ok(Native {
             signal: sig,
+            interval,
             timers: Timers::new(sig, interval),
             tick: 0,
             modules: Modules::new(),
@@ -279,10 +287,13 @@ impl Native {
                 return;
             }
         }
+        let window = STANDS_FOR * self.interval.as_nanos() as u64;
         let standing = self.latest.get(&w.tid).filter(|l| {
-            self.tick - l.tick <= REUSE_TICKS
-                && l.epoch == self.resolver.epoch
-                && w.pointer.is_some_and(|p| l.pointer == Some(p.seen))
+            let fresh = match (w.clock_ns, l.clock_ns) {
+                (Some(now), Some(then)) => now.saturating_sub(then) <= window,
+                _ => self.tick - l.tick <= STANDS_FOR,
+            };
+            fresh && l.epoch == self.resolver.epoch && w.pointer.is_some_and(|p| l.pointer == Some(p.seen))
         });
         match standing.map(|l| merge(w.frames, w.evals, &l.named, l.end, l.copy_end, &mut self.merged)) {
             Some(Ok(())) => {
@@ -321,7 +332,8 @@ impl Native {
         self.after_unwind(w.tid, end, stack.len(), !merged && !moved);
         if merged {
             let named = self.named.clone();
-            let latest = Latest { tick: self.tick, epoch: self.resolver.epoch, pointer, named, end, copy_end };
+            let (tick, clock_ns, epoch) = (self.tick, w.clock_ns, self.resolver.epoch);
+            let latest = Latest { tick, clock_ns, epoch, pointer, named, end, copy_end };
             self.latest.insert(w.tid, latest);
         }
         self.stats.merged += u64::from(merged);
