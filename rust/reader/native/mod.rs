@@ -338,7 +338,7 @@ impl Native {
         }
         self.stats.merged += u64::from(merged);
         // Captured in the interpreter's own code, the native half had nothing to add.
-        self.stats.mismatched += u64::from(!merged && !(moved && self.in_interpreter()));
+        self.stats.mismatched += u64::from(!(merged || moved && self.in_interpreter()));
         self.stats.moved += u64::from(moved);
         self.keep_costs([t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
         merged
