@@ -205,6 +205,33 @@ def test_sleeping_threads_are_never_interrupted():
     assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
 
 
+def test_a_thread_seen_sleeping_gets_no_timer():
+    """A timer on a thread's CPU clock fires only while the thread runs, but it can fire
+    as the thread enters a sleep, which then ends with EINTR (C code may not retry): a
+    thread seen in a sleep lately is not armed, however much it computes between."""
+    interrupted: list[int] = []
+    sleeps = 0
+
+    def works_then_sleeps(stop: threading.Event) -> None:
+        nonlocal sleeps
+        ts = Timespec(0, 1_000_000)
+        while not stop.is_set():
+            python_for(0.001)
+            if libc.nanosleep(ctypes.byref(ts), None) != 0:
+                interrupted.append(ctypes.get_errno())
+            sleeps += 1
+
+    s, prof = record(
+        works_then_sleeps,
+        "sleeper",
+        lambda s: sleeps >= 3000 and s.stats()["native"]["not_signalled"] >= 50,
+        idle=True,
+    )
+    assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
+    assert not any(native_frames(st) for st, _ in stacks(prof, "sleeper"))
+    assert s.stats()["native"]["captures"] == 0, s.stats()["native"]
+
+
 def test_a_thread_blocking_the_signal_gets_python_only_samples():
     probe = Sampler(native=True)
     probe.start()
