@@ -236,7 +236,7 @@ impl Native {
                 "the application put a handler of its own on signal {}: native frames are off",
                 self.signal
             ));
-            self.timers = Timers::new(self.signal, Duration::ZERO);
+            self.timers.disarm_all();
             return;
         }
         if self.listed.elapsed() >= LIST_EVERY {

@@ -70,11 +70,20 @@ impl Timers {
 
     /// Deletes the timers of threads not in `live` (sorted): they exited.
     pub fn keep(&mut self, live: &[u64]) {
-        let gone: Vec<u64> = self.by_tid.keys().copied().filter(|t| live.binary_search(t).is_err()).collect();
-        for tid in gone {
+        self.disarm_where(|tid| live.binary_search(&tid).is_err());
+        self.draining.retain(|s| !s.retire());
+    }
+
+    /// Deletes every timer.
+    pub fn disarm_all(&mut self) {
+        self.disarm_where(|_| true);
+    }
+
+    fn disarm_where(&mut self, gone: impl Fn(u64) -> bool) {
+        let tids: Vec<u64> = self.by_tid.keys().copied().filter(|&t| gone(t)).collect();
+        for tid in tids {
             self.disarm(tid);
         }
-        self.draining.retain(|s| !s.retire());
     }
 
     pub fn count(&self) -> usize {
