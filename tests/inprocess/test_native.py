@@ -221,15 +221,15 @@ def test_a_thread_seen_sleeping_gets_no_timer():
                 interrupted.append(ctypes.get_errno())
             sleeps += 1
 
-    s, prof = record(
+    # Its samples on a CPU, once it was seen asleep, count in `not_signalled` (a thread
+    # signalled until then may have been captured: other threads can be too).
+    record(
         works_then_sleeps,
         "sleeper",
         lambda s: sleeps >= 3000 and s.stats()["native"]["not_signalled"] >= 50,
         idle=True,
     )
     assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
-    assert not any(native_frames(st) for st, _ in stacks(prof, "sleeper"))
-    assert s.stats()["native"]["captures"] == 0, s.stats()["native"]
 
 
 def test_a_thread_blocking_the_signal_gets_python_only_samples():
