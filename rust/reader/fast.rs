@@ -3,12 +3,12 @@
 //! only for frames outside the live chunks and for code objects not seen before.
 
 use super::code::{CodeCache, Found, LineMode};
-use super::frames::{frame_pointer, read_stacks, RawStack};
+use super::frames::{frame_pointer, read_stacks, walk_copied, RawStack};
 use super::frees::FreeLog;
 use super::layout::Layout;
 use super::memory::{Batch, Memory};
 use super::threads::{ThreadState, Threads};
-use super::{Read, Run, StackReader, ThreadStack, Want};
+use super::{Copied, FramePointer, Read, Run, StackReader, ThreadStack, Want};
 use crate::profile::model::Frame;
 use crate::reader::tags::{ReadMarks, ThreadTag, ThreadTags};
 use crate::reader::GilAt;
@@ -344,6 +344,16 @@ impl StackReader for FastReader {
         }
         self.last_read = Some(((want.idle, want.gil_only), out.clone()));
         Ok(Read::Fresh)
+    }
+
+    /// Only code objects this tick's read checked name the frames: refreshing the
+    /// cache here could begin a new epoch under the ids the read gave.
+    fn copied_frames(&mut self, at: &FramePointer, copy: &Copied<'_>) -> Option<(Vec<u64>, Vec<Run>)> {
+        let tstate = at.datastack.checked_sub(self.layout.tstate_datastack_chunk)?;
+        let base_frame = self.layout.tstate_base_frame.map(|o| tstate + o);
+        let raw = walk_copied(copy, base_frame, &self.layout, &mut self.mem, &mut self.round)?;
+        let ids = self.frame_ids(&raw).ok()?;
+        Some((ids.frames, ids.evals))
     }
 
     fn frame(&self, id: u64) -> Frame {

@@ -12,7 +12,8 @@
 use super::layout::{CurrentFrame, Layout, CHUNK_HEADER, CHUNK_PREVIOUS};
 use super::memory::{u64_at, u8_at, Batch, Memory};
 use super::threads::ThreadState;
-use super::FramePointer;
+use super::{Copied, FramePointer};
+use std::borrow::Cow;
 
 /// A chain longer than this (counting every frame, Python or not) is taken for a
 /// loop in a torn copy.
@@ -52,18 +53,18 @@ pub struct RawStack {
 }
 
 /// Memory copied for one thread: its live chunk stays in the first batch; frames
-/// and older chunks read on demand are kept here.
-struct Region {
+/// and older chunks read on demand are kept here, and so are a signal's copies.
+struct Region<'a> {
     start: u64,
-    bytes: Vec<u8>,
+    bytes: Cow<'a, [u8]>,
 }
 
-struct Walker {
+struct Walker<'a> {
     /// Index of the live chunk's copy in the first batch.
     chunk: Option<(u64, usize)>,
     /// The innermost frame, where the walk began.
     start: u64,
-    regions: Vec<Region>,
+    regions: Vec<Region<'a>>,
     base_frame: Option<u64>,
     next: u64,
     older_chunk: u64,
@@ -80,9 +81,9 @@ fn slice_at(start: u64, bytes: &[u8], addr: u64, len: u64) -> Option<&[u8]> {
     bytes.get(off as usize..(off + len) as usize)
 }
 
-impl Walker {
+impl<'a> Walker<'a> {
     /// A walk of `t`'s frames from one copy of its frame pointer and live chunk.
-    fn new(t: &ThreadState, copy: Snapshot, batch: &Batch, layout: &Layout) -> Walker {
+    fn new(t: &ThreadState, copy: Snapshot, batch: &Batch, layout: &Layout) -> Walker<'a> {
         let next = batch.get(copy.pointer).map(|b| u64_at(b, 0));
         let chunk = copy.chunk.filter(|&i| batch.get(i).is_some()).map(|i| (t.chunk, i));
         Walker {
@@ -99,7 +100,24 @@ impl Walker {
         }
     }
 
-    fn find<'a>(&'a self, chunks: &'a Batch, addr: u64, len: u64) -> Option<&'a [u8]> {
+    /// A walk from a signal's copy of the thread's frames.
+    fn from_copy(copy: &Copied<'a>, base_frame: Option<u64>) -> Walker<'a> {
+        let region = |(start, bytes): (u64, &'a [u8])| Region { start, bytes: Cow::Borrowed(bytes) };
+        Walker {
+            chunk: None,
+            start: copy.pointer,
+            regions: vec![region(copy.chunk), region(copy.stack)],
+            base_frame,
+            next: copy.pointer,
+            older_chunk: 0,
+            frames: Vec::new(),
+            walked: 0,
+            live: Vec::new(),
+            torn: false,
+        }
+    }
+
+    fn find<'b>(&'b self, chunks: &'b Batch, addr: u64, len: u64) -> Option<&'b [u8]> {
         let live = self.chunk.and_then(|(start, i)| slice_at(start, chunks.get(i)?, addr, len));
         live.or_else(|| self.regions.iter().find_map(|r| slice_at(r.start, &r.bytes, addr, len)))
     }
@@ -164,7 +182,9 @@ pub fn frame_pointer(t: &ThreadState, layout: &Layout, seen: u64) -> FramePointe
         CurrentFrame::Direct(o) => (t.addr + o, None),
         CurrentFrame::ViaCFrame { cframe, current_frame } => (t.addr + cframe, Some(current_frame)),
     };
-    FramePointer { at, via, seen }
+    // The handler reads the chunk and its top as one pair.
+    let paired = layout.tstate_datastack_top == layout.tstate_datastack_chunk + 8;
+    FramePointer { at, via, seen, datastack: if paired { t.addr + layout.tstate_datastack_chunk } else { 0 } }
 }
 
 /// Queues the frame pointer, then the live chunk up to its top and a little past it
@@ -238,6 +258,28 @@ pub fn read_stacks(
         walkers.push(w);
         checked.push(again);
     }
+    read_on_demand(&mut walkers, layout, mem, batch, round)?;
+    // Frames walked after frames read on demand are checked too.
+    for (w, again) in walkers.iter_mut().zip(checked) {
+        if let Some(again) = again {
+            w.torn |= !agrees(w, again, batch, layout);
+        }
+    }
+    Ok(walkers
+        .into_iter()
+        .map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(RawStack { pointer: w.start, frames: w.frames }) })
+        .collect())
+}
+
+/// Walks each walker on, reading in rounds the frames (and older chunks) its copies
+/// do not hold: one batch per round for every walker that needs one.
+fn read_on_demand(
+    walkers: &mut [Walker<'_>],
+    layout: &Layout,
+    mem: &mut Memory,
+    batch: &Batch,
+    round: &mut Batch,
+) -> Result<(), String> {
     for _ in 0..MAX_ROUNDS {
         round.clear();
         let mut wanted = Vec::new();
@@ -260,25 +302,31 @@ pub fn read_stacks(
                 w.older_chunk = 0;
                 if let Some(b) = round.get(i) {
                     w.older_chunk = u64_at(b, CHUNK_PREVIOUS);
-                    w.regions.push(Region { start: at, bytes: b.to_vec() });
+                    w.regions.push(Region { start: at, bytes: Cow::Owned(b.to_vec()) });
                 }
             }
             match round.get(frame) {
-                Some(b) => w.regions.push(Region { start: w.next, bytes: b.to_vec() }),
+                Some(b) => w.regions.push(Region { start: w.next, bytes: Cow::Owned(b.to_vec()) }),
                 None => w.torn = true,
             }
         }
     }
-    // Frames walked after frames read on demand are checked too.
-    for (w, again) in walkers.iter_mut().zip(checked) {
-        if let Some(again) = again {
-            w.torn |= !agrees(w, again, batch, layout);
-        }
-    }
-    Ok(walkers
-        .into_iter()
-        .map(|w| if w.torn || w.next != 0 { Err(()) } else { Ok(RawStack { pointer: w.start, frames: w.frames }) })
-        .collect())
+    Ok(())
+}
+
+/// A thread's frames walked from a signal handler's copy of them (see `Copied`),
+/// with the frames it does not hold read now; None if the walk tore.
+pub fn walk_copied(
+    copy: &Copied<'_>,
+    base_frame: Option<u64>,
+    layout: &Layout,
+    mem: &mut Memory,
+    round: &mut Batch,
+) -> Option<RawStack> {
+    let mut walker = [Walker::from_copy(copy, base_frame)];
+    read_on_demand(&mut walker, layout, mem, &Batch::default(), round).ok()?;
+    let [w] = walker;
+    (!w.torn && w.next == 0).then_some(RawStack { pointer: w.start, frames: w.frames })
 }
 
 /// Whether a later copy agrees with the walk of an earlier one: the walk's innermost

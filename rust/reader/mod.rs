@@ -64,13 +64,25 @@ pub struct Run {
 /// Where a thread's innermost Python frame pointer lives: the word at `at` (in its
 /// thread state) or, with `via`, the word at that offset in the struct `at` points to
 /// (3.11 and 3.12 keep it in a struct on the thread's C stack); `seen` is what a read
-/// found there. Native capture merges its stack only with a read that saw the
-/// pointer its signal saw.
+/// found there. Native capture walks the frames its signal copied from there, or
+/// else merges its stack only with a read that saw the pointer its signal saw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FramePointer {
     pub at: u64,
     pub via: Option<u64>,
     pub seen: u64,
+    /// Where its thread state keeps its live datastack chunk, and after it the
+    /// chunk's top (0: unknown).
+    pub datastack: u64,
+}
+
+/// A thread's Python frames as a signal handler copied them, in one instant: its
+/// innermost frame pointer, the top of its live datastack chunk, and its C stack
+/// (where 3.12+ keep each eval loop's entry frame), each as (address, bytes).
+pub struct Copied<'a> {
+    pub pointer: u64,
+    pub chunk: (u64, &'a [u8]),
+    pub stack: (u64, &'a [u8]),
 }
 
 /// One thread's stack at one tick.
@@ -131,6 +143,12 @@ pub trait StackReader {
     }
     /// Reads the stacks `want` asks for into `out`; Err when the whole tick failed.
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<Read, String>;
+    /// The frame ids and eval runs of a thread whose frames `at` says where, walked
+    /// from a signal's copy; None where the reader cannot walk it (a frame torn, or
+    /// a code object this tick's read did not check).
+    fn copied_frames(&mut self, _at: &FramePointer, _copy: &Copied<'_>) -> Option<(Vec<u64>, Vec<Run>)> {
+        None
+    }
     /// The frame behind an id this reader handed out.
     fn frame(&self, id: u64) -> Frame;
     /// Changes when earlier frame ids may mean other frames.

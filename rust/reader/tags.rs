@@ -6,7 +6,9 @@
 //! an activity started or ended while it was reading that thread's stack.
 
 use crate::profile::model::Tag;
+use crate::reader::clock_ns;
 use crate::sync::Mutex;
+use nix::libc;
 use rustc_hash::FxHashSet;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -47,6 +49,9 @@ impl Activity {
 pub struct Marks {
     pub task: Option<Arc<Tag>>,
     pub activity: Option<Arc<Activity>>,
+    /// When they last changed, on the monotonic clock: a native capture taken
+    /// before then belongs to other marks.
+    pub since_ns: u64,
 }
 
 /// A thread's marks during a read; Err if they changed meanwhile.
@@ -56,6 +61,14 @@ pub type ReadMarks = Result<Marks, ()>;
 pub struct ThreadTag {
     pub version: u64,
     pub marks: Marks,
+}
+
+impl ThreadTag {
+    /// Marks the thread's marks as changing now.
+    fn bump(&mut self) {
+        self.version += 1;
+        self.marks.since_ns = clock_ns(libc::CLOCK_MONOTONIC).unwrap_or(0);
+    }
 }
 
 #[derive(Default)]
@@ -79,7 +92,7 @@ impl ThreadTags {
     fn update(&self, ident: u64, change: impl FnOnce(&mut Marks)) {
         let mut tags = self.tags.lock();
         let entry = tags.entry(ident).or_default();
-        entry.version += 1;
+        entry.bump();
         change(&mut entry.marks);
     }
 
@@ -90,7 +103,7 @@ impl ThreadTags {
         let entry = tags.entry(ident).or_default();
         let current = entry.marks.activity.clone();
         if activity.replaces(current.as_deref()) && !same(current.as_ref(), Some(activity)) {
-            entry.version += 1;
+            entry.bump();
             entry.marks.activity = Some(activity.clone());
         }
         current
@@ -101,7 +114,7 @@ impl ThreadTags {
         let mut tags = self.tags.lock();
         let entry = tags.entry(ident).or_default();
         if !same(entry.marks.activity.as_ref(), previous.as_ref()) {
-            entry.version += 1;
+            entry.bump();
             entry.marks.activity = previous;
         }
     }
@@ -198,9 +211,12 @@ mod tests {
         assert!(t.stable_tags(&before, &[7])[0].is_err(), "a tag set during the read is not trusted");
         let during = t.snapshot();
         assert_eq!(t.stable_tag(during.get(&7), 7).unwrap().task.unwrap().prefix, "f");
+        let set = t.stable_tag(during.get(&7), 7).unwrap().since_ns;
         t.clear_tag(7);
         assert!(t.stable_tag(during.get(&7), 7).is_err());
-        assert_eq!(t.stable_tag(t.snapshot().get(&7), 7), Ok(Marks::default()));
+        let cleared = t.stable_tag(t.snapshot().get(&7), 7).unwrap();
+        assert_eq!((cleared.task, cleared.activity), (None, None));
+        assert!(cleared.since_ns >= set && set > 0, "each change is timed");
     }
 
     fn activity(name: &str, level: Level) -> Arc<Activity> {

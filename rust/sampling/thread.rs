@@ -455,10 +455,11 @@ impl<'a> Loop<'a> {
                     clock_ns: t.clock_ns,
                     on_cpu: on_cpu(s),
                     may_signal: kernel.may_be_signalled(tid),
+                    marks_since_ns: t.marks.as_ref().ok().map(|m| m.since_ns),
                 })
             })
             .collect();
-        native.capture(&mut wanted);
+        native.capture(&mut wanted, &mut *self.reader);
     }
 
     /// Records the samples of the tick before again, as `repeat` keeps them; where the

@@ -16,14 +16,14 @@ mod unwind;
 pub use merge::NATIVE;
 
 use crate::profile::model::Frame;
-use crate::reader::{FramePointer, Run};
+use crate::reader::{Copied, FramePointer, Run, StackReader};
 use framehop::x86_64::CacheX86_64;
 use merge::{merge, Mismatch, Named};
 use modules::Modules;
 use resolve::{Kind, Resolver};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
-use signal::{Armed, Regs};
+use signal::{Armed, Capture, Regs};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -38,6 +38,10 @@ const FIRST_COPY: usize = 32 << 10;
 /// is not known: in ticks of the sampler). A thread sharing a core is sampled each tick
 /// but captured only every few.
 const STANDS_FOR: u64 = 2;
+/// Timer periods per sampling interval of a thread's CPU: the kernel fires a timer
+/// at its first scheduler tick after the period (every 4 ms at HZ=250), so a period of
+/// a whole interval leaves a busy thread without a capture at one tick in five or so.
+const TIMERS_PER_INTERVAL: u32 = 2;
 /// How often the loader's module counts are checked, for modules loaded or unloaded
 /// at addresses already seen.
 const LIST_EVERY: Duration = Duration::from_secs(1);
@@ -82,6 +86,10 @@ pub struct NativeStats {
     pub armed: usize,
     /// Captures taken from threads' slots.
     pub captures: u64,
+    /// Captures merged with the Python frames their signal copied, of the same
+    /// instant; the others (a task or activity begun since, a frame the reader could
+    /// not walk) with the frames the tick read.
+    pub exact: u64,
     /// Samples of threads on a CPU with no capture to merge: none since their last
     /// one, or one older than a few ticks (a thread that blocks the signal, or that
     /// used little CPU).
@@ -100,9 +108,9 @@ pub struct NativeStats {
     /// Captures whose halves disagreed, with native frames that their samples lost
     /// (those kept their Python frames only).
     pub mismatched: u64,
-    /// Captures taken in another innermost Python frame than the one the Python read
-    /// found: mismatched, unless taken in the interpreter's own code (running Python),
-    /// where the native half had nothing to add.
+    /// Captures not `exact` taken in another innermost Python frame than the one the
+    /// tick's read found: mismatched, unless taken in the interpreter's own code
+    /// (running Python), where the native half had nothing to add.
     pub moved: u64,
     /// Unwinds that ended where no unwind information led further.
     pub lost_unwinds: u64,
@@ -172,6 +180,16 @@ pub struct Wanted<'a> {
     /// Not seen lately in a wait a signal would interrupt (see `timers`): it may be
     /// signalled.
     pub may_signal: bool,
+    /// When its task or activity last changed, on the monotonic clock (None: they
+    /// changed during the read).
+    pub marks_since_ns: Option<u64>,
+}
+
+/// One half of a merge: a thread's Python frame ids and the eval runs holding them.
+#[derive(Clone, Copy)]
+struct Python<'a> {
+    frames: &'a [u64],
+    runs: Option<&'a [Run]>,
 }
 
 impl Native {
@@ -195,7 +213,7 @@ impl Native {
         Ok(Native {
             signal: sig,
             interval,
-            timers: Timers::new(sig, interval),
+            timers: Timers::new(sig, interval / TIMERS_PER_INTERVAL),
             tick: 0,
             modules: Modules::new(),
             listed: Instant::now(),
@@ -225,8 +243,9 @@ impl Native {
     }
 
     /// Arms the threads that may be signalled (and disarms the others), and merges
-    /// the native frames of each thread on a CPU into its frames.
-    pub fn capture(&mut self, threads: &mut [Wanted<'_>]) {
+    /// the native frames of each thread on a CPU into its frames (walking the Python
+    /// frames a signal copied with `reader`).
+    pub fn capture(&mut self, threads: &mut [Wanted<'_>], reader: &mut dyn StackReader) {
         self.tick += 1;
         if self.stats.off.is_some() {
             return;
@@ -250,7 +269,7 @@ impl Native {
         for w in threads {
             if let Some(slot) = self.armed(w) {
                 if w.on_cpu {
-                    self.merge_capture(slot, w);
+                    self.merge_capture(slot, w, reader);
                 }
             }
         }
@@ -279,15 +298,15 @@ impl Native {
     /// Merges the capture waiting in `slot` into `w`'s frames, or else its last one
     /// while it stands for the thread (never where the reader gives no frame pointer
     /// to tell that the thread is still in the frame it was captured in).
-    fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>) {
-        if let Some((regs, stack, pointer)) = slot.capture() {
-            let merged = self.take(regs, stack, pointer, w);
+    fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>, reader: &mut dyn StackReader) {
+        if let Some(capture) = slot.capture() {
+            let merged = self.take(&capture, w, reader);
             slot.release();
             if merged {
                 return;
             }
         }
-        let window = STANDS_FOR * self.interval.as_nanos() as u64;
+        let window = self.stands_for_ns();
         let standing = self.latest.get(&w.tid).filter(|l| {
             let fresh = match (w.clock_ns, l.clock_ns) {
                 (Some(now), Some(then)) => now.saturating_sub(then) <= window,
@@ -314,26 +333,41 @@ impl Native {
         self.latest.retain(|tid, _| alive(tid));
     }
 
-    /// A capture unwound and merged into `w`'s frames, and kept to stand for the
-    /// thread until its next; false if the halves disagreed.
-    fn take(&mut self, regs: Regs, stack: &[u8], pointer: Option<u64>, w: &mut Wanted<'_>) -> bool {
+    /// How long a capture stands for its thread, in ns of the thread's CPU.
+    fn stands_for_ns(&self) -> u64 {
+        STANDS_FOR * self.interval.as_nanos() as u64
+    }
+
+    /// A capture unwound and merged into `w`'s frames, with the Python frames it
+    /// copied where the reader can walk them, else with those the tick read if the
+    /// thread was still in the frame it was captured in; kept to stand for the thread
+    /// until its next. False if the halves disagreed.
+    fn take(&mut self, c: &Capture, w: &mut Wanted<'_>, reader: &mut dyn StackReader) -> bool {
         self.stats.captures += 1;
         let t0 = Instant::now();
-        let mut end = unwind(&self.modules.unwinder, &mut self.cache, regs, stack, &mut self.unwound);
+        let mut end = unwind(&self.modules.unwinder, &mut self.cache, c.regs, c.stack, &mut self.unwound);
         let t1 = Instant::now();
-        // A frame pointer that differs: the thread was in another Python frame when
-        // captured than when read, the halves are of two moments.
-        let moved = w.pointer.is_some_and(|p| pointer != Some(p.seen));
-        let copy_end = self.copy_end(w.tid, regs, stack);
-        let mut merged = !moved && self.merge_into(w, end, copy_end).is_ok();
+        let copied = self.copied_python(c, w, reader);
+        self.stats.exact += u64::from(copied.is_some());
+        let python = match &copied {
+            Some((frames, runs)) => Python { frames, runs: Some(runs) },
+            None => Python { frames: w.frames, runs: w.evals },
+        };
+        // Read at the tick, a frame pointer that differs: the thread was in another
+        // Python frame when captured than when read, the halves are of two moments.
+        let moved = copied.is_none() && w.pointer.is_some_and(|p| c.pointer != Some(p.seen));
+        let copy_end = self.copy_end(w.tid, c.regs, c.stack);
+        let mut merged = !moved && self.merge_into(python, end, copy_end).is_ok();
         if !moved && !merged && end != End::Cut {
-            (end, merged) = self.scan_past_assembly(w, regs, stack, copy_end).unwrap_or((end, false));
+            let scan = self.scan_past_assembly(w.tid, python, c.regs, c.stack, copy_end);
+            (end, merged) = scan.unwrap_or((end, false));
         }
-        self.after_unwind(w.tid, end, stack.len(), !merged && !moved);
+        self.after_unwind(w.tid, end, c.stack.len(), !merged && !moved);
         if merged {
-            let named = self.named.clone();
+            std::mem::swap(w.frames, &mut self.merged);
             let (tick, clock_ns, epoch) = (self.tick, w.clock_ns, self.resolver.epoch);
-            let latest = Latest { tick, clock_ns, epoch, pointer, named, end, copy_end };
+            let named = self.named.clone();
+            let latest = Latest { tick, clock_ns, epoch, pointer: c.pointer, named, end, copy_end };
             self.latest.insert(w.tid, latest);
         }
         self.stats.merged += u64::from(merged);
@@ -342,6 +376,21 @@ impl Native {
         self.stats.moved += u64::from(moved);
         self.keep_costs([t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
         merged
+    }
+
+    /// The Python frames and eval runs `c` copied, walked by `reader`; None where it
+    /// cannot walk them, where the thread's task or activity changed since (the
+    /// tick's marks are not the capture's), or where the capture is older than a
+    /// capture stands for.
+    fn copied_python(&self, c: &Capture, w: &Wanted<'_>, reader: &mut dyn StackReader) -> Option<(Vec<u64>, Vec<Run>)> {
+        let at = w.pointer?;
+        let same_marks = w.marks_since_ns.is_some_and(|since| since <= c.time_ns);
+        let recent = w.clock_ns.is_none_or(|now| c.cpu_ns == 0 || now.saturating_sub(c.cpu_ns) <= self.stands_for_ns());
+        if !(same_marks && recent) {
+            return None;
+        }
+        let copy = Copied { pointer: c.pointer?, chunk: c.chunk, stack: (c.regs.sp, c.stack) };
+        reader.copied_frames(&at, &copy)
     }
 
     /// Whether the capture just unwound was in the interpreter's own code (running
@@ -357,7 +406,8 @@ impl Native {
     /// calls left) lead nowhere or to halves that disagree.
     fn scan_past_assembly(
         &mut self,
-        w: &mut Wanted<'_>,
+        tid: u64,
+        python: Python<'_>,
         regs: Regs,
         stack: &[u8],
         copy_end: u64,
@@ -366,11 +416,11 @@ impl Native {
         // The thread's last scan that merged, first, and alone if it merges (a scan
         // reads every word of a stack its kernel realigned): a kernel called from the
         // same place keeps its caller's return address as far above its stack pointer.
-        let last = (self.scanned_at.get(&w.tid))
+        let last = (self.scanned_at.get(&tid))
             .and_then(|&off| Some((from + off, word_at(stack, regs.sp, from + off)?)))
             .filter(|&(_, ra)| self.modules.after_call(ra));
         if let Some(at) = last {
-            if let Some(end) = self.merge_from(w, regs, stack, copy_end, (kept, from), at) {
+            if let Some(end) = self.merge_from((tid, python), regs, stack, copy_end, (kept, from), at) {
                 return Some((end, true));
             }
         }
@@ -379,7 +429,7 @@ impl Native {
         let end = found
             .into_iter()
             .filter(|&f| Some(f) != last)
-            .find_map(|at| self.merge_from(w, regs, stack, copy_end, (kept, from), at))?;
+            .find_map(|at| self.merge_from((tid, python), regs, stack, copy_end, (kept, from), at))?;
         Some((end, true))
     }
 
@@ -387,7 +437,7 @@ impl Native {
     /// of them at `from`) and merges; how the unwind ended, if the halves agree.
     fn merge_from(
         &mut self,
-        w: &mut Wanted<'_>,
+        (tid, python): (u64, Python<'_>),
         regs: Regs,
         stack: &[u8],
         copy_end: u64,
@@ -396,9 +446,9 @@ impl Native {
     ) -> Option<End> {
         self.unwound.truncate(kept);
         let end = unwind_from(&self.modules.unwinder, &mut self.cache, regs, stack, at, &mut self.unwound);
-        self.merge_into(w, end, copy_end).ok()?;
+        self.merge_into(python, end, copy_end).ok()?;
         self.stats.scanned += 1;
-        self.scanned_at.insert(w.tid, at.0 - from);
+        self.scanned_at.insert(tid, at.0 - from);
         Some(end)
     }
 
@@ -435,16 +485,14 @@ impl Native {
     }
 
     /// Merges the native frames unwound (from a copy of the stack up to `copy_end`)
-    /// into `w`'s, unless the halves disagree.
-    fn merge_into(&mut self, w: &mut Wanted<'_>, end: End, copy_end: u64) -> Result<(), Mismatch> {
+    /// with `python` into `merged`, unless the halves disagree.
+    fn merge_into(&mut self, python: Python<'_>, end: End, copy_end: u64) -> Result<(), Mismatch> {
         self.named.clear();
         for &at in &self.unwound {
             let (id, kind) = self.resolver.resolve(at.pc, &mut self.modules);
             self.named.push(Named { id, kind, at });
         }
-        merge(w.frames, w.evals, &self.named, end, copy_end, &mut self.merged)?;
-        std::mem::swap(w.frames, &mut self.merged);
-        Ok(())
+        merge(python.frames, python.runs, &self.named, end, copy_end, &mut self.merged)
     }
 
     fn keep_costs(&mut self, costs: [u32; 2]) {

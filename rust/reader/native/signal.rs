@@ -3,12 +3,13 @@
 //! Each busy thread gets a timer on its own CPU clock (`timers`), which the kernel
 //! fires only while the thread runs, so a busy thread is captured where it runs,
 //! without waiting for a CPU to answer a request. The handler only copies: the
-//! interrupted registers, a bounded slice of the thread's stack and the thread's
-//! innermost Python frame pointer (by `process_vm_readv` on our own pid, which stops
-//! short at an unmapped page instead of faulting), into the thread's slot, published
-//! with one atomic store. No allocation, lock or unwinding runs in it: the sampling
-//! thread unwinds the copy at its next tick, and merges it only with a Python read
-//! that saw the same frame pointer.
+//! interrupted registers, a bounded slice of the thread's stack, its innermost
+//! Python frame pointer and the top of its live datastack chunk (by
+//! `process_vm_readv` on our own pid, which stops short at an unmapped page instead
+//! of faulting), into the thread's slot, published with one atomic store. Only the
+//! thread itself pushes and pops its frames, and it is stopped in the handler, so
+//! both halves are of one instant. No allocation, lock or unwinding runs in it: the
+//! sampling thread walks and unwinds the copy at its next tick.
 //!
 //! A slot's state word holds its arming's generation beside its phase, and the
 //! timer's signal carries that generation: a signal still pending from an earlier
@@ -16,14 +17,20 @@
 //! handler stays installed for the life of the process, so no signal of ours can
 //! ever meet the default disposition, which would end the process.
 
-use crate::reader::FramePointer;
+use crate::reader::{clock_ns, FramePointer};
 use nix::libc;
+use std::ops::Range;
 use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
 
 /// Slots, so threads captured at once.
 pub const SLOTS: usize = 64;
 /// The most stack a slot holds.
 pub const MAX_COPY: usize = 256 << 10;
+/// The most of a live datastack chunk a slot holds, from its top: the innermost
+/// frames, where a thread's frames change; older ones are read when walked.
+const MAX_CHUNK: u64 = 64 << 10;
+/// A live chunk's top further than this from its start is taken for a torn read.
+const MAX_LIVE: u64 = 64 << 20;
 const PAGE: u64 = 4096;
 const MAX_IOVECS: usize = MAX_COPY / PAGE as usize + 1;
 
@@ -60,8 +67,16 @@ pub struct Slot {
     /// Where the thread's frame pointer is (`at` 0: none; `via` + 1, 0: none).
     pointer_at: AtomicU64,
     pointer_via: AtomicU64,
+    /// Where its thread state's live chunk and that chunk's top are (0: none).
+    datastack_at: AtomicU64,
     /// The frame pointer found there (`UNREAD`: none).
     pointer: AtomicU64,
+    /// The copy of the live chunk's top: its address and length.
+    chunk_from: AtomicU64,
+    chunk_copied: AtomicU64,
+    /// When the handler ran: the monotonic clock and the thread's CPU clock.
+    time_ns: AtomicU64,
+    cpu_ns: AtomicU64,
     ip: AtomicU64,
     sp: AtomicU64,
     bp: AtomicU64,
@@ -70,6 +85,7 @@ pub struct Slot {
     /// Signals that found the slot being read, or still being written.
     busy: AtomicU64,
     buf: AtomicPtr<u8>,
+    chunk_buf: AtomicPtr<u8>,
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // one value per slot of the table
@@ -78,7 +94,12 @@ const UNUSED: Slot = Slot {
     want: AtomicU64::new(0),
     pointer_at: AtomicU64::new(0),
     pointer_via: AtomicU64::new(0),
+    datastack_at: AtomicU64::new(0),
     pointer: AtomicU64::new(UNREAD),
+    chunk_from: AtomicU64::new(0),
+    chunk_copied: AtomicU64::new(0),
+    time_ns: AtomicU64::new(0),
+    cpu_ns: AtomicU64::new(0),
     ip: AtomicU64::new(0),
     sp: AtomicU64::new(0),
     bp: AtomicU64::new(0),
@@ -86,6 +107,7 @@ const UNUSED: Slot = Slot {
     copied: AtomicU64::new(0),
     busy: AtomicU64::new(0),
     buf: AtomicPtr::new(std::ptr::null_mut()),
+    chunk_buf: AtomicPtr::new(std::ptr::null_mut()),
 };
 static TABLE: [Slot; SLOTS] = [UNUSED; SLOTS];
 /// The process the table belongs to: a forked child starts it over.
@@ -100,9 +122,10 @@ pub fn prepare() {
     let pid = std::process::id() as i32;
     let new_process = PID.swap(pid, Ordering::AcqRel) != pid;
     for slot in &TABLE {
-        if slot.buf.load(Ordering::Acquire).is_null() {
-            let buf = Box::leak(vec![0u8; MAX_COPY].into_boxed_slice());
-            slot.buf.store(buf.as_mut_ptr(), Ordering::Release);
+        for (buf, len) in [(&slot.buf, MAX_COPY), (&slot.chunk_buf, MAX_CHUNK as usize)] {
+            if buf.load(Ordering::Acquire).is_null() {
+                buf.store(Box::leak(vec![0u8; len].into_boxed_slice()).as_mut_ptr(), Ordering::Release);
+            }
         }
         if new_process || slot.state.load(Ordering::Acquire) & 3 != WRITING {
             slot.state.store(FREE, Ordering::Release);
@@ -138,18 +161,19 @@ impl Armed {
         &TABLE[self.index]
     }
 
-    /// What the handler copies: up to `want` bytes of stack, and the frame pointer at `pointer`.
+    /// What the handler copies: up to `want` bytes of stack, and the thread's Python
+    /// frames as `pointer` says where they are.
     pub fn ask(self, want: usize, pointer: Option<FramePointer>) {
         let slot = self.slot();
         slot.want.store(want.min(MAX_COPY) as u64, Ordering::Relaxed);
         slot.pointer_at.store(pointer.map_or(0, |p| p.at), Ordering::Relaxed);
         slot.pointer_via.store(pointer.and_then(|p| p.via).map_or(0, |v| v + 1), Ordering::Relaxed);
+        slot.datastack_at.store(pointer.map_or(0, |p| p.datastack), Ordering::Relaxed);
     }
 
-    /// The capture waiting in the slot, held until `release`: registers, stack bytes
-    /// and frame pointer (None: not read). None if there is none, or the handler is
-    /// writing one.
-    pub fn capture(self) -> Option<(Regs, &'static [u8], Option<u64>)> {
+    /// The capture waiting in the slot, held until `release`; None if there is none,
+    /// or the handler is writing one.
+    pub fn capture(self) -> Option<Capture> {
         let slot = self.slot();
         let g = self.generation << 2;
         slot.state.compare_exchange(g | DONE, g | READING, Ordering::AcqRel, Ordering::Relaxed).ok()?;
@@ -160,11 +184,22 @@ impl Armed {
             kept: slot.kept.each_ref().map(|r| r.load(Ordering::Relaxed)),
         };
         let pointer = Some(slot.pointer.load(Ordering::Relaxed)).filter(|&p| p != UNREAD);
-        let len = slot.copied.load(Ordering::Relaxed) as usize;
-        let buf = slot.buf.load(Ordering::Acquire);
-        // SAFETY: the buffer is MAX_COPY bytes and never freed; the handler wrote
-        // `len` of them before publishing DONE, and writes none while it is READING.
-        Some((regs, unsafe { std::slice::from_raw_parts(buf, len.min(MAX_COPY)) }, pointer))
+        // SAFETY: the buffers are never freed; the handler wrote the lengths it
+        // published before publishing DONE, and writes none while it is READING.
+        let bytes = |buf: &AtomicPtr<u8>, len: &AtomicU64, most: usize| unsafe {
+            std::slice::from_raw_parts(buf.load(Ordering::Acquire), (len.load(Ordering::Relaxed) as usize).min(most))
+        };
+        Some(Capture {
+            regs,
+            stack: bytes(&slot.buf, &slot.copied, MAX_COPY),
+            pointer,
+            chunk: (
+                slot.chunk_from.load(Ordering::Relaxed),
+                bytes(&slot.chunk_buf, &slot.chunk_copied, MAX_CHUNK as usize),
+            ),
+            time_ns: slot.time_ns.load(Ordering::Relaxed),
+            cpu_ns: slot.cpu_ns.load(Ordering::Relaxed),
+        })
     }
 
     /// Ends a `capture`: the handler may fill the slot again.
@@ -188,6 +223,20 @@ impl Armed {
         }
         now & 3 != WRITING && state.compare_exchange(now, FREE, Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
+}
+
+/// What a signal copied from its thread, held in its slot until `Armed::release`.
+pub struct Capture {
+    pub regs: Regs,
+    /// The stack from `regs.sp`.
+    pub stack: &'static [u8],
+    /// The innermost Python frame pointer (None: not read).
+    pub pointer: Option<u64>,
+    /// The top of the live datastack chunk, from the address given (empty: not copied).
+    pub chunk: (u64, &'static [u8]),
+    /// When it was taken: the monotonic clock, and the thread's CPU clock (0: unread).
+    pub time_ns: u64,
+    pub cpu_ns: u64,
 }
 
 /// The kernel's `siginfo_t` for `SI_TIMER` on x86-64: 128 bytes, the value at 24.
@@ -280,11 +329,19 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
         gregs[libc::REG_RSP as usize] as u64,
         gregs[libc::REG_RBP as usize] as u64,
     );
-    let want = slot.want.load(Ordering::Relaxed);
     let buf = slot.buf.load(Ordering::Acquire);
-    let at = slot.pointer_at.load(Ordering::Relaxed);
-    let (word, copied) =
-        if buf.is_null() { (None, 0) } else { copy_stack(PID.load(Ordering::Relaxed), at, sp, want, buf) };
+    let chunk_buf = slot.chunk_buf.load(Ordering::Acquire);
+    if buf.is_null() || chunk_buf.is_null() {
+        let _ = slot.state.compare_exchange(g | WRITING, g | EMPTY, Ordering::AcqRel, Ordering::Relaxed);
+        return; // not prepared
+    }
+    let pid = PID.load(Ordering::Relaxed);
+    let [word, chunk, top] =
+        read_words(pid, slot.pointer_at.load(Ordering::Relaxed), slot.datastack_at.load(Ordering::Relaxed));
+    let live =
+        chunk.zip(top).filter(|&(c, t)| t > c && t - c <= MAX_LIVE).map(|(c, t)| t.saturating_sub(MAX_CHUNK).max(c)..t);
+    let want = slot.want.load(Ordering::Relaxed);
+    let (chunk_from, chunk_copied, copied) = copy_stack(pid, live, sp, want, chunk_buf, buf);
     let via = slot.pointer_via.load(Ordering::Relaxed).checked_sub(1);
     let pointer = match (word, via) {
         (Some(p), None) => Some(p),
@@ -299,6 +356,10 @@ unsafe fn answer(info: *const libc::siginfo_t, context: *const libc::c_void) {
         kept.store(gregs[reg as usize] as u64, Ordering::Relaxed);
     }
     slot.copied.store(copied, Ordering::Relaxed);
+    slot.chunk_from.store(chunk_from, Ordering::Relaxed);
+    slot.chunk_copied.store(chunk_copied, Ordering::Relaxed);
+    slot.time_ns.store(clock_ns(libc::CLOCK_MONOTONIC).unwrap_or(0), Ordering::Relaxed);
+    slot.cpu_ns.store(clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0), Ordering::Relaxed);
     // Retired while writing: the slot is no longer this arming's.
     let _ = slot.state.compare_exchange(g | WRITING, g | DONE, Ordering::AcqRel, Ordering::Relaxed);
 }
@@ -324,17 +385,53 @@ pub fn read_word(addr: u64) -> Option<u64> {
     (read == 8).then_some(word)
 }
 
-/// Reads the word at `word_at` (none at 0) and copies `[sp, sp + want)` into `buf` in
-/// one system call, one iovec per stack page so the read stops at the first unmapped
-/// page with what came before it. The word goes first: a stack read stopping short
-/// must not lose it. Gives the word (None: not read) and the stack bytes copied.
-unsafe fn copy_stack(pid: i32, word_at: u64, sp: u64, want: u64, buf: *mut u8) -> (Option<u64>, u64) {
+/// The word at `pointer_at` and the two at `datastack_at` (0: none; a frame pointer,
+/// a live chunk and its top), in one system call; None for a word not read.
+/// Async-signal-safe.
+unsafe fn read_words(pid: i32, pointer_at: u64, datastack_at: u64) -> [Option<u64>; 3] {
+    let mut words = [0u64; 3];
+    let asked = [(pointer_at, 0, 8), (datastack_at, 1, 16)];
+    let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+    let (mut local, mut remote, mut n) = ([empty; 2], [empty; 2], 0);
+    for &(at, i, len) in asked.iter().filter(|a| a.0 != 0) {
+        local[n] = libc::iovec { iov_base: words.as_mut_ptr().add(i) as *mut libc::c_void, iov_len: len };
+        remote[n] = libc::iovec { iov_base: at as *mut libc::c_void, iov_len: len };
+        n += 1;
+    }
+    if n == 0 {
+        return [None; 3];
+    }
+    let read = libc::syscall(libc::SYS_process_vm_readv, pid, local.as_ptr(), n, remote.as_ptr(), n, 0usize);
+    // A read stops at an iovec it cannot read: those before it are whole.
+    let (mut left, mut got) = (read.max(0) as usize, [false; 3]);
+    for &(_, i, len) in asked.iter().filter(|a| a.0 != 0) {
+        if left >= len {
+            got[i..i + len / 8].fill(true);
+        }
+        left = left.saturating_sub(len);
+    }
+    [0, 1, 2].map(|i| got[i].then_some(words[i]))
+}
+
+/// Copies the `live` range of a datastack chunk into `chunk_buf` and `[sp, sp + want)`
+/// into `buf` in one system call, one iovec per stack page so the read stops at the
+/// first unmapped page with what came before it. The chunk goes first: it is always
+/// mapped, and the stack's end may not be; a chunk that cannot be read is left out.
+/// Gives where the chunk's copy starts, its bytes and the stack's bytes copied.
+unsafe fn copy_stack(
+    pid: i32,
+    live: Option<Range<u64>>,
+    sp: u64,
+    want: u64,
+    chunk_buf: *mut u8,
+    buf: *mut u8,
+) -> (u64, u64, u64) {
     let end = sp.saturating_add(want.min(MAX_COPY as u64));
-    let mut word = 0u64;
     let mut remote = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS + 1];
-    let first = usize::from(word_at != 0);
-    if word_at != 0 {
-        remote[0] = libc::iovec { iov_base: word_at as *mut libc::c_void, iov_len: 8 };
+    let (from, chunk_len) = live.as_ref().map_or((0, 0), |r| (r.start, r.end - r.start));
+    let first = usize::from(chunk_len > 0);
+    if first == 1 {
+        remote[0] = libc::iovec { iov_base: from as *mut libc::c_void, iov_len: chunk_len as usize };
     }
     let (mut at, mut n) = (sp, first);
     while at < end && n < MAX_IOVECS + first {
@@ -344,11 +441,13 @@ unsafe fn copy_stack(pid: i32, word_at: u64, sp: u64, want: u64, buf: *mut u8) -
         (at, n) = (stop, n + 1);
     }
     let local = [
-        libc::iovec { iov_base: &mut word as *mut u64 as *mut libc::c_void, iov_len: 8 * first },
+        libc::iovec { iov_base: chunk_buf as *mut libc::c_void, iov_len: chunk_len as usize },
         libc::iovec { iov_base: buf as *mut libc::c_void, iov_len: (at - sp) as usize },
     ];
     let read = libc::syscall(libc::SYS_process_vm_readv, pid, local.as_ptr(), 2usize, remote.as_ptr(), n, 0usize);
     let read = read.max(0) as u64;
-    let skip = 8 * first as u64;
-    ((first == 1 && read >= 8).then_some(word), read.saturating_sub(skip))
+    if read < chunk_len {
+        return copy_stack(pid, None, sp, want, chunk_buf, buf);
+    }
+    (from, chunk_len, read - chunk_len)
 }
