@@ -198,55 +198,52 @@ class Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def test_sleeping_threads_are_never_interrupted():
-    """C code that does not retry on EINTR: a thread sleeping in nanosleep beside busy
-    sampled threads, never signalled since it is in a system call."""
-    interrupted: list[int] = []
-    sleeps = 0
+class Sleeper:
+    """A thread body sleeping in nanosleep through ctypes (C code that does not retry on
+    EINTR), after `work_s` of Python between sleeps; counts its sleeps and interruptions."""
 
-    def sleeper(stop: threading.Event) -> None:
-        nonlocal sleeps
-        ts = Timespec(0, 3_000_000)
+    def __init__(self, sleep_s: float, work_s: float = 0.0) -> None:
+        self.sleep_ns, self.work_s = int(sleep_s * 1e9), work_s
+        self.sleeps = 0
+        self.interrupted: list[int] = []
+
+    def __call__(self, stop: threading.Event) -> None:
+        ts = Timespec(0, self.sleep_ns)
         while not stop.is_set():
+            python_for(self.work_s)
             if libc.nanosleep(ctypes.byref(ts), None) != 0:
-                interrupted.append(ctypes.get_errno())
-            sleeps += 1
+                self.interrupted.append(ctypes.get_errno())
+            self.sleeps += 1
 
+
+def test_sleeping_threads_are_never_interrupted():
+    """A thread sleeping beside busy sampled threads is never signalled: it is in a
+    system call."""
+    sleeper = Sleeper(0.003)
     s = Sampler(native=True, rate=200, cpu_budget=0.5, idle=True)
     s.start()
     try:
         with Threads(("busy", matmul_loop, ()), ("sleeper", sleeper, ())):
-            wait_for(lambda: sleeps >= 1000 and s.stats()["native"]["merged"] >= 100)
+            wait_for(lambda: sleeper.sleeps >= 1000 and s.stats()["native"]["merged"] >= 100)
     finally:
         s.stop()
-    assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
+    assert sleeper.interrupted == [], f"{len(sleeper.interrupted)} of {sleeper.sleeps} sleeps interrupted"
 
 
 def test_a_thread_seen_sleeping_gets_no_timer():
     """A timer on a thread's CPU clock fires only while the thread runs, but it can fire
     as the thread enters a sleep, which then ends with EINTR (C code may not retry): a
     thread seen in a sleep lately is not armed, however much it computes between."""
-    interrupted: list[int] = []
-    sleeps = 0
-
-    def works_then_sleeps(stop: threading.Event) -> None:
-        nonlocal sleeps
-        ts = Timespec(0, 1_000_000)
-        while not stop.is_set():
-            python_for(0.001)
-            if libc.nanosleep(ctypes.byref(ts), None) != 0:
-                interrupted.append(ctypes.get_errno())
-            sleeps += 1
-
+    sleeper = Sleeper(0.001, work_s=0.001)
     # Its samples on a CPU, once it was seen asleep, count in `not_signalled` (a thread
     # signalled until then may have been captured: other threads can be too).
     record(
-        works_then_sleeps,
+        sleeper,
         "sleeper",
-        lambda s: sleeps >= 3000 and s.stats()["native"]["not_signalled"] >= 50,
+        lambda s: sleeper.sleeps >= 3000 and s.stats()["native"]["not_signalled"] >= 50,
         idle=True,
     )
-    assert interrupted == [], f"{len(interrupted)} of {sleeps} sleeps interrupted"
+    assert sleeper.interrupted == [], f"{len(sleeper.interrupted)} of {sleeper.sleeps} sleeps interrupted"
 
 
 def test_a_thread_blocking_the_signal_gets_python_only_samples():

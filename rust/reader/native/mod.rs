@@ -365,10 +365,7 @@ impl Native {
         self.after_unwind(w.tid, end, c.stack.len(), !merged && !moved);
         if merged {
             std::mem::swap(w.frames, &mut self.merged);
-            let (tick, clock_ns, epoch) = (self.tick, w.clock_ns, self.resolver.epoch);
-            let named = self.named.clone();
-            let latest = Latest { tick, clock_ns, epoch, pointer: c.pointer, named, end, copy_end };
-            self.latest.insert(w.tid, latest);
+            self.keep_latest(w, c.pointer, end, copy_end);
         }
         self.stats.merged += u64::from(merged);
         // Captured in the interpreter's own code, the native half had nothing to add.
@@ -376,6 +373,23 @@ impl Native {
         self.stats.moved += u64::from(moved);
         self.keep_costs([t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
         merged
+    }
+
+    /// Keeps the capture just merged to stand for `w`'s thread, in the place of its last.
+    fn keep_latest(&mut self, w: &Wanted<'_>, pointer: Option<u64>, end: End, copy_end: u64) {
+        let (tick, clock_ns, epoch) = (self.tick, w.clock_ns, self.resolver.epoch);
+        let latest = self.latest.entry(w.tid).or_insert_with(|| Latest {
+            tick,
+            clock_ns,
+            epoch,
+            pointer,
+            named: Vec::new(),
+            end,
+            copy_end,
+        });
+        latest.named.clone_from(&self.named); // in the Vec the thread's last one used
+        (latest.tick, latest.clock_ns, latest.epoch, latest.pointer) = (tick, clock_ns, epoch, pointer);
+        (latest.end, latest.copy_end) = (end, copy_end);
     }
 
     /// The Python frames and eval runs `c` copied, walked by `reader`; None where it
