@@ -101,9 +101,16 @@ class Sampler:
         self.name_threads()
 
     def name_threads(self) -> None:
-        """Name live threads in profiles; the fast reader reads no names itself."""
+        """Name live threads in profiles; the fast reader reads no names itself. A forked
+        child's thread keeps its parent's `native_id` (CPython never updates it), which on
+        3.9 and 3.10 is the only native id the sampler has: the calling thread's is asked."""
+        here = threading.current_thread()
         self._native.name_threads(
-            [(t.ident, t.name, t.native_id) for t in threading.enumerate() if t.ident is not None]
+            [
+                (t.ident, t.name, threading.get_native_id() if t is here else t.native_id)
+                for t in threading.enumerate()
+                if t.ident is not None
+            ]
         )
 
     def stop(self) -> None:
