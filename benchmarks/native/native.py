@@ -122,8 +122,8 @@ def memory(section: Section, seconds: float) -> None:
             [
                 f"native={native}",
                 f"{mods['symbol_bytes'] / 2**20:.1f}" if mods else "-",
-                f"{mods['mapped_bytes'] / 2**20:.0f}" if mods else "-",
-                f"{mods['modules']} / {mods['symbols']}" if mods else "-",
+                f"{mods['table_bytes'] / 2**20:.1f}" if mods else "-",
+                f"{mods['modules']} ({mods['read']}) / {mods['symbols']}" if mods else "-",
                 f"{r['before']['VmRSS'] / 1024:.0f}",
                 " / ".join(f"{growth[k]:+.1f}" for k in ("VmRSS", "RssAnon", "RssFile")),
             ]
@@ -135,8 +135,8 @@ def memory(section: Section, seconds: float) -> None:
             [
                 "sampler",
                 "symbol tables MiB",
-                "mapped MiB",
-                "modules / symbols",
+                "unwind tables MiB",
+                "modules (read) / symbols",
                 "RSS before MiB",
                 "growth MiB: VmRSS / RssAnon / RssFile",
             ],
@@ -146,8 +146,8 @@ def memory(section: Section, seconds: float) -> None:
     symbols = runs[True]["stats"]["native"]["modules"]["symbol_bytes"]
     section.notes.append(
         f"Target: symbol tables ≤ {SYMBOLS_MAX >> 20} MiB with numpy, pandas and pyarrow. Measured "
-        f"{symbols / 2**20:.1f} MiB: {verdict(symbols <= SYMBOLS_MAX)}. Mapped: the modules' files the sampler "
-        f"maps to read unwind tables and symbols (shared, paged in as read: RssFile)."
+        f"{symbols / 2**20:.1f} MiB: {verdict(symbols <= SYMBOLS_MAX)}. Modules are read (symbols indexed, "
+        f"unwind tables copied: RssAnon) the first time a stack meets them; their files are never mapped."
     )
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
+import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -450,6 +454,134 @@ def test_cpp_exceptions_while_sampling():
     done = subprocess.run([sys.executable, "-c", CPP_EXCEPTIONS], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("OK"), done.stdout
+
+
+PAGE = 4096
+
+BUSY_C = """
+#include <time.h>
+volatile double sink;
+__attribute__((noinline)) void PREFIX_spin(double seconds) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do {
+        for (int i = 0; i < 100000; i++) sink += i * 0.5;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9 < seconds);
+}
+"""
+
+
+def busy_library(directory: Any, prefix: str = "busy", fillers: int = 300) -> str:
+    """`libbusy.so` in `directory`: `{prefix}_spin` (a busy loop) and `fillers` functions
+    named after `prefix`, which with the debug information put the symbol and string tables
+    pages past the segments the loader maps. Frame pointers: its frames unwind without
+    its tables."""
+    os.makedirs(directory, exist_ok=True)
+    source, path = os.path.join(directory, "busy.c"), os.path.join(directory, "libbusy.so")
+    fill = "".join(
+        f"int {prefix}_filler_{i:03d}_with_a_long_name(int x) {{ return x * {i} + 1; }}\n" for i in range(fillers)
+    )
+    with open(source, "w") as f:
+        f.write(BUSY_C.replace("PREFIX", prefix) + fill)
+    cc = ["cc", "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer", "-o", path, source]
+    subprocess.run(cc, check=True, capture_output=True, timeout=120)
+    return path
+
+
+def layout(path: str) -> tuple[int, int]:
+    """Where the file's last loaded segment ends, and where its string table (`.strtab`) starts."""
+    with open(path, "rb") as f:
+        data = f.read()
+    phoff, shoff = struct.unpack_from("<QQ", data, 32)
+    phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from("<HHHHH", data, 54)
+    segments = [struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize) for i in range(phnum)]
+    end = max(offset + filesz for kind, _, offset, _, _, filesz in segments if kind == 1)  # PT_LOAD
+    sections = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    strtab = next(s[4] for s in sections if data[names + s[0] : data.index(b"\0", names + s[0])] == b".strtab")
+    return end, strtab
+
+
+LIBRARY_CHANGED = textwrap.dedent(
+    """
+    import ctypes, json, os, sys, threading, time
+    from dask_pyspy import Sampler
+
+    path, change, arg = sys.argv[1:4]
+    lib = ctypes.CDLL(path)
+    lib.busy_spin.argtypes = [ctypes.c_double]
+    if change == "replace":
+        os.replace(arg, path)  # a new inode at the path, before the sampler ever saw it
+    s = Sampler(native=True, rate=200, cpu_budget=0.5)
+    s.start()  # lists the modules (which the sampler once mapped, whole) before it returns
+    if change == "cut":
+        os.truncate(path, int(arg))
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            lib.busy_spin(0.05)
+
+    t = threading.Thread(target=spin, name="spinner")
+    t.start()
+    names, deadline = [], time.monotonic() + 120
+    while not (names and s.stats()["native"]["merged"] >= 20) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        frames = s.profile().speedscope()["shared"]["frames"]
+        names = sorted({f["name"] for f in frames if f.get("file") == "libbusy.so"})
+    stop.set()
+    t.join()
+    s.stop()
+    print(json.dumps({"names": names, "modules": s.stats()["native"]["modules"]}))
+    """
+)
+
+
+def run_changed(path: str, change: str, arg: str) -> dict[str, Any]:
+    """LIBRARY_CHANGED in a child, so that a fault shows as its signal rather than ending pytest."""
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY_CHANGED, path, change, arg], capture_output=True, text=True, timeout=300
+    )
+    died = f"signal {signal.Signals(-done.returncode).name}" if done.returncode < 0 else done.returncode
+    assert done.returncode == 0, (died, done.stderr[-3000:])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def nameless(names: list[str]) -> bool:
+    return bool(names) and all(re.fullmatch(r"libbusy\.so\+0x[0-9a-f]+", n) for n in names)
+
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+@needs_cc
+def test_a_library_cut_while_loaded_never_faults(tmp_path):
+    """A library's file truncated in place while loaded (`cp` over it, an NFS server's
+    update): a mapping of it faults (SIGBUS) at any page past the new end, which killed
+    the worker when the sampler mapped the file. Cut just past its loaded segments, its
+    code runs on; its symbols are gone, so its frames read `libbusy.so+0x...`."""
+    path = busy_library(tmp_path)
+    end, strtab = layout(path)
+    assert strtab >= (end // PAGE + 1) * PAGE, "the string table must lie in pages wholly past the cut"
+    out = run_changed(path, "cut", str(end))
+    assert nameless(out["names"]), out
+    assert out["modules"]["unreadable"] + out["modules"]["replaced"] >= 1, out
+
+
+@needs_cc
+def test_a_library_replaced_on_disk_is_named_only_from_the_same_bytes(tmp_path):
+    """A library's file replaced while loaded, before the sampler read it (a new inode at
+    its path, as `pip install` leaves it): another build is not the code loaded, and its
+    names would be wrong (a sampler that mapped it named `busy_spin` `_fini`); the same
+    bytes (the same wheel installed again) still name it."""
+    path = busy_library(tmp_path / "loaded")
+    same = shutil.copy(path, tmp_path / "same.so")
+    assert run_changed(path, "replace", str(same))["names"] == ["busy_spin"]
+    other = busy_library(tmp_path / "other", prefix="decoy", fillers=100)
+    out = run_changed(path, "replace", other)
+    assert nameless(out["names"]), out
+    assert out["modules"]["replaced"] >= 1, out
 
 
 def test_live_dump_shows_native_frames():

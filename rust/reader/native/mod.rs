@@ -5,6 +5,7 @@
 //! `modules`), names the addresses (`symbols`, `resolve`) and merges them with the
 //! thread's Python frames (`merge`).
 
+mod elf;
 mod merge;
 mod modules;
 mod resolve;
@@ -45,9 +46,6 @@ const TIMERS_PER_INTERVAL: u32 = 2;
 /// How often the loader's module counts are checked, for modules loaded or unloaded
 /// at addresses already seen.
 const LIST_EVERY: Duration = Duration::from_secs(1);
-/// How often the modules' file pages read are given back: the pages of the tables
-/// in use come back at once, the rest (names looked up once) stay out of the RSS.
-const RELEASE_EVERY: Duration = Duration::from_secs(30);
 /// Per-capture costs kept for the medians in the stats.
 const COSTS_KEPT: usize = 1024;
 /// Before 4.19 a signal restarts a `fork` in progress, and a large process's fork
@@ -150,7 +148,6 @@ pub struct Native {
     tick: u64,
     modules: Modules,
     listed: Instant,
-    released: Instant,
     cache: Box<CacheX86_64>,
     resolver: Resolver,
     copy: FxHashMap<u64, usize>,
@@ -217,7 +214,6 @@ impl Native {
             tick: 0,
             modules: Modules::new(),
             listed: Instant::now(),
-            released: Instant::now(),
             cache: Box::new(CacheX86_64::new()),
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
@@ -261,10 +257,6 @@ impl Native {
         if self.listed.elapsed() >= LIST_EVERY {
             self.modules.refresh();
             self.listed = Instant::now();
-        }
-        if self.released.elapsed() >= RELEASE_EVERY {
-            self.modules.release();
-            self.released = Instant::now();
         }
         for w in threads {
             if let Some(slot) = self.armed(w) {
@@ -345,7 +337,7 @@ impl Native {
     fn take(&mut self, c: &Capture, w: &mut Wanted<'_>, reader: &mut dyn StackReader) -> bool {
         self.stats.captures += 1;
         let t0 = Instant::now();
-        let mut end = unwind(&self.modules.unwinder, &mut self.cache, c.regs, c.stack, &mut self.unwound);
+        let mut end = self.unwind_copy(c.regs, c.stack, None);
         let t1 = Instant::now();
         let copied = self.copied_python(c, w, reader);
         self.stats.exact += u64::from(copied.is_some());
@@ -458,12 +450,29 @@ impl Native {
         (kept, from): (usize, u64),
         at: (u64, u64),
     ) -> Option<End> {
-        self.unwound.truncate(kept);
-        let end = unwind_from(&self.modules.unwinder, &mut self.cache, regs, stack, at, &mut self.unwound);
+        let end = self.unwind_copy(regs, stack, Some((kept, at)));
         self.merge_into(python, end, copy_end).ok()?;
         self.stats.scanned += 1;
         self.scanned_at.insert(tid, at.0 - from);
         Some(end)
+    }
+
+    /// Unwinds the copy `stack`, or (`from`) again from a return address above the frames
+    /// kept; and again each time it met a module read only then, whose tables lead on.
+    fn unwind_copy(&mut self, regs: Regs, stack: &[u8], from: Option<(usize, (u64, u64))>) -> End {
+        loop {
+            let (unwinder, cache, out) = (&self.modules.unwinder, &mut self.cache, &mut self.unwound);
+            let end = match from {
+                None => unwind(unwinder, cache, regs, stack, out),
+                Some((kept, at)) => {
+                    out.truncate(kept);
+                    unwind_from(unwinder, cache, regs, stack, at, out)
+                }
+            };
+            if !self.modules.read_tables(self.unwound.iter().map(|f| f.pc)) {
+                return end;
+            }
+        }
     }
 
     /// The bytes of stack a signal asks `tid` to copy.
@@ -522,7 +531,7 @@ impl Native {
             armed: self.timers.count(),
             busy: self.timers.busy(),
             unknown_addresses: self.resolver.unknown,
-            modules: self.modules.stats,
+            modules: self.modules.stats(),
             ..self.stats.clone()
         };
         if !self.costs.is_empty() {

@@ -1,70 +1,33 @@
 //! The modules (executable and shared libraries) loaded in this process: their code's
-//! addresses, their unwind tables for framehop and their symbols. Each file is mapped
-//! read-only once and parsed once; our own mapping keeps a module's tables valid even
-//! after the program unloads it. The list is taken again with `dl_iterate_phdr` (on
-//! the sampling thread only: it takes the loader's lock) when the loader's counts of
-//! loads and unloads moved.
+//! addresses, their unwind tables for framehop and their symbols. A module is read the
+//! first time one of its addresses is unwound or named (most loaded modules never are):
+//! from its file with `pread` (see `elf`), and only if the file holds the program
+//! headers and notes (the linker's build id) the loader mapped, so a file replaced on
+//! disk since (`pip install`) never names the code loaded. The list is taken again with
+//! `dl_iterate_phdr` (on the sampling thread only: it takes the loader's lock) when the
+//! loader's counts of loads and unloads moved.
 
-use super::signal::read_word;
+use super::elf::{segments, Elf, Reader, Source, SEGMENT_SIZE};
+use super::signal::{read_memory, read_word};
 use super::symbols::{readable, Symbols};
 use framehop::x86_64::UnwinderX86_64;
 use framehop::{ExplicitModuleSectionInfo, Module as UnwindModule, Unwinder};
-use memmap2::Mmap;
 use nix::libc;
-use object::{Object, ObjectSection};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::ffi::CStr;
-use std::ops::{Deref, Range};
-use std::sync::Arc;
+use std::ops::Range;
 
 /// Functions indexed across all modules at most (16 bytes each): past it, a module's
 /// addresses read as `library+offset`.
 const MAX_SYMBOLS: usize = 4 << 20;
+/// Bytes of a note segment compared with the file, at most.
+const MAX_NOTE: usize = 4096;
 /// The eval loop's function: where Python frames are merged in.
 pub const EVAL: &str = "_PyEval_EvalFrameDefault";
 
-/// A module's bytes: its file mapped, or (the vDSO, which has no file) a copy.
-pub enum Image {
-    Mapped(Mmap),
-    Copied(Vec<u8>),
-}
-
-impl Image {
-    /// Gives back the pages read so far: reading a module's symbols touches all of its
-    /// symbol and string tables, and a file's pages mapped here count in the process's
-    /// RSS (which dask's memory limits watch). Later reads page in only what they use.
-    fn release(&self) {
-        if let Image::Mapped(m) = self {
-            // SAFETY: a read-only private file mapping: dropped pages read back from the file.
-            let _ = unsafe { m.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
-        }
-    }
-}
-
-impl Deref for Image {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Image::Mapped(m) => m,
-            Image::Copied(v) => v,
-        }
-    }
-}
-
-/// Bytes of a module's image, as framehop wants its sections.
-#[derive(Clone)]
-pub struct Section {
-    map: Arc<Image>,
-    range: Range<usize>,
-}
-
-impl Deref for Section {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.map[self.range.clone()]
-    }
-}
+/// Bytes of a module's unwind tables, copied: framehop reads them at every unwind.
+pub type Table = Vec<u8>;
 
 /// The kernel's vDSO (clock_gettime, gettimeofday), named as the loader names it.
 const VDSO: &str = "linux-vdso.so.1";
@@ -79,28 +42,142 @@ pub struct Module {
     pub bias: u64,
     /// The interpreter itself (libpython, or an executable with the eval loop).
     pub interpreter: bool,
-    map: Option<Arc<Image>>,
-    symbols: Symbols,
+    loaded: Loaded,
+    state: State,
+    /// Bytes of its unwind tables.
+    tables: usize,
+}
+
+enum State {
+    Unread,
+    /// Named from its file, whose names are read as they are looked up.
+    Named(Source, Symbols),
+    /// Without names: no symbols, or a file that is not (or no longer) the one loaded.
+    Nameless,
+}
+
+/// Why a module was not read.
+enum Unread {
+    Unreadable,
+    Replaced,
 }
 
 impl Module {
-    /// The readable name of the function at `addr` (in this process).
-    pub fn function(&self, addr: u64) -> Option<String> {
-        let map = self.map.as_ref()?;
-        self.symbols.lookup(addr.wrapping_sub(self.bias), map).map(readable)
+    fn new(l: Listed) -> Module {
+        let name = short_name(&l.path).to_string();
+        Module {
+            interpreter: name.starts_with("libpython"),
+            name,
+            path: l.path,
+            code: l.code,
+            bias: l.bias,
+            loaded: l.loaded,
+            state: State::Unread,
+            tables: 0,
+        }
+    }
+
+    /// Reads the module's symbols, and its unwind tables for framehop if it has some.
+    fn read(&mut self, budget: usize) -> Result<Option<ExplicitModuleSectionInfo<Table>>, Unread> {
+        self.state = State::Nameless; // read once, whatever comes of it
+        let source = if self.path == VDSO { vdso().map(Source::Copy) } else { Source::file(&self.path) };
+        let source = source.ok_or(Unread::Unreadable)?;
+        let reader = source.open().ok_or(Unread::Unreadable)?;
+        let elf = Elf::read(&reader).ok_or(Unread::Unreadable)?;
+        if !self.loaded.matches(&elf, &reader) {
+            return Err(Unread::Replaced);
+        }
+        let symbols = Symbols::read(&elf, &reader, budget);
+        self.interpreter |= symbols.defines(EVAL.as_bytes(), &reader);
+        let info = tables(&elf, &reader);
+        self.tables = info.as_ref().map_or(0, table_bytes);
+        drop(reader);
+        if symbols.len() > 0 {
+            self.state = State::Named(source, symbols);
+        }
+        Ok(info)
+    }
+
+    /// The readable name of the function at `addr` (in this process); a file changed
+    /// since the module was read is counted in `replaced` and read no more.
+    fn function(&mut self, addr: u64, counted: &mut ModuleStats) -> Option<String> {
+        let State::Named(source, symbols) = &self.state else { return None };
+        let name = symbols.lookup(addr.wrapping_sub(self.bias))?;
+        let Some(reader) = source.open() else {
+            counted.replaced += 1;
+            self.state = State::Nameless;
+            return None;
+        };
+        symbols.name(name, &reader).map(|raw| readable(&raw))
+    }
+
+    fn symbols(&self) -> &Symbols {
+        match &self.state {
+            State::Named(_, symbols) => symbols,
+            _ => &NO_SYMBOLS,
+        }
+    }
+}
+
+static NO_SYMBOLS: Symbols = Symbols::empty();
+
+/// framehop's view of a module: its `.eh_frame` and `.eh_frame_hdr` copied, and the
+/// addresses of `.text` and `.got` its pointers may be relative to (framehop reads no
+/// code of an ELF module: it takes no `.text`).
+fn tables(elf: &Elf, reader: &Reader<'_>) -> Option<ExplicitModuleSectionInfo<Table>> {
+    let eh_frame = elf.section(".eh_frame")?;
+    let eh_frame_data = eh_frame.read(reader)?;
+    let hdr = elf.section(".eh_frame_hdr").and_then(|h| Some((h.addresses(), h.read(reader)?)));
+    let (eh_frame_hdr_svma, eh_frame_hdr) = hdr.unzip();
+    Some(ExplicitModuleSectionInfo {
+        base_svma: 0,
+        text_svma: elf.section(".text").map(|t| t.addresses()),
+        got_svma: elf.section(".got").map(|g| g.addresses()),
+        eh_frame_svma: Some(eh_frame.addresses()),
+        eh_frame: Some(eh_frame_data),
+        eh_frame_hdr_svma,
+        eh_frame_hdr,
+        ..Default::default()
+    })
+}
+
+fn table_bytes(info: &ExplicitModuleSectionInfo<Table>) -> usize {
+    [&info.eh_frame, &info.eh_frame_hdr].into_iter().flatten().map(Vec::len).sum()
+}
+
+/// What the loader mapped of a module's file: its program headers, and its notes with
+/// their offsets in the file.
+struct Loaded {
+    headers: Vec<u8>,
+    notes: Vec<(u64, Vec<u8>)>,
+}
+
+impl Loaded {
+    /// Whether the file read as `elf` holds the same.
+    fn matches(&self, elf: &Elf, reader: &Reader<'_>) -> bool {
+        let same = |offset: u64, bytes: &[u8]| reader.read(offset, bytes.len() as u64).as_deref() == Some(bytes);
+        elf.headers.1 == self.headers.len() as u64
+            && same(elf.headers.0, &self.headers)
+            && self.notes.iter().all(|(offset, bytes)| same(*offset, bytes))
     }
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct ModuleStats {
+    /// Modules loaded, and those read (met in a stack).
     pub modules: usize,
+    pub read: usize,
     pub symbols: usize,
     /// Memory the symbol indices take.
     pub symbol_bytes: usize,
-    /// Bytes of files mapped (shared with the loader's own mapping, paged in as read).
-    pub mapped_bytes: usize,
+    /// Memory the unwind tables copied take.
+    pub table_bytes: usize,
     pub listings: u64,
+    /// Modules whose file could not be read (gone, or no ELF file).
     pub unreadable: u64,
+    /// Modules whose file is not the one loaded: replaced before they were read, or
+    /// changed (cut, rewritten, removed) since. Their addresses read `library+offset`.
+    pub replaced: u64,
 }
 
 /// One module as the loader lists it.
@@ -108,14 +185,16 @@ struct Listed {
     path: String,
     bias: u64,
     code: Range<u64>,
+    loaded: Loaded,
 }
 
 pub struct Modules {
     /// Sorted by code address.
     list: Vec<Module>,
-    pub unwinder: UnwinderX86_64<Section>,
+    pub unwinder: UnwinderX86_64<Table>,
     counts: (u64, u64),
-    pub stats: ModuleStats,
+    /// The counters of `stats`.
+    counted: ModuleStats,
     /// `after_call`'s answers: a stack holds the same return addresses tick after tick.
     calls: FxHashMap<u64, bool>,
 }
@@ -129,21 +208,65 @@ impl Modules {
             list: Vec::new(),
             unwinder: UnwinderX86_64::new(),
             counts: (u64::MAX, u64::MAX),
-            stats: ModuleStats::default(),
+            counted: ModuleStats::default(),
             calls: FxHashMap::default(),
         };
         m.refresh();
         m
     }
 
-    /// The module whose code holds `addr`.
-    pub fn find(&self, addr: u64) -> Option<&Module> {
+    fn index(&self, addr: u64) -> Option<usize> {
         // Most words a stack scan meets are no code address at all.
         if addr < self.list.first()?.code.start || addr >= self.list.last()?.code.end {
             return None;
         }
         let i = self.list.partition_point(|m| m.code.start <= addr).checked_sub(1)?;
-        Some(&self.list[i]).filter(|m| m.code.contains(&addr))
+        self.list[i].code.contains(&addr).then_some(i)
+    }
+
+    /// The module whose code holds `addr`.
+    pub fn find(&self, addr: u64) -> Option<&Module> {
+        self.index(addr).map(|i| &self.list[i])
+    }
+
+    /// The module whose code holds `addr` (read if it was not), and the readable name
+    /// of the function there.
+    pub fn function(&mut self, addr: u64) -> Option<(&Module, Option<String>)> {
+        let i = self.index(addr)?;
+        self.read(i);
+        let name = self.list[i].function(addr, &mut self.counted);
+        Some((&self.list[i], name))
+    }
+
+    /// Reads the first module not read yet that holds one of `pcs` and has unwind
+    /// tables; whether one did (an unwind over them may go further).
+    pub fn read_tables(&mut self, pcs: impl IntoIterator<Item = u64>) -> bool {
+        pcs.into_iter().any(|pc| self.index(pc).is_some_and(|i| self.read(i)))
+    }
+
+    /// Reads module `i` if it was not; whether its unwind tables were added now.
+    fn read(&mut self, i: usize) -> bool {
+        if !matches!(self.list[i].state, State::Unread) {
+            return false;
+        }
+        let budget = MAX_SYMBOLS.saturating_sub(self.list.iter().map(|m| m.symbols().len()).sum());
+        let module = &mut self.list[i];
+        match module.read(budget) {
+            Ok(Some(info)) => {
+                let unwind = UnwindModule::new(module.name.clone(), module.code.clone(), module.bias, info);
+                self.unwinder.add_module(unwind);
+                true
+            }
+            Ok(None) => false,
+            Err(Unread::Unreadable) => {
+                self.counted.unreadable += 1;
+                false
+            }
+            Err(Unread::Replaced) => {
+                self.counted.replaced += 1;
+                false
+            }
+        }
     }
 
     /// Whether `addr` can be a return address: in a module's code, just after bytes
@@ -160,12 +283,11 @@ impl Modules {
 
     /// Lists the modules again if any were loaded or unloaded since the last listing.
     pub fn refresh(&mut self) {
-        let (listed, counts) = list();
-        if counts == self.counts {
+        let Some((listed, counts)) = list(self.counts) else {
             return;
-        }
+        };
         self.counts = counts;
-        self.stats.listings += 1;
+        self.counted.listings += 1;
         let same = |m: &Module, l: &Listed| m.path == l.path && m.bias == l.bias && m.code == l.code;
         let (kept, gone): (Vec<Module>, Vec<Module>) =
             std::mem::take(&mut self.list).into_iter().partition(|m| listed.iter().any(|l| same(m, l)));
@@ -175,73 +297,28 @@ impl Modules {
         self.list = kept;
         for l in listed {
             if !self.list.iter().any(|m| same(m, &l)) {
-                let module = self.load(l);
-                self.list.push(module);
+                self.list.push(Module::new(l));
             }
         }
         self.list.sort_by_key(|m| m.code.start);
         self.calls.clear();
-        self.stats.modules = self.list.len();
-        self.stats.symbols = self.list.iter().map(|m| m.symbols.len()).sum();
-        self.stats.symbol_bytes = self.list.iter().map(|m| m.symbols.bytes()).sum();
-        self.stats.mapped_bytes = self.list.iter().filter_map(|m| m.map.as_ref()).map(|m| m.len()).sum();
     }
 
-    /// Gives back every module's pages read so far (see `Image::release`).
-    pub fn release(&self) {
-        self.list.iter().filter_map(|m| m.map.as_ref()).for_each(|m| m.release());
+    /// Changes when a module was loaded or unloaded.
+    pub fn listings(&self) -> u64 {
+        self.counted.listings
     }
 
-    fn load(&mut self, l: Listed) -> Module {
-        let name = short_name(&l.path).to_string();
-        let mut module = Module {
-            interpreter: name.starts_with("libpython"),
-            name,
-            path: l.path,
-            code: l.code,
-            bias: l.bias,
-            map: None,
-            symbols: Symbols::empty(),
-        };
-        let Some(map) = image(&module.path).map(Arc::new) else {
-            self.stats.unreadable += 1;
-            return module;
-        };
-        let Ok(file) = object::File::parse(&**map) else {
-            self.stats.unreadable += 1;
-            return module;
-        };
-        let budget = MAX_SYMBOLS.saturating_sub(self.list.iter().map(|m| m.symbols.len()).sum());
-        module.symbols = Symbols::read(&file, &map, budget);
-        module.interpreter |= module.symbols.defines(EVAL.as_bytes(), &map);
-        map.release();
-        let section = |name: &str| {
-            let s = file.section_by_name(name)?;
-            let (offset, size) = s.file_range()?;
-            let range = offset as usize..(offset + size) as usize;
-            Some((s.address()..s.address() + size, Section { map: map.clone(), range }))
-        };
-        let (text, eh_frame, eh_frame_hdr) = (section(".text"), section(".eh_frame"), section(".eh_frame_hdr"));
-        let got = file.section_by_name(".got").map(|s| s.address()..s.address() + s.size());
-        let info = ExplicitModuleSectionInfo {
-            base_svma: 0,
-            text_svma: text.as_ref().map(|t| t.0.clone()),
-            text: text.map(|t| t.1),
-            got_svma: got,
-            eh_frame_svma: eh_frame.as_ref().map(|e| e.0.clone()),
-            eh_frame: eh_frame.map(|e| e.1),
-            eh_frame_hdr_svma: eh_frame_hdr.as_ref().map(|e| e.0.clone()),
-            eh_frame_hdr: eh_frame_hdr.map(|e| e.1),
-            stubs_svma: None,
-            stub_helper_svma: None,
-            unwind_info: None,
-            debug_frame: None,
-            text_segment_svma: None,
-            text_segment: None,
-        };
-        self.unwinder.add_module(UnwindModule::new(module.name.clone(), module.code.clone(), module.bias, info));
-        module.map = Some(map);
-        module
+    pub fn stats(&self) -> ModuleStats {
+        let read = self.list.iter().filter(|m| !matches!(m.state, State::Unread));
+        ModuleStats {
+            modules: self.list.len(),
+            read: read.clone().count(),
+            symbols: self.list.iter().map(|m| m.symbols().len()).sum(),
+            symbol_bytes: self.list.iter().map(|m| m.symbols().bytes()).sum(),
+            table_bytes: self.list.iter().map(|m| m.tables).sum(),
+            ..self.counted
+        }
     }
 }
 
@@ -265,17 +342,6 @@ fn short_name(path: &str) -> &str {
     below.unwrap_or_else(|| path.rsplit('/').next().unwrap_or(path))
 }
 
-/// The bytes of the module at `path`: its file mapped, or the vDSO copied.
-fn image(path: &str) -> Option<Image> {
-    if path == VDSO {
-        return vdso().map(Image::Copied);
-    }
-    let file = std::fs::File::open(path).ok()?;
-    // SAFETY: a read-only private mapping; a file truncated under it could fault, as
-    // it would for the loader's own mapping of the same code.
-    unsafe { Mmap::map(&file) }.ok().map(Image::Mapped)
-}
-
 /// A copy of the vDSO's ELF image: its header says how long it is.
 fn vdso() -> Option<Vec<u8>> {
     // SAFETY: the kernel maps the vDSO at AT_SYSINFO_EHDR for the process's life, a
@@ -291,46 +357,95 @@ fn vdso() -> Option<Vec<u8>> {
     }
 }
 
-/// The loader's modules with a file (and the vDSO), and its counts of loads and unloads.
-fn list() -> (Vec<Listed>, (u64, u64)) {
+/// The loader's modules with a file (and the vDSO), and its counts of loads and
+/// unloads; None if the counts are still `known`.
+fn list(known: (u64, u64)) -> Option<(Vec<Listed>, (u64, u64))> {
     struct Out {
         listed: Vec<Listed>,
         counts: (u64, u64),
-        exe: String,
+        known: (u64, u64),
     }
     unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut libc::c_void) -> libc::c_int {
         // SAFETY: the loader passes a valid info for the call; `data` is our `Out`.
         let (info, out) = unsafe { (&*info, &mut *(data as *mut Out)) };
         out.counts = (info.dlpi_adds, info.dlpi_subs);
-        let name = if info.dlpi_name.is_null() {
-            String::new()
-        } else {
-            // SAFETY: a NUL-terminated name owned by the loader.
-            unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned()
-        };
-        let path = if name.is_empty() { out.exe.clone() } else { name };
-        // SAFETY: the loader's program headers, `dlpi_phnum` of them.
-        let headers = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-        let code = headers
-            .iter()
-            .filter(|h| h.p_type == libc::PT_LOAD && h.p_flags & libc::PF_X != 0)
-            .map(|h| info.dlpi_addr + h.p_vaddr..info.dlpi_addr + h.p_vaddr + h.p_memsz)
-            .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end));
-        if let Some(code) = code.filter(|_| path.starts_with('/') || path == VDSO) {
-            out.listed.push(Listed { path, bias: info.dlpi_addr, code });
+        if out.counts == out.known {
+            return 1; // stops the listing
         }
+        out.listed.extend(listed(info));
         0
     }
-    let exe = std::fs::read_link("/proc/self/exe").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-    let mut out = Out { listed: Vec::new(), counts: (0, 0), exe };
+    let mut out = Out { listed: Vec::new(), counts: known, known };
     // SAFETY: the callback only reads what the loader passes and writes `out`.
     unsafe { libc::dl_iterate_phdr(Some(each), &mut out as *mut Out as *mut libc::c_void) };
-    (out.listed, out.counts)
+    (out.counts != known).then_some((out.listed, out.counts))
+}
+
+/// The module `info` describes, if it has a file (or is the vDSO) and code. Its program
+/// headers and notes are read through the kernel: a file cut under the loader's
+/// mapping of them reads as nothing rather than faulting.
+fn listed(info: &libc::dl_phdr_info) -> Option<Listed> {
+    let path = if info.dlpi_name.is_null() {
+        String::new()
+    } else {
+        // SAFETY: a NUL-terminated name owned by the loader.
+        unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned()
+    };
+    let path =
+        if path.is_empty() { std::fs::read_link("/proc/self/exe").ok()?.to_string_lossy().into_owned() } else { path };
+    if !path.starts_with('/') && path != VDSO {
+        return None;
+    }
+    let bias = info.dlpi_addr;
+    let headers = read_memory(info.dlpi_phdr as u64, usize::from(info.dlpi_phnum) * SEGMENT_SIZE)?;
+    let code = segments(&headers)
+        .filter(|s| s.kind == libc::PT_LOAD && s.flags & libc::PF_X != 0)
+        .map(|s| bias + s.vaddr..bias + s.vaddr + s.memsz)
+        .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end))?;
+    let notes = segments(&headers)
+        .filter(|s| s.kind == libc::PT_NOTE)
+        .filter_map(|s| Some((s.offset, read_memory(bias + s.vaddr, (s.filesz as usize).min(MAX_NOTE))?)))
+        .collect();
+    Some(Listed { path, bias, code, loaded: Loaded { headers, notes } })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Modules holding libc alone, as listed, with the file at `path` in its place.
+    fn libc_read_from(path: &std::path::Path) -> Modules {
+        let (listed, _) = list((u64::MAX, u64::MAX)).expect("a listing");
+        let mut libc = listed.into_iter().find(|l| short_name(&l.path).starts_with("libc.so")).expect("libc");
+        libc.path = path.to_string_lossy().into_owned();
+        let mut modules = Modules::new();
+        modules.list = vec![Module::new(libc)];
+        modules
+    }
+
+    #[test]
+    fn only_the_file_loaded_names_its_code() {
+        let getpid = libc::getpid as *const () as usize as u64;
+        let loaded = Modules::new().find(getpid).expect("libc").path.clone();
+        let dir = std::env::temp_dir().join(format!("dask-pyspy-modules-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let copy = dir.join("libc.so.6");
+        // The same bytes at another inode (a wheel installed again): the loaded file.
+        std::fs::copy(&loaded, &copy).unwrap();
+        let mut modules = libc_read_from(&copy);
+        let name = modules.function(getpid).and_then(|(_, name)| name);
+        assert!(name.as_deref().is_some_and(|n| n.contains("getpid")), "{name:?}");
+        // Cut since it was read: read no more (and never a fault).
+        std::fs::File::options().write(true).open(&copy).unwrap().set_len(4096).unwrap();
+        assert_eq!(modules.function(getpid).map(|(_, name)| name), Some(None));
+        assert_eq!(modules.stats().replaced, 1);
+        // Another file in its place (`pip install` of another version): not the one loaded.
+        let mut modules = libc_read_from(&std::env::current_exe().unwrap());
+        assert_eq!(modules.function(getpid).map(|(_, name)| name), Some(None));
+        let stats = modules.stats();
+        assert_eq!((stats.read, stats.replaced, stats.symbols), (1, 1, 0));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn modules_are_named_below_site_packages() {

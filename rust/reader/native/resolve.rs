@@ -58,9 +58,9 @@ impl Resolver {
 
     /// The frame id and kind of the code at `addr`.
     pub fn resolve(&mut self, addr: u64, modules: &mut Modules) -> (u32, Kind) {
-        if self.listing != modules.stats.listings {
+        if self.listing != modules.listings() {
             self.by_address.clear();
-            self.listing = modules.stats.listings;
+            self.listing = modules.listings();
         }
         if let Some(&found) = self.by_address.get(&addr) {
             return found;
@@ -93,11 +93,11 @@ impl Resolver {
     }
 }
 
-fn describe(addr: u64, modules: &Modules) -> (Frame, Kind) {
-    let Some(module) = modules.find(addr) else {
+fn describe(addr: u64, modules: &mut Modules) -> (Frame, Kind) {
+    let Some((module, name)) = modules.function(addr) else {
         return (Frame::native(format!("0x{addr:x}"), "?".into()), Kind::Shown);
     };
-    let Some(name) = module.function(addr) else {
+    let Some(name) = name else {
         let name = format!("{}+0x{:x}", module.name, addr - module.bias);
         let kind = if module.interpreter { Kind::Unnamed } else { Kind::Shown };
         return (Frame::native(name, module.name.clone()), kind);

@@ -385,6 +385,18 @@ pub fn read_word(addr: u64) -> Option<u64> {
     (read == 8).then_some(word)
 }
 
+/// `len` bytes of this process's memory at `addr`, read through the kernel: None where
+/// any is not mapped, or is a file's page past its end, never a fault.
+pub fn read_memory(addr: u64, len: usize) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: len };
+    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
+    // SAFETY: reads our own memory into `buf`, `len` bytes long.
+    let read =
+        unsafe { libc::syscall(libc::SYS_process_vm_readv, libc::getpid(), &local, 1usize, &remote, 1usize, 0usize) };
+    (read == len as i64).then_some(buf)
+}
+
 /// The word at `pointer_at` and the two at `datastack_at` (0: none; a frame pointer,
 /// a live chunk and its top), in one system call; None for a word not read.
 /// Async-signal-safe.

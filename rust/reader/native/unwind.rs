@@ -3,7 +3,7 @@
 //! Hand-written assembly (BLAS kernels) often has neither: there the unwind can go
 //! on from a return address found by scanning the stack (`unwind_from`).
 
-use super::modules::Section;
+use super::modules::Table;
 use super::signal::Regs;
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{FrameAddress, Unwinder};
@@ -37,7 +37,7 @@ pub struct NativeFrame {
 
 /// The frames of the stack in `stack` (copied from `regs.sp` up), innermost first.
 pub fn unwind(
-    unwinder: &UnwinderX86_64<Section>,
+    unwinder: &UnwinderX86_64<Table>,
     cache: &mut CacheX86_64,
     regs: Regs,
     stack: &[u8],
@@ -52,7 +52,7 @@ pub fn unwind(
 /// frames below `at` stay, the last of them spanning the words up to it (assembly
 /// without unwind information, often with a stack of its own it realigned).
 pub fn unwind_from(
-    unwinder: &UnwinderX86_64<Section>,
+    unwinder: &UnwinderX86_64<Table>,
     cache: &mut CacheX86_64,
     regs: Regs,
     stack: &[u8],
@@ -108,7 +108,7 @@ pub fn word_at(stack: &[u8], low: u64, at: u64) -> Option<u64> {
 /// Appends the frames from `address` (with `state`) to `out`, over the copy `stack` of
 /// the stack from `low` up.
 fn walk(
-    unwinder: &UnwinderX86_64<Section>,
+    unwinder: &UnwinderX86_64<Table>,
     cache: &mut CacheX86_64,
     low: u64,
     stack: &[u8],
