@@ -53,6 +53,7 @@ pub fn merge(
         return Ok(());
     };
     let by_entry = !runs.is_empty() && runs.iter().all(|r| r.entry != 0);
+    let is_eval = eval_loops(native);
     // An entry frame in the copy but past the frames unwound is on the stack: the
     // unwind stopped short of its eval loop.
     let span =
@@ -70,8 +71,8 @@ pub fn merge(
                 break;
             }
             Some(run) if by_entry => holds_entry(f, run)?,
-            Some(_) => f.kind == Kind::Eval,
-            None if f.kind == Kind::Eval => return Err(Mismatch::Evals),
+            Some(_) => is_eval(f),
+            None if is_eval(f) => return Err(Mismatch::Evals),
             None => false,
         };
         if eval {
@@ -89,6 +90,16 @@ pub fn merge(
     out.truncate(outermost);
     out.extend_from_slice(rest); // the runs past a copy that ended early
     Ok(())
+}
+
+/// Which frames are eval loops where they are found by name: those named so, and the
+/// interpreter's unnamed frames as large as one of those. A stripped PGO build (Debian's)
+/// moves the loop's rarely run paths out of its symbol's extent, yet they run in the
+/// loop's own frame, and no other function's frame is as large.
+fn eval_loops(native: &[Named]) -> impl Fn(&Named) -> bool {
+    let size = |f: &Named| f.at.caller_sp.saturating_sub(f.at.sp);
+    let sizes: Vec<u64> = native.iter().filter(|f| f.kind == Kind::Eval).map(size).collect();
+    move |f: &Named| f.kind == Kind::Eval || f.kind == Kind::Unnamed && sizes.contains(&size(f))
 }
 
 /// The C code a run whose eval loop cannot be placed called: after the interpreter's
@@ -227,6 +238,28 @@ mod tests {
         let back = frames(&[(2, Unnamed), (6, Internal), (7, Shown), (8, Unnamed), (9, Unnamed), (4, Shown)]);
         merge(&[10, 11], Some(&runs(&[1, 1], &[0x1050, 0x40])), &back, End::Root, 0, &mut out).unwrap();
         assert_eq!(out, vec![10, NATIVE | 7, 11]);
+    }
+
+    #[test]
+    fn an_unnamed_frame_as_large_as_the_eval_loop_is_one() {
+        // Python `f` -> C -> the loop's split-off part (unnamed, the loop's frame size)
+        // -> a C helper (unnamed, smaller) -> C leaf; then `main`'s loop, named.
+        let at = |sp: u64, size: u64| NativeFrame { pc: sp, sp, caller_sp: sp + size };
+        let named = |id, kind, sp, size| Named { id, kind, at: at(sp, size) };
+        let native = [
+            named(1, Shown, 0x1000, 0x40),
+            named(2, Unnamed, 0x1040, 0x1a0),
+            named(3, Unnamed, 0x11e0, 0x30),
+            named(4, Eval, 0x1210, 0x1a0),
+        ];
+        let mut out = Vec::new();
+        merge(&[10, 11], Some(&runs(&[1, 1], &[0, 0])), &native, End::Root, 0, &mut out).unwrap();
+        assert_eq!(out, vec![NATIVE | 1, 10, 11]);
+        let smaller = [native[0], named(2, Unnamed, 0x1040, 0x100), native[2], native[3]];
+        assert_eq!(
+            merge(&[10, 11], Some(&runs(&[1, 1], &[0, 0])), &smaller, End::Root, 0, &mut out),
+            Err(Mismatch::Evals)
+        );
     }
 
     #[test]
