@@ -150,9 +150,6 @@ run_tests() { # ROOT PYTHON
         # 152355): it crashed a test's worker with a segfault. Ours copies frames as bytes.
         env=(DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False)
     fi
-    # Native frames do not merge yet on bullseye's 3.9 (py-spy's reader: eval loops are
-    # found by name, and its stripped PGO build runs the loop outside the name's extent).
-    if [[ $py == 3.9 ]]; then selected+=(--deselect tests/inprocess/test_native.py); fi
     for t in $tests; do
         if [[ -e ${t%%::*} ]]; then selected+=("$t"); else echo "matrix: skipping $t: ${t%%::*} does not exist yet"; fi
     done
