@@ -215,12 +215,12 @@ def comparator_order(doc: Doc, examples: list[str]) -> dict[str, float]:
 
 def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> None:
     """Sections 1 and 2: each layout recorded by both tools at once, and by dask-pyspy
-    alone (py-spy's pauses change what dask-pyspy sees); the comparator's order over all."""
+    alone (py-spy's pauses change what dask-pyspy sees); the comparator's order per run."""
     if not os.path.exists(PYSPY):
         section.notes.append(f"py-spy is not installed at {PYSPY} (`pip install py-spy`): no agreement figures.")
         return
     classifier = Classifier()
-    order: dict[str, float] = {}
+    order: dict[str, dict[str, float]] = {}
     examples: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout, what in (
@@ -231,8 +231,7 @@ def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> Non
             for label, with_pyspy in (("beside py-spy", True), ("alone", False)):
                 print(f"  agreement: {layout}, {label}", flush=True)
                 runs[label] = r = record(layout, seconds, tmp, with_pyspy)
-                for k, v in comparator_order(r.doc, examples).items():
-                    order[k] = order.get(k, 0.0) + v
+                order[f"{layout}, {label}"] = comparator_order(r.doc, examples)
                 fidelity.append(Fidelity.of(f"agreement, {layout}, {label}", r.stats))
             agreement_table(section, classifier, layout, what, runs)
     section.notes.append(
