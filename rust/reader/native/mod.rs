@@ -298,10 +298,9 @@ impl Native {
                 return;
             }
         }
-        let window = self.stands_for_ns();
         let standing = self.latest.get(&w.tid).filter(|l| {
             let fresh = match (w.clock_ns, l.clock_ns) {
-                (Some(now), Some(then)) => now.saturating_sub(then) <= window,
+                (Some(now), Some(then)) => self.still_stands(now, then),
                 _ => self.tick - l.tick <= STANDS_FOR,
             };
             fresh && l.epoch == self.resolver.epoch && w.pointer.is_some_and(|p| l.pointer == Some(p.seen))
@@ -325,9 +324,10 @@ impl Native {
         self.latest.retain(|tid, _| alive(tid));
     }
 
-    /// How long a capture stands for its thread, in ns of the thread's CPU.
-    fn stands_for_ns(&self) -> u64 {
-        STANDS_FOR * self.interval.as_nanos() as u64
+    /// Whether a capture taken at the thread's CPU clock `then` still stands for it at
+    /// `now`: the thread used at most `STANDS_FOR` intervals of CPU in between.
+    fn still_stands(&self, now: u64, then: u64) -> bool {
+        now.saturating_sub(then) <= STANDS_FOR * self.interval.as_nanos() as u64
     }
 
     /// A capture unwound and merged into `w`'s frames, with the Python frames it
@@ -391,7 +391,7 @@ impl Native {
     fn copied_python(&self, c: &Capture, w: &Wanted<'_>, reader: &mut dyn StackReader) -> Option<(Vec<u64>, Vec<Run>)> {
         let at = w.pointer?;
         let same_marks = w.marks_since_ns.is_some_and(|since| since <= c.time_ns);
-        let recent = w.clock_ns.is_none_or(|now| c.cpu_ns == 0 || now.saturating_sub(c.cpu_ns) <= self.stands_for_ns());
+        let recent = w.clock_ns.is_none_or(|now| c.cpu_ns == 0 || self.still_stands(now, c.cpu_ns));
         if !(same_marks && recent) {
             return None;
         }
