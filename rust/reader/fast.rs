@@ -346,8 +346,9 @@ impl StackReader for FastReader {
         Ok(Read::Fresh)
     }
 
-    /// Only code objects this tick's read checked name the frames: refreshing the
-    /// cache here could begin a new epoch under the ids the read gave.
+    /// Only code objects already cached name the frames: refreshing the cache here
+    /// could begin a new epoch under the ids the read gave. Where the frees are not
+    /// known (3.12+), one the tick's read did not see is unchecked since it last was.
     fn copied_frames(&mut self, at: &FramePointer, copy: &Copied<'_>) -> Option<(Vec<u64>, Vec<Run>)> {
         let tstate = at.datastack.checked_sub(self.layout.tstate_datastack_chunk)?;
         let base_frame = self.layout.tstate_base_frame.map(|o| tstate + o);

@@ -145,7 +145,7 @@ pub trait StackReader {
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<Read, String>;
     /// The frame ids and eval runs of a thread whose frames `at` says where, walked
     /// from a signal's copy; None where the reader cannot walk it (a frame torn, or
-    /// a code object this tick's read did not check).
+    /// a code object not cached).
     fn copied_frames(&mut self, _at: &FramePointer, _copy: &Copied<'_>) -> Option<(Vec<u64>, Vec<Run>)> {
         None
     }
