@@ -19,6 +19,9 @@ import distributed
 import dask_pyspy
 
 READERS = ("fast", "pyspy")
+# The free-threaded interpreter ci/matrix.sh builds, in its venv in the sid root.
+FREE_THREADED_ROOT = os.path.join(os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots"), "sid")
+FREE_THREADED_PYTHON = "/opt/venv-3.13t/bin/python"
 
 
 @dataclass
@@ -40,6 +43,25 @@ def sampler_tid() -> int | None:
             if f.read().startswith("dask-pyspy-samp"):
                 return int(tid)
     return None
+
+
+def in_free_threaded_root(args: list[str], timeout: float = 900) -> str:
+    """Runs `python ARGS` in the free-threaded interpreter (as root, through chroot) from a
+    copy of this checkout's benchmarks/ in the root, and gives its stdout."""
+    from benchmarks import ROOT as CHECKOUT
+
+    root = FREE_THREADED_ROOT
+    if not os.path.lexists(root + FREE_THREADED_PYTHON):  # a link into the root
+        raise RuntimeError(f"no free-threaded interpreter at {root}{FREE_THREADED_PYTHON}: ci/matrix.sh builds it")
+    dest = os.path.join(root, "opt", "t")
+    subprocess.run(["rm", "-rf", dest], check=True)
+    os.makedirs(dest)
+    subprocess.run(f"tar -c --exclude=__pycache__ benchmarks | tar -x -C {dest}", shell=True, cwd=CHECKOUT, check=True)
+    for m in ("proc", "dev", "sys"):
+        if not os.path.ismount(os.path.join(root, m)):
+            subprocess.run(["mount", "--bind", f"/{m}", os.path.join(root, m)], check=True)
+    cmd = ["chroot", root, "/usr/bin/env", "-C", "/opt/t", FREE_THREADED_PYTHON, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=timeout).stdout
 
 
 def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:

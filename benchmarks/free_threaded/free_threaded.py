@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 import threading
 import time
 from typing import Any
 
-from benchmarks import ROOT as CHECKOUT
-from benchmarks.common import Section, run_for, sampler_tid, table, verdict
+from benchmarks.common import Section, in_free_threaded_root, run_for, sampler_tid, table, verdict
 
-ROOT = os.path.join(os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots"), "sid")
-VENV = "/opt/venv-3.13t"
 THREADS = 8
 RATE = 100
 # Busy share of each thread's 90 ms period: (i + 1) / 9, so the true shares differ.
@@ -169,17 +165,8 @@ def measure(quick: bool) -> dict[str, Any]:
 
 def in_root(quick: bool) -> dict[str, Any]:
     """The measurement, run in the free-threaded interpreter of the sid root."""
-    dest = os.path.join(ROOT, "opt", "t")
-    subprocess.run(["rm", "-rf", dest], check=True)
-    os.makedirs(dest)
-    subprocess.run(f"tar -c --exclude=__pycache__ benchmarks | tar -x -C {dest}", shell=True, cwd=CHECKOUT, check=True)
-    for m in ("proc", "dev", "sys"):
-        if not os.path.ismount(os.path.join(ROOT, m)):
-            subprocess.run(["mount", "--bind", f"/{m}", os.path.join(ROOT, m)], check=True)
-    python = f"{VENV}/bin/python"
-    cmd = ["chroot", ROOT, "/usr/bin/env", "-C", "/opt/t", python, "-m", "benchmarks.free_threaded.free_threaded"]
-    done = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.splitlines()[-1])
+    out = in_free_threaded_root(["-m", "benchmarks.free_threaded.free_threaded", *(["--quick"] if quick else [])])
+    return json.loads(out.splitlines()[-1])
 
 
 def run(quick: bool) -> Section:

@@ -13,26 +13,37 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks import ROOT
-from benchmarks.common import Section, cpu_model, sampler_tid, table, verdict
+from benchmarks.common import Section, cpu_model, in_free_threaded_root, sampler_tid, table, verdict
 from benchmarks.tick.rate import busy
 from benchmarks.tick.sample_cost import parked
 from dask_pyspy import Sampler
 
 RATE = 100
 DEFAULT_BUDGET = 0.01
-# Shape: (threads, spinning or parked 38 frames deep, idle) and the tick's target in us.
-SHAPES: dict[str, tuple[int, bool, bool, float | None]] = {
-    "10 parked x 38 frames, idle=True": (10, False, True, 40),
-    "10 parked x 38 frames, idle=False": (10, False, False, 15),
-    "1 spinning": (1, True, False, None),
-    "4 spinning": (4, True, False, 40),
-    "32 spinning": (32, True, False, None),
+
+
+class Shape(NamedTuple):
+    threads: int
+    spinning: bool  # else parked DEPTH frames deep
+    idle: bool
+    target_us: float | None  # the tick's, issue 43
+    free_threaded: bool = False  # run in the free-threaded 3.13t of ci/matrix.sh's sid root
+
+
+SHAPES: dict[str, Shape] = {
+    "10 parked x 38 frames, idle=True": Shape(10, False, True, 40),
+    "10 parked x 38 frames, idle=False": Shape(10, False, False, 15),
+    "1 spinning": Shape(1, True, False, None),
+    "4 spinning": Shape(4, True, False, 40),
+    "32 spinning": Shape(32, True, False, None),
+    "8 spinning, free-threaded 3.13t": Shape(8, True, False, 60, free_threaded=True),
 }
 DEPTH = 38
 
@@ -54,7 +65,7 @@ def syscalls_of(tid: int, seconds: float, sampler: Sampler) -> tuple[dict[str, i
 
 def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str, Any]:
     """One shape at `budget`, in this process: us per tick, Hz, phases, calls per tick."""
-    threads, spinning, idle, _ = SHAPES[shape]
+    threads, spinning, idle, _, _ = SHAPES[shape]
     stop = threading.Event()
     pool = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(threads if spinning else 0)]
     for t in pool:
@@ -65,7 +76,8 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
         time.sleep(seconds)
         st = s.stats()  # before strace, which slows every system call it sees
         tid = sampler_tid()
-        calls, traced_ticks = syscalls_of(tid, seconds, s) if count and tid is not None else ({}, 0)
+        traced = count and tid is not None and shutil.which("strace") is not None
+        calls, traced_ticks = syscalls_of(tid, seconds, s) if traced else ({}, 0)
         s.stop()
     stop.set()
     for t in pool:
@@ -81,15 +93,20 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
 
 
 def in_child(shape: str, budget: float, seconds: float, count: bool) -> dict[str, Any]:
+    """`measure` in a process of its own: this interpreter's, or the free-threaded one."""
     args = json.dumps([shape, budget, seconds, count])
     code = (
         "import json; from benchmarks.tick.tick_anatomy import measure as m; "
         f"print(json.dumps(m(*json.loads({args!r}))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-2000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    if SHAPES[shape].free_threaded and not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        out = in_free_threaded_root(["-c", code], timeout=300)
+    else:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        out = done.stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def call_costs() -> list[dict[str, Any]]:
@@ -115,8 +132,8 @@ def run(quick: bool) -> Section:
     costs = call_costs()
     rows, phase_rows = [], []
     phase_names: list[str] = []
-    for shape, (_, _, _, target) in SHAPES.items():
-        free = in_child(shape, 1.0, seconds, count=shutil.which("strace") is not None)
+    for shape, (_, _, _, target, _) in SHAPES.items():
+        free = in_child(shape, 1.0, seconds, count=True)
         held = in_child(shape, DEFAULT_BUDGET, seconds, count=False)
         tick = free["us_per_tick"] - free["phases"].get("wake", 0.0)
         met = "-" if target is None else f"<= {target:g}: {verdict(tick <= target)}"
