@@ -76,8 +76,8 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
         time.sleep(seconds)
         st = s.stats()  # before strace, which slows every system call it sees
         tid = sampler_tid()
-        traced = count and tid is not None and shutil.which("strace") is not None
-        calls, traced_ticks = syscalls_of(tid, seconds, s) if traced else ({}, 0)
+        traced = count and shutil.which("strace") is not None
+        calls, traced_ticks = syscalls_of(tid, seconds, s) if traced and tid is not None else ({}, 0)
         s.stop()
     stop.set()
     for t in pool:
@@ -127,6 +127,27 @@ def calls_text(calls: dict[str, float]) -> str:
     return f"{total:.1f}: " + ", ".join(f"{n} {c:.1f}" for n, c in kept) if calls else "-"
 
 
+# The row of tick_calls.c that prices each system call a tick makes; the sleep's futex
+# is the wake's, and any other call is priced at the floor.
+PRICED_AS = {
+    "clock_gettime": "clock_gettime, another thread's CPU clock",
+    "rt_sigaction": "sigaction, a query",
+    "pread64": "pread /proc/self/task/TID/syscall",
+    "process_vm_readv": "process_vm_readv, 16 KiB in one range",
+}
+FLOOR = "getppid (a system call's floor)"
+
+
+def calls_price(calls: dict[str, float], costs: list[dict[str, Any]]) -> str:
+    """What a tick's counted system calls cost at this machine's hot and cold prices:
+    the cold price is each call's first after a sleep, so the tick's share lies between."""
+    price = {c["call"]: (c["hot_us"], c["cold_us"]) for c in costs}
+    if not calls or FLOOR not in price:
+        return "-"
+    asked = [(n, price[PRICED_AS.get(name, FLOOR)]) for name, n in calls.items() if name != "futex"]
+    return f"{sum(n * hot for n, (hot, _) in asked):.0f}-{sum(n * cold for n, (_, cold) in asked):.0f}"
+
+
 def run(quick: bool) -> Section:
     seconds = 2.0 if quick else 4.0
     costs = call_costs()
@@ -147,6 +168,7 @@ def run(quick: bool) -> Section:
                 f"{held['hz']:.0f}",
                 f"{free['clock_reads']:.2f}",
                 calls_text(free["calls"]),
+                calls_price(free["calls"], costs),
                 free["reads_by"],
             ]
         )
@@ -158,7 +180,9 @@ def run(quick: bool) -> Section:
         "wake before it included (what the budget is charged), and the tick alone, which the targets (issue 43) "
         f"are for; the rate without a budget, the rate at the default budget ({100 * DEFAULT_BUDGET:g}% of a "
         "core), threads' CPU clocks read per tick, and the sampling thread's own system calls per tick, by "
-        f"kind, counted by `strace -c -p` on that thread alone. CPU: {cpu_model()}.",
+        f"kind, counted by `strace -c -p` on that thread alone, and what those calls (the sleep's futex left "
+        "out) cost at this machine's prices below, hot and cold: a tick's first calls after the sleep pay the "
+        f"cold price, so their share of the tick lies between. CPU: {cpu_model()}.",
     )
     section.tables.append(
         table(
@@ -171,6 +195,7 @@ def run(quick: bool) -> Section:
                 "Hz, 1% budget",
                 "clocks read/tick",
                 "system calls/tick",
+                "their price, us hot-cold",
                 "reads by",
             ],
             rows,
