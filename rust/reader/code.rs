@@ -7,11 +7,13 @@
 //! cached object's string and table pointers and the start of its qualified name
 //! (its hash and first bytes).
 
+use super::clock_ns;
 use super::frees::FreeLog;
 use super::layout::Layout;
 use super::linetable::line_at;
 use super::memory::{u32_at, u64_at, Batch, Memory};
 use crate::profile::model::Frame;
+use nix::libc;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::Arc;
 
@@ -64,6 +66,8 @@ struct Code {
     name_probe: Vec<u8>,
     lines: FxHashMap<i64, u64>,
     last_seen: u64,
+    /// CLOCK_MONOTONIC ns once it was read: the object was at its address then.
+    read_ns: u64,
 }
 
 impl Code {
@@ -90,6 +94,9 @@ pub struct CodeCache {
     frame_ids: FxHashMap<(u64, i32), u64>,
     serial: u64,
     tick: u64,
+    /// Whether the last refresh had no log of frees: every cached object it did not
+    /// check may have been freed and its address reused since it last was.
+    unchecked_may_be_stale: bool,
     /// Bumped whenever frame ids are forgotten, so users of them forget theirs.
     pub epoch: u64,
     /// Heap bytes held by the cached strings and tables, and by the frames.
@@ -111,6 +118,7 @@ impl CodeCache {
             frame_ids: FxHashMap::default(),
             serial: 0,
             tick: 0,
+            unchecked_may_be_stale: true,
             epoch: 0,
             bytes: 0,
             frame_bytes: 0,
@@ -132,18 +140,14 @@ impl CodeCache {
         self.trim();
         let freed = self.forget_freed();
         let check_all = freed.is_none();
-        let (span_at, span_len) = layout.code_identity_span();
+        self.unchecked_may_be_stale = check_all;
         let header_len = layout.code_header_len() as usize;
         batch.clear();
         let mut checks = Vec::new();
         let mut fetches = Vec::new();
         for &addr in addrs {
             match self.codes.get_mut(&addr) {
-                Some(c) if check_all => {
-                    let identity = batch.push(addr + span_at, span_len as usize);
-                    let probe = batch.push(c.name_probe_at, c.name_probe.len());
-                    checks.push((addr, identity, probe));
-                }
+                Some(c) if check_all => checks.push(push_check(batch, addr, c, layout)),
                 Some(c) => c.last_seen = self.tick,
                 None => {
                     self.reused += self.freed.remove(&addr) as u64;
@@ -155,16 +159,9 @@ impl CodeCache {
             return Ok(());
         }
         mem.read_merged(batch)?;
-        for (addr, identity, probe) in checks {
-            let c = &self.codes[&addr];
-            let same = batch.get(identity) == Some(&c.identity[..]) && batch.get(probe) == Some(&c.name_probe[..]);
-            if same {
-                self.codes.get_mut(&addr).unwrap().last_seen = self.tick;
-            } else {
-                let old = self.codes.remove(&addr).expect("checked above");
-                self.bytes -= old.heap_bytes();
-                self.reused += 1;
-                fetches.push((addr, usize::MAX));
+        for check in checks {
+            if !self.still_holds(check, batch) {
+                fetches.push((check.0, usize::MAX));
             }
         }
         let mut pending = Vec::new();
@@ -195,6 +192,56 @@ impl CodeCache {
             }
         }
         Ok(())
+    }
+
+    /// Whether the cached objects of `addrs` are the ones at those addresses at
+    /// `copied_ns` (CLOCK_MONOTONIC), when a signal copied frames that point to them.
+    /// Each must have been read before then: one read since may have taken a freed
+    /// object's address after the copy. And each must still be at its address: where
+    /// that is in doubt (no log of frees) and this tick's refresh did not check it, it
+    /// is checked as `refresh` checks, and one that changed is dropped. Nothing is
+    /// fetched, trimmed or forgotten, so the ids handed out this tick stand. Addresses
+    /// not cached are `frame_id`'s to report.
+    pub fn confirm(
+        &mut self,
+        addrs: &FxHashSet<u64>,
+        copied_ns: u64,
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+    ) -> bool {
+        if addrs.iter().any(|a| self.codes.get(a).is_some_and(|c| c.read_ns > copied_ns)) {
+            return false;
+        }
+        if !self.unchecked_may_be_stale {
+            return true;
+        }
+        batch.clear();
+        let checks: Vec<Check> = (addrs.iter())
+            .filter_map(|&a| self.codes.get(&a).filter(|c| c.last_seen != self.tick).map(|c| (a, c)))
+            .map(|(a, c)| push_check(batch, a, c, layout))
+            .collect();
+        if checks.is_empty() {
+            return true;
+        }
+        if mem.read_merged(batch).is_err() {
+            return false;
+        }
+        checks.into_iter().all(|check| self.still_holds(check, batch))
+    }
+
+    /// Whether the object `check` read is the one cached: then seen this tick; else
+    /// dropped, its address reused.
+    fn still_holds(&mut self, (addr, identity, probe): Check, batch: &Batch) -> bool {
+        let c = &self.codes[&addr];
+        if batch.get(identity) == Some(&c.identity[..]) && batch.get(probe) == Some(&c.name_probe[..]) {
+            self.codes.get_mut(&addr).expect("checked above").last_seen = self.tick;
+            return true;
+        }
+        let old = self.codes.remove(&addr).expect("checked above");
+        self.bytes -= old.heap_bytes();
+        self.reused += 1;
+        false
     }
 
     /// Drops the cached objects the interpreter freed since the last call, and gives
@@ -265,8 +312,9 @@ impl CodeCache {
                 parts[n][k] = batch.get(i).map(<[u8]>::to_vec);
             }
         }
+        let read_ns = clock_ns(libc::CLOCK_MONOTONIC).unwrap_or(u64::MAX);
         for (f, parts) in pending.iter().zip(parts) {
-            match self.decode(f, &parts, layout) {
+            match self.decode(f, &parts, layout, read_ns) {
                 Some(code) => {
                     self.bytes += code.heap_bytes();
                     if let Some(old) = self.codes.insert(f.addr, code) {
@@ -279,7 +327,7 @@ impl CodeCache {
         Ok(())
     }
 
-    fn decode(&mut self, f: &Fetch, parts: &[Option<Vec<u8>>; 3], layout: &Layout) -> Option<Code> {
+    fn decode(&mut self, f: &Fetch, parts: &[Option<Vec<u8>>; 3], layout: &Layout, read_ns: u64) -> Option<Code> {
         let [name, file, table] = parts;
         let (name, file, table) = (name.as_deref()?, file.as_deref()?, table.as_deref()?);
         let table_len = u64_at(table, layout.bytes_size) as usize;
@@ -303,6 +351,7 @@ impl CodeCache {
             name_probe,
             lines: FxHashMap::default(),
             last_seen: self.tick,
+            read_ns,
         })
     }
 
@@ -358,6 +407,17 @@ impl CodeCache {
             self.epoch += 1;
         }
     }
+}
+
+/// A cached object's address and where its identity span and name probe went in a batch.
+type Check = (u64, usize, usize);
+
+/// Asks `batch` for what tells whether `c` is still the object at `addr`.
+fn push_check(batch: &mut Batch, addr: u64, c: &Code, layout: &Layout) -> Check {
+    let (span_at, span_len) = layout.code_identity_span();
+    let identity = batch.push(addr + span_at, span_len as usize);
+    let probe = batch.push(c.name_probe_at, c.name_probe.len());
+    (addr, identity, probe)
 }
 
 fn code_units(header: &[u8], layout: &Layout) -> u64 {

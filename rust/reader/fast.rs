@@ -346,13 +346,18 @@ impl StackReader for FastReader {
         Ok(Read::Fresh)
     }
 
-    /// Only code objects already cached name the frames: refreshing the cache here
-    /// could begin a new epoch under the ids the read gave. Where the frees are not
-    /// known (3.12+), one the tick's read did not see is unchecked since it last was.
+    /// Only code objects already cached, and read before the copy, name the frames:
+    /// refreshing the cache here could begin a new epoch under the ids the read gave.
+    /// Where the frees are not known (3.12+), one the tick's read did not check is
+    /// checked first (`CodeCache::confirm`).
     fn copied_frames(&mut self, at: &FramePointer, copy: &Copied<'_>) -> Option<(Vec<u64>, Vec<Run>)> {
         let tstate = at.datastack.checked_sub(self.layout.tstate_datastack_chunk)?;
         let base_frame = self.layout.tstate_base_frame.map(|o| tstate + o);
         let raw = walk_copied(copy, base_frame, &self.layout, &mut self.mem, &mut self.round)?;
+        let codes: FxHashSet<u64> = raw.frames.iter().map(|f| f.code).collect();
+        if !self.codes.confirm(&codes, copy.time_ns, &self.layout, &mut self.mem, &mut self.batch) {
+            return None;
+        }
         let ids = self.frame_ids(&raw).ok()?;
         Some((ids.frames, ids.evals))
     }

@@ -83,6 +83,8 @@ pub struct Copied<'a> {
     pub pointer: u64,
     pub chunk: (u64, &'a [u8]),
     pub stack: (u64, &'a [u8]),
+    /// When the signal copied them (CLOCK_MONOTONIC ns).
+    pub time_ns: u64,
 }
 
 /// One thread's stack at one tick.

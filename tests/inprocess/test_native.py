@@ -180,6 +180,50 @@ def test_captures_merge_with_the_python_frames_they_copied():
     assert native["mismatched"] + native["moved"] <= max(3, native["captures"] // 20), native
 
 
+def even_caller(f: Callable[[], None]) -> None:
+    f()
+
+
+def odd_caller(f: Callable[[], None]) -> None:
+    f()
+
+
+def churns_code(stop: threading.Event) -> None:
+    """Functions made by exec, each called once (native code, then back) and freed:
+    their code objects' addresses are reused. The i-th is called by `even_caller` or
+    `odd_caller` as i is even or odd, so a frame named from the code object that held
+    its address before shows under the wrong caller."""
+    i = 0
+    while not stop.is_set():
+        namespace: dict = {"native": _native._testing.native_caller}
+        exec(f"def churned_{i:05d}():\n    native(1, 0.002, int)\n", namespace)
+        (odd_caller if i % 2 else even_caller)(namespace[f"churned_{i:05d}"])
+        namespace.clear()  # breaks the function <-> globals cycle: freed now, not at gc
+        python_for(0.003)
+        i += 1
+
+
+def test_frames_copied_by_a_signal_are_never_named_from_a_reused_address():
+    """A signal copies a churned function's frame; by the tick its code object may be
+    freed and another at its address, or the tick never read it and the cache still
+    holds the one before at that address (3.12+ log no frees): the frame must read as
+    the function that ran, or not be merged at all."""
+    s, prof = record(churns_code, "churner", merged_at_least(150))
+    named, wrong = 0, []
+    for st, _ in stacks(prof, "churner"):
+        names = [f["name"] for f in st]
+        churned = [n for n in names if n.startswith("churned_")]
+        caller = next((n for n in names if n in ("even_caller", "odd_caller")), None)
+        if churned and caller and native_frames(st):
+            named += 1
+            if (int(churned[0][-5:]) % 2 == 1) != (caller == "odd_caller"):
+                wrong.append(names)
+    assert named > 0, "no churned function's frame merged with its native frames"
+    assert not wrong, wrong[:3]
+    if s.stats()["reader"] == "fast":
+        assert s.stats()["reader_stats"]["code_objects_reused"] > 0, "no address was reused: the test proves nothing"
+
+
 def arrow_sort(stop: threading.Event) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc

@@ -395,7 +395,7 @@ impl Native {
         if !(same_marks && recent) {
             return None;
         }
-        let copy = Copied { pointer: c.pointer?, chunk: c.chunk, stack: (c.regs.sp, c.stack) };
+        let copy = Copied { pointer: c.pointer?, chunk: c.chunk, stack: (c.regs.sp, c.stack), time_ns: c.time_ns };
         reader.copied_frames(&at, &copy)
     }
 
