@@ -65,13 +65,14 @@ def syscalls_of(tid: int, seconds: float, sampler: Sampler) -> tuple[dict[str, i
 
 def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str, Any]:
     """One shape at `budget`, in this process: us per tick, Hz, phases, calls per tick."""
-    threads, spinning, idle, _, _ = SHAPES[shape]
+    form = SHAPES[shape]
     stop = threading.Event()
-    pool = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(threads if spinning else 0)]
+    spinners = form.threads if form.spinning else 0
+    pool = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(spinners)]
     for t in pool:
         t.start()
-    with contextlib.nullcontext() if spinning else parked(threads, DEPTH):
-        s = Sampler(rate=RATE, idle=idle, cpu_budget=budget)
+    with contextlib.nullcontext() if form.spinning else parked(form.threads, DEPTH):
+        s = Sampler(rate=RATE, idle=form.idle, cpu_budget=budget)
         s.start()
         time.sleep(seconds)
         st = s.stats()  # before strace, which slows every system call it sees
@@ -153,7 +154,8 @@ def run(quick: bool) -> Section:
     costs = call_costs()
     rows, phase_rows = [], []
     phase_names: list[str] = []
-    for shape, (_, _, _, target, _) in SHAPES.items():
+    for shape, form in SHAPES.items():
+        target = form.target_us
         free = in_child(shape, 1.0, seconds, count=True)
         held = in_child(shape, DEFAULT_BUDGET, seconds, count=False)
         tick = free["us_per_tick"] - free["phases"].get("wake", 0.0)

@@ -81,7 +81,7 @@ struct Files {
     /// and when.
     queued: Option<(u64, u64, Instant)>,
     /// The share that reading gave, drawn from until `SCHEDSTAT_EVERY` has passed.
-    queued_share: Option<f64>,
+    last_share: Option<f64>,
 }
 
 impl Files {
@@ -97,7 +97,7 @@ impl Files {
             drawn_call: None,
             schedstat: File::open(format!("/proc/self/task/{tid}/schedstat")).ok(),
             queued: None,
-            queued_share: None,
+            last_share: None,
         })
     }
 
@@ -128,10 +128,10 @@ impl Files {
     /// most every `SCHEDSTAT_EVERY`; the share stands for the ticks in between.
     fn queued_share(&mut self) -> Option<f64> {
         if self.queued.is_some_and(|(_, _, at)| at.elapsed() < SCHEDSTAT_EVERY) {
-            return self.queued_share;
+            return self.last_share;
         }
-        self.queued_share = self.read_queued_share();
-        self.queued_share
+        self.last_share = self.read_queued_share();
+        self.last_share
     }
 
     fn read_queued_share(&mut self) -> Option<f64> {
