@@ -191,27 +191,40 @@ impl Threads {
     /// Python code it runs holds the GIL, and reaching native code moves its frame's
     /// instruction (a frame it returned from or called into moves it too).
     pub fn stood_still(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<bool, String> {
-        let Some(frames) = self.positions.iter().copied().collect::<Option<Vec<(u64, u64)>>>() else {
+        // Allocates nothing: at a quiet tick this is most of what is done.
+        if self.positions.iter().any(Option::is_none) {
             return Ok(false);
-        };
+        }
+        let attached = layout.tstate_state.filter(|_| !self.gil_enabled);
         batch.clear();
-        let locked_at = batch.push(self.gil_locked, 4);
-        let attached_at: Vec<usize> = match layout.tstate_state {
-            Some(o) if !self.gil_enabled => self.list.iter().map(|&t| batch.push(t + o, 4)).collect(),
-            _ => Vec::new(),
-        };
-        let instr_at: Vec<Option<usize>> =
-            frames.iter().map(|&(f, _)| (f != 0).then(|| batch.push(f + layout.frame_instr, 8))).collect();
+        batch.push(self.gil_locked, 4);
+        if let Some(o) = attached {
+            self.list.iter().for_each(|&t| _ = batch.push(t + o, 4));
+        }
+        for &(f, _) in self.positions.iter().flatten().filter(|(f, _)| *f != 0) {
+            batch.push(f + layout.frame_instr, 8);
+        }
         mem.read(batch)?;
         let flag = |i: usize| batch.get(i).map(|b| u32_at(b, 0));
-        if self.gil_enabled && flag(locked_at) != Some(0) {
+        if self.gil_enabled && flag(0) != Some(0) {
             return Ok(false);
         }
-        if attached_at.iter().any(|&i| flag(i).is_none_or(|s| s == THREAD_ATTACHED)) {
-            return Ok(false);
+        let mut next = 1;
+        if attached.is_some() {
+            let states = next..next + self.list.len();
+            if states.clone().any(|i| flag(i).is_none_or(|s| s == THREAD_ATTACHED)) {
+                return Ok(false);
+            }
+            next = states.end;
         }
-        let word = |i: usize| batch.get(i).map(|b| u64_at(b, 0));
-        Ok(instr_at.iter().zip(&frames).all(|(at, &(_, instr))| at.map_or(Some(0), word) == Some(instr)))
+        for &(f, instr) in self.positions.iter().flatten() {
+            let now = if f == 0 { Some(0) } else { batch.get(next).map(|b| u64_at(b, 0)) };
+            next += (f != 0) as usize;
+            if now != Some(instr) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// The GIL's holder (0: none) and every thread state's bytes, walking the list

@@ -10,7 +10,7 @@ use std::time::Instant;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
     /// The sleep before the tick and the wake: CPU the kernel charges the sampling
-    /// thread between ticks (CPU time, not wall time).
+    /// thread between ticks (CPU time, not wall time), measured on some ticks only.
     Wake,
     /// The interpreter's thread list, the GIL and which threads ran.
     Threads,
@@ -40,6 +40,8 @@ const PHASES: [(Phase, &str); 7] = [
 pub struct Phases {
     ns: [u64; PHASES.len()],
     ticks: u64,
+    /// Ticks whose wake was measured: one in a few (see `Loop::run`).
+    wakes: u64,
 }
 
 impl Phases {
@@ -50,8 +52,10 @@ impl Phases {
         *since = now;
     }
 
-    pub fn add_ns(&mut self, phase: Phase, ns: u64) {
-        self.ns[phase as usize] += ns;
+    /// The CPU charged for one measured sleep and wake.
+    pub fn add_wake(&mut self, ns: u64) {
+        self.ns[Phase::Wake as usize] += ns;
+        self.wakes += 1;
     }
 
     /// Moves `ns` of what `from` was given to `to` (a phase timed inside another).
@@ -69,9 +73,9 @@ impl Phases {
 /// Mean microseconds per tick, by phase.
 impl Serialize for Phases {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let ticks = self.ticks.max(1) as f64;
+        let per = |p: Phase| if p == Phase::Wake { self.wakes } else { self.ticks }.max(1) as f64;
         let per_tick =
-            PHASES.iter().map(|&(p, name)| (name.to_string(), Value::from(self.ns[p as usize] as f64 / 1e3 / ticks)));
+            PHASES.iter().map(|&(p, name)| (name.to_string(), Value::from(self.ns[p as usize] as f64 / 1e3 / per(p))));
         Map::from_iter(per_tick).serialize(s)
     }
 }
@@ -87,9 +91,12 @@ mod tests {
         phases.add(Phase::Stacks, &mut since);
         phases.add(Phase::Record, &mut since);
         phases.tick();
+        phases.tick();
+        phases.add_wake(40_000);
         let json = serde_json::to_value(&phases).unwrap();
-        assert!(json["stacks"].as_f64().unwrap() >= 30.0, "{json}");
-        assert!(json["record"].as_f64().unwrap() < 30.0, "{json}");
+        assert_eq!(json["wake"], 40.0, "per measured wake, not per tick");
+        assert!(json["stacks"].as_f64().unwrap() >= 15.0, "per tick, of 2: {json}");
+        assert!(json["record"].as_f64().unwrap() < 15.0, "{json}");
         assert_eq!(json["threads"], 0.0);
     }
 }

@@ -37,8 +37,10 @@ const NATIVE_BUSY: f64 = 0.1;
 const NATIVE_SECONDS: f64 = 0.1;
 /// CPU the rest of the process may use between two ticks and still count as idle:
 /// the sampler's own clock is read just after the process's, so the two deltas differ
-/// by a few hundred ns of its own work.
-const QUIET_NS: u64 = 2_000;
+/// by its CPU between the reads, up to a cold read's price (~5 us on an AMD EPYC VM;
+/// at 2 us, 1 quiet tick in 10 was read in full there). Whether a thread moved is then
+/// the reader's to check (`Want::quiet`), so a larger margin costs no truth.
+const QUIET_NS: u64 = 10_000;
 /// How often a runnable thread's `schedstat` is read at most: each tick, it cost one
 /// `pread` (1-12 us on an AMD EPYC VM) per thread drawn runnable, 6 of a 3.13t tick's
 /// 8 spinning threads. The waits it counts carry over to the next reading.
@@ -213,6 +215,9 @@ pub struct States {
     /// Ticks so far (`cpu_since_last_tick` counts them).
     ticks: u64,
     pub stats: StateStats,
+    /// The live threads whose files were last opened, all of them; threads past `MAX_OPEN` then.
+    tracked: Vec<u64>,
+    past_cap: u64,
 }
 
 impl States {
@@ -223,6 +228,8 @@ impl States {
             native_cores: 0.0,
             ticks: 0,
             stats: StateStats::default(),
+            tracked: Vec::new(),
+            past_cap: 0,
         }
     }
 
@@ -328,17 +335,27 @@ impl States {
     /// thread's files open at the first tick that lists it and close at the first that
     /// does not, so a process holds two per thread, whether they were read.
     pub fn track_threads(&mut self, live: &[u64]) {
-        self.files.retain(|tid, _| live.binary_search(tid).is_ok());
-        for &tid in live {
-            if self.files.contains_key(&tid) {
-                continue;
+        // Most ticks see the threads of the last: nothing to open or close.
+        if live != self.tracked {
+            self.files.retain(|tid, _| live.binary_search(tid).is_ok());
+            self.past_cap = 0;
+            for &tid in live {
+                if self.files.contains_key(&tid) {
+                    continue;
+                }
+                if self.files.len() >= MAX_OPEN {
+                    self.past_cap += 1;
+                } else if let Some(files) = Files::open(tid) {
+                    self.files.insert(tid, files);
+                }
             }
-            if self.files.len() >= MAX_OPEN {
-                self.stats.unopened += 1;
-            } else if let Some(files) = Files::open(tid) {
-                self.files.insert(tid, files);
+            // One whose files failed to open is tried again at the next tick.
+            self.tracked.clear();
+            if self.files.len() + self.past_cap as usize == live.len() {
+                self.tracked.extend_from_slice(live);
             }
         }
+        self.stats.unopened += self.past_cap;
     }
 
     pub fn stats(&self) -> StateStats {

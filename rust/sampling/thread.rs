@@ -40,6 +40,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const CREDIT_S: f64 = 1.0;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 10;
+/// One tick in this many reads the sampler's clock at its end too, so that the sleep
+/// and wake after it are timed apart from the ticks.
+const WAKE_MEASURED_EVERY: u64 = 8;
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RunStats {
@@ -250,6 +253,7 @@ impl<'a> Loop<'a> {
         // nested AMD EPYC VM, more than a tick): each is charged as the next tick
         // begins. Left out, they let the budget be overspent unseen.
         let mut charged_to = own_cpu_ns();
+        let mut ticks = 0u64;
         loop {
             let length = self.interval;
             let at = slot + length.mul_f64(self.rng.f64());
@@ -261,18 +265,28 @@ impl<'a> Loop<'a> {
             // also for the time it came late, up to one more slot.
             let weight = (now - slot).clamp(length, 2 * length);
             let clocks = clocks();
-            let wake = clocks.1.saturating_sub(charged_to);
-            self.phases.add_ns(Phase::Wake, wake);
-            self.adapt(wake, Duration::ZERO);
+            // Charged by its own clock, not wall time (a tick preempted on a busy machine
+            // took milliseconds of wall time): the tick before, the sleep and the wake,
+            // by one read a tick.
+            let mut spent = clocks.1.saturating_sub(charged_to);
+            self.adapt(spent, weight);
+            if ticks % WAKE_MEASURED_EVERY == 1 {
+                self.phases.add_wake(spent);
+            }
             self.tick(weight, clocks);
-            // Its own clock, not its wall time: a tick preempted on a busy machine took
-            // milliseconds of wall time, and charging those swung the interval wildly.
-            charged_to = own_cpu_ns();
-            let cost = charged_to.saturating_sub(clocks.1);
-            self.adapt(cost, weight);
+            charged_to = clocks.1;
+            if ticks % WAKE_MEASURED_EVERY == 0 {
+                // The first tick (the costliest) is paid for before the next; this read
+                // also leaves the next tick's charge to the sleep and wake alone.
+                charged_to = own_cpu_ns();
+                let cost = charged_to.saturating_sub(clocks.1);
+                self.adapt(cost, Duration::ZERO);
+                spent += cost;
+            }
+            ticks += 1;
             let mut stats = self.shared.stats.lock();
             stats.lateness.add(now.saturating_duration_since(at));
-            stats.cpu_ns += wake + cost;
+            stats.cpu_ns += spent;
             stats.wall_ns = started.elapsed().as_nanos() as u64;
             stats.interval_s = self.interval.as_secs_f64();
             stats.throttled_ticks += (self.interval > self.base) as u64;
