@@ -35,9 +35,9 @@ FREE_THREADED_BUILD_DEPS="build-essential libssl-dev zlib1g-dev libffi-dev libbz
 # numpy, which the dataframe extra brought; msgpack as pure Python (no cp313t wheel).
 # Wheels only for numpy and psutil: their newest releases may have no cp313t wheel.
 FREE_THREADED_TEST_DEPS="--only-binary=numpy,psutil pytest>=8 pytest-timeout selenium psutil numpy"
-# bullseye runs only the report tests without a browser; strace: the tick-anatomy
-# benchmark counts 3.13t's system calls in its root.
-EXTRA_PACKAGES_sid="chromium chromium-driver strace"
+# bullseye runs only the report tests without a browser; strace: a privileges test;
+# linux-perf: the tick-anatomy benchmark counts 3.13t's system calls in its root.
+EXTRA_PACKAGES_sid="chromium chromium-driver strace linux-perf"
 OLDEST_DASK_ON=3.9
 ROOTS=${DASK_PYSPY_ROOTS:-/var/cache/dask-pyspy-roots}
 LOGS=$ROOTS/logs

@@ -1,16 +1,15 @@
 """Tick anatomy: what one tick costs and asks the kernel, in the shapes users run, with
 this machine's own price of each call, so that figures from two kinds of machine can be
 compared. Each shape runs in a process of its own; its sampling thread alone is traced
-by `strace -c -p TID` to count its system calls by kind."""
+by `perf stat -t TID` on the kernel's tracepoints, to count its system calls by kind."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -51,19 +50,30 @@ DEPTH = 38
 WARM_UP_S = 0.5
 
 
-def syscalls_of(tid: int, seconds: float, sampler: Sampler) -> tuple[dict[str, int], int]:
-    """System calls of thread `tid` by name over `seconds`, and the ticks meanwhile."""
-    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
-        trace = subprocess.Popen(["strace", "-c", "-q", "-p", str(tid), "-o", out.name])
-        time.sleep(0.5)  # attached
-        ticks = sampler.stats()["ticks"]
-        time.sleep(seconds)
-        ticks = sampler.stats()["ticks"] - ticks
-        trace.send_signal(signal.SIGINT)
-        trace.wait(timeout=30)
-        report = open(out.name).read()
-    rows = re.findall(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", report, re.M)
-    return {name: int(calls) for calls, name in rows if name != "total"}, ticks
+# The kinds counted one by one; the rest are counted together as "other".
+KINDS = ("clock_gettime", "rt_sigaction", "pread64", "read", "openat", "futex", "process_vm_readv")
+
+
+def syscalls_of(tid: int, seconds: float, hz: float) -> tuple[dict[str, float], float]:
+    """System calls of thread `tid` by kind over `seconds`, and the ticks meanwhile
+    (`hz` times the span perf counted). Counted from the kernel's tracepoints by
+    `perf stat`, which never stops the thread: strace stopped it at each call, and a
+    tick's calls, slowed ~100x, made quiet ticks look busy."""
+    kind_of = {"raw_syscalls:sys_enter": "total"} | {f"syscalls:sys_enter_{k}": k for k in KINDS}
+    # By the second: each line's time stamp is the time counted so far, so the last is
+    # the counted span exactly (perf's own start and exit left out).
+    events = ",".join(kind_of)
+    command = ["perf", "stat", "-x,", "-I", "1000", "-e", events, "-t", str(tid), "--", "sleep", str(seconds)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    counts: dict[str, float] = {}
+    span_s = 0.0
+    for stamp, count, _, event, *_ in (r for r in csv.reader(done.stderr.splitlines()) if len(r) > 3):
+        if event in kind_of and count.isdigit():
+            counts[kind_of[event]] = counts.get(kind_of[event], 0) + int(count)
+            span_s = max(span_s, float(stamp))
+    total = counts.pop("total", 0)
+    counts["other"] = total - sum(counts.values())
+    return counts, hz * span_s
 
 
 def clock_reads(stats: dict[str, Any]) -> int:
@@ -84,10 +94,11 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
         time.sleep(WARM_UP_S)
         before = s.stats()
         time.sleep(seconds)
-        st = s.stats()  # before strace, which slows every system call it sees
+        st = s.stats()
         tid = sampler_tid()
-        traced = count and shutil.which("strace") is not None
-        calls, traced_ticks = syscalls_of(tid, seconds, s) if traced and tid is not None else ({}, 0)
+        hz = (st["ticks"] - before["ticks"]) / (st["duration_s"] - before["duration_s"])
+        counted = count and shutil.which("perf") is not None and tid is not None
+        calls, traced_ticks = syscalls_of(tid, seconds, hz) if counted else ({}, 0.0)
         s.stop()
     stop.set()
     for t in pool:
@@ -95,7 +106,7 @@ def measure(shape: str, budget: float, seconds: float, count: bool) -> dict[str,
     ticks = max(st["ticks"] - before["ticks"], 1)
     return {
         "us_per_tick": 1e6 * (st["cpu_s"] - before["cpu_s"]) / ticks,
-        "hz": ticks / (st["duration_s"] - before["duration_s"]),
+        "hz": hz,
         "phases": st["phases_us"],
         "calls": {k: v / max(traced_ticks, 1) for k, v in calls.items()},
         "clock_reads": (clock_reads(st) - clock_reads(before)) / ticks,
@@ -194,7 +205,8 @@ def run(quick: bool) -> Section:
         "tick in 8), which the targets (issue 43) "
         f"are for; the rate without a budget, the rate at the default budget ({100 * DEFAULT_BUDGET:g}% of a "
         "core), threads' CPU clocks read per tick, and the sampling thread's own system calls per tick, by "
-        f"kind, counted by `strace -c -p` on that thread alone, and what those calls (the sleep's futex left "
+        "kind, counted by `perf stat` from the kernel's tracepoints on that thread alone (never stopping it, "
+        "as strace did), and what those calls (the sleep's futex left "
         "out) cost at this machine's prices below, hot and cold: a tick's first calls after the sleep pay the "
         f"cold price, so their share of the tick lies between. CPU: {cpu_model()}.",
     )
