@@ -254,7 +254,11 @@ impl States {
         let process_used = process.saturating_sub(process_before);
         let native = process_used.saturating_sub(python_ns).saturating_sub(own_ns.saturating_sub(own_before));
         let wall = now.duration_since(at).as_secs_f64();
-        if wall > 0.0 {
+        // A process without busy native threads skips the `exp` (a cold call into libm
+        // was ~4% of a quiet tick on an AMD EPYC VM); `QUIET_NS` is the clocks' skew.
+        if native < QUIET_NS && self.native_cores < 1e-6 {
+            self.native_cores = 0.0;
+        } else if wall > 0.0 {
             let weight = 1.0 - (-wall / NATIVE_SECONDS).exp();
             self.native_cores += weight * (native as f64 / 1e9 / wall - self.native_cores);
         }
