@@ -4,6 +4,7 @@
 pub mod backlog;
 pub mod calls;
 pub mod cap;
+pub mod charge;
 pub mod config;
 pub mod history;
 pub mod lateness;

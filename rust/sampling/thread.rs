@@ -17,6 +17,7 @@ use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, Read, StackReader, ThreadStack, Want};
 use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
+use crate::sampling::charge::Charge;
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::lateness::Lateness;
 use crate::sampling::loops::LoopWatch;
@@ -40,9 +41,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const CREDIT_S: f64 = 1.0;
 /// Ticks between refreshes of the reader's counters in the stats.
 const READER_STATS_EVERY: u64 = 10;
-/// One tick in this many reads the sampler's clock at its end too, so that the sleep
-/// and wake after it are timed apart from the ticks.
-const WAKE_MEASURED_EVERY: u64 = 8;
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RunStats {
@@ -252,8 +250,7 @@ impl<'a> Loop<'a> {
         // The sleep and the wake between ticks cost the thread CPU too (40-75 us on a
         // nested AMD EPYC VM, more than a tick): each is charged as the next tick
         // begins. Left out, they let the budget be overspent unseen.
-        let mut charged_to = own_cpu_ns();
-        let mut ticks = 0u64;
+        let mut charge = Charge::new();
         loop {
             let length = self.interval;
             let at = slot + length.mul_f64(self.rng.f64());
@@ -264,26 +261,18 @@ impl<'a> Loop<'a> {
             // A sample stands for its slot; a tick that a stall pushed past its slot
             // also for the time it came late, up to one more slot.
             let weight = (now - slot).clamp(length, 2 * length);
+            // Charged by its own clock, not wall time: a tick preempted on a busy machine
+            // took milliseconds of wall time, and charging those swung the interval wildly.
             let clocks = clocks();
-            // Charged by its own clock, not wall time (a tick preempted on a busy machine
-            // took milliseconds of wall time): the tick before, the sleep and the wake,
-            // by one read a tick.
-            let mut spent = clocks.1.saturating_sub(charged_to);
+            let (mut spent, wake) = charge.at_start(clocks.1);
             self.adapt(spent, weight);
-            if ticks % WAKE_MEASURED_EVERY == 1 {
-                self.phases.add_wake(spent);
+            if let Some(wake) = wake {
+                self.phases.add_wake(wake);
             }
             self.tick(weight, clocks);
-            charged_to = clocks.1;
-            if ticks % WAKE_MEASURED_EVERY == 0 {
-                // The first tick (the costliest) is paid for before the next; this read
-                // also leaves the next tick's charge to the sleep and wake alone.
-                charged_to = own_cpu_ns();
-                let cost = charged_to.saturating_sub(clocks.1);
-                self.adapt(cost, Duration::ZERO);
-                spent += cost;
-            }
-            ticks += 1;
+            let cost = charge.at_end(clocks.1);
+            self.adapt(cost, Duration::ZERO);
+            spent += cost;
             let mut stats = self.shared.stats.lock();
             stats.lateness.add(now.saturating_duration_since(at));
             stats.cpu_ns += spent;
@@ -303,7 +292,7 @@ impl<'a> Loop<'a> {
         self.backlog.flush(&mut self.shared.store.lock());
         self.watching.flush(&self.shared.stalls);
         let mut stats = self.shared.stats.lock();
-        stats.cpu_ns += own_cpu_ns().saturating_sub(charged_to);
+        stats.cpu_ns += charge.uncharged(own_cpu_ns());
         stats.wall_ns = started.elapsed().as_nanos() as u64;
         self.copy_counters(&mut stats);
     }
