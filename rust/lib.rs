@@ -3,11 +3,13 @@
 //!
 //! The pipeline, one folder per stage: `reader` reads stacks, `sampling` samples
 //! and stores them, `profile` holds the model and what is computed from it, and
-//! `formats` turns profiles into bytes and back.
+//! `formats` turns profiles into bytes and back. Beside it, `heap` samples allocations
+//! for memory per task.
 
 mod bind;
 mod error;
 mod formats;
+mod heap;
 mod names;
 mod priority;
 mod profile;

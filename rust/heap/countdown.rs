@@ -1,0 +1,102 @@
+//! Which allocations are sampled: by bytes, as tcmalloc, Go and Datadog's memalloc do.
+//! Each thread counts the bytes it allocates down from a distance drawn from an
+//! exponential distribution of mean `MEAN_BYTES`; the allocation that reaches it is
+//! sampled and stands for every byte counted since the last sample, so the totals are
+//! unbiased whatever the sizes. Most allocations cost a thread-local subtraction.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The mean distance between samples, in bytes.
+pub const MEAN_BYTES: u64 = 512 * 1024;
+
+static MEAN: AtomicU64 = AtomicU64::new(MEAN_BYTES);
+
+/// A thread's count: bytes left to the next sample, bytes counted since the last, and
+/// its generator's state. Const-initialised and without a destructor, so a hook called
+/// while the thread exits still finds it.
+#[derive(Clone, Copy)]
+struct Count {
+    left: i64,
+    counted: u64,
+    rng: u64,
+}
+
+thread_local! {
+    static COUNT: Cell<Count> = const { Cell::new(Count { left: 0, counted: 0, rng: 0 }) };
+}
+
+pub fn set_mean(bytes: u64) {
+    MEAN.store(bytes.max(1), Ordering::Relaxed);
+}
+
+pub fn mean() -> u64 {
+    MEAN.load(Ordering::Relaxed)
+}
+
+/// Counts `size` bytes allocated by this thread; the bytes the allocation stands for
+/// if it is sampled.
+#[inline]
+pub fn take(size: usize) -> Option<u64> {
+    COUNT
+        .try_with(|cell| {
+            let mut c = cell.get();
+            if c.rng == 0 {
+                c.left = draw(&mut c.rng); // the thread's first count
+            }
+            c.left -= size as i64;
+            c.counted += size as u64;
+            let sampled = (c.left <= 0).then(|| {
+                let counted = std::mem::take(&mut c.counted);
+                c.left = draw(&mut c.rng);
+                counted
+            });
+            cell.set(c);
+            sampled
+        })
+        .ok()
+        .flatten()
+}
+
+/// A distance from the exponential distribution of mean `MEAN`. The generator is
+/// xorshift64*, seeded from the thread's stack address and the clock on first use.
+fn draw(state: &mut u64) -> i64 {
+    if *state == 0 {
+        let here = state as *const u64 as u64;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        *state = (here ^ now as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    }
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    let bits = state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
+    let u = (bits as f64 + 0.5) / (1u64 << 53) as f64; // in (0, 1)
+    (-u.ln() * MEAN.load(Ordering::Relaxed) as f64) as i64 + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_stand_for_every_byte_counted() {
+        // One thread's count, so this test owns it.
+        std::thread::spawn(|| {
+            let (mut allocated, mut sampled, mut samples) = (0u64, 0u64, 0u64);
+            for i in 0..2_000_000u64 {
+                let size = 16 + (i % 7) as usize * 100;
+                allocated += size as u64;
+                if let Some(stands_for) = take(size) {
+                    sampled += stands_for;
+                    samples += 1;
+                }
+            }
+            let left = COUNT.with(|c| c.get().counted);
+            assert_eq!(sampled + left, allocated, "each byte counted once");
+            let mean = allocated as f64 / samples as f64;
+            assert!((mean / MEAN_BYTES as f64 - 1.0).abs() < 0.1, "{samples} samples, mean distance {mean}");
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -1,0 +1,176 @@
+//! Python's allocators, wrapped (`PyMem_SetAllocator`, the RAW, MEM and OBJ domains).
+//! Installed while Python runs, so each wraps the allocator it found (CPython's rule);
+//! blocks allocated before reach our `free` and `realloc` too, and are not ours to count.
+//!
+//! Each domain has functions of its own and ignores `ctx`: another thread may read the
+//! new functions with the old `ctx` while they are set (cpython#128679). The allocators
+//! wrapped are published before ours are installed and never freed: a call that began
+//! before an uninstall still finds them.
+//!
+//! On a GIL build pymalloc passes requests over 512 bytes to the RAW domain: a RAW call
+//! made inside a MEM or OBJ call is that call's own block and is not counted again.
+
+use super::live;
+use nix::libc::{c_int, c_void};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+
+type Malloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
+type Calloc = unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void;
+type Realloc = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void;
+type Free = unsafe extern "C" fn(*mut c_void, *mut c_void);
+
+/// CPython's `PyMemAllocatorEx` (stable since 3.5).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Allocator {
+    ctx: *mut c_void,
+    malloc: Option<Malloc>,
+    calloc: Option<Calloc>,
+    realloc: Option<Realloc>,
+    free: Option<Free>,
+}
+
+extern "C" {
+    fn PyMem_GetAllocator(domain: c_int, allocator: *mut Allocator);
+    fn PyMem_SetAllocator(domain: c_int, allocator: *mut Allocator);
+}
+
+/// `PyMemAllocatorDomain`.
+const RAW: usize = 0;
+const DOMAINS: usize = 3;
+
+static WRAPPED: [AtomicPtr<Allocator>; DOMAINS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; DOMAINS];
+/// Whether ours is in the domain's chain of allocators.
+static INSTALLED: [AtomicBool; DOMAINS] = [const { AtomicBool::new(false) }; DOMAINS];
+
+thread_local! {
+    /// Inside a MEM or OBJ call: a RAW call now is part of it.
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The allocator domain `D` wraps. Only called by our functions, installed after it was set.
+fn wrapped<const D: usize>() -> &'static Allocator {
+    // SAFETY: set before our functions were installed, and never freed.
+    unsafe { &*WRAPPED[D].load(Ordering::Acquire) }
+}
+
+/// Runs `f`, an allocator call whose block is counted by its caller: a RAW call inside
+/// it is not counted again.
+pub fn inside<T>(f: impl FnOnce() -> T) -> T {
+    let outer = INSIDE.try_with(|i| i.replace(true)).unwrap_or(true);
+    let out = f();
+    if !outer {
+        _ = INSIDE.try_with(|i| i.set(false));
+    }
+    out
+}
+
+/// Runs the wrapped allocator's call; true if it is to be counted (not a RAW call made
+/// inside a MEM or OBJ one).
+fn call<const D: usize, T>(f: impl FnOnce() -> T) -> (T, bool) {
+    if D == RAW {
+        return (f(), !INSIDE.try_with(Cell::get).unwrap_or(false));
+    }
+    (inside(f), true)
+}
+
+unsafe extern "C" fn malloc<const D: usize>(_: *mut c_void, size: usize) -> *mut c_void {
+    let a = wrapped::<D>();
+    let (p, counts) = call::<D, _>(|| unsafe { a.malloc.unwrap()(a.ctx, size) });
+    if counts && !p.is_null() {
+        live::allocated(p as usize, size);
+    }
+    p
+}
+
+unsafe extern "C" fn calloc<const D: usize>(_: *mut c_void, n: usize, size: usize) -> *mut c_void {
+    let a = wrapped::<D>();
+    let (p, counts) = call::<D, _>(|| unsafe { a.calloc.unwrap()(a.ctx, n, size) });
+    if counts && !p.is_null() {
+        live::allocated(p as usize, n.saturating_mul(size));
+    }
+    p
+}
+
+unsafe extern "C" fn realloc<const D: usize>(_: *mut c_void, ptr: *mut c_void, size: usize) -> *mut c_void {
+    let a = wrapped::<D>();
+    let taken = if ptr.is_null() { None } else { live::freeing(ptr as usize) };
+    let (p, counts) = call::<D, _>(|| unsafe { a.realloc.unwrap()(a.ctx, ptr, size) });
+    if p.is_null() {
+        // Failed, the block left where it was (unless asked for 0 bytes, which freed it).
+        if let Some(taken) = taken.filter(|_| size != 0) {
+            live::put_back(taken);
+        }
+    } else if counts {
+        live::allocated(p as usize, size);
+    }
+    p
+}
+
+unsafe extern "C" fn free<const D: usize>(_: *mut c_void, ptr: *mut c_void) {
+    let a = wrapped::<D>();
+    if !ptr.is_null() {
+        live::freeing(ptr as usize); // before the free: no other thread has `ptr` yet
+    }
+    unsafe { a.free.unwrap()(a.ctx, ptr) }
+}
+
+fn ours<const D: usize>() -> Allocator {
+    Allocator {
+        ctx: std::ptr::null_mut(),
+        malloc: Some(malloc::<D>),
+        calloc: Some(calloc::<D>),
+        realloc: Some(realloc::<D>),
+        free: Some(free::<D>),
+    }
+}
+
+fn current(domain: usize) -> Allocator {
+    let mut now = Allocator { ctx: std::ptr::null_mut(), malloc: None, calloc: None, realloc: None, free: None };
+    // SAFETY: fills the struct it is given.
+    unsafe { PyMem_GetAllocator(domain as c_int, &mut now) };
+    now
+}
+
+/// Whether ours is the allocator installed on top for domain `D`.
+fn on_top<const D: usize>() -> bool {
+    current(D).malloc.map(|f| f as usize) == Some(malloc::<D> as *const () as usize)
+}
+
+/// Wraps every domain's allocator, unless ours is already in its chain. With the GIL.
+pub fn install() {
+    install_one::<0>();
+    install_one::<1>();
+    install_one::<2>();
+}
+
+fn install_one<const D: usize>() {
+    if INSTALLED[D].load(Ordering::Acquire) {
+        return; // on top, or below one wrapped since: it counts again as tracking starts
+    }
+    WRAPPED[D].store(Box::into_raw(Box::new(current(D))), Ordering::Release);
+    let mut mine = ours::<D>();
+    // SAFETY: `mine` is a complete allocator wrapping the one installed.
+    unsafe { PyMem_SetAllocator(D as c_int, &mut mine) };
+    INSTALLED[D].store(true, Ordering::Release);
+}
+
+/// Puts back each domain's allocator where ours is still on top; one wrapped since
+/// (tracemalloc started after us) keeps ours below it, counting nothing while tracking
+/// is off. With the GIL.
+pub fn uninstall() {
+    uninstall_one::<0>();
+    uninstall_one::<1>();
+    uninstall_one::<2>();
+}
+
+fn uninstall_one<const D: usize>() {
+    if !INSTALLED[D].load(Ordering::Acquire) || !on_top::<D>() {
+        return;
+    }
+    let mut before = *wrapped::<D>();
+    // SAFETY: the allocator ours wrapped, never freed.
+    unsafe { PyMem_SetAllocator(D as c_int, &mut before) };
+    INSTALLED[D].store(false, Ordering::Release);
+}

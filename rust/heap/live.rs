@@ -1,0 +1,289 @@
+//! The sampled blocks still held, and per task prefix the bytes allocated, in use and
+//! in use at most. A sampled block stands for `S / (1 - e^(-S/R))` bytes held (S its
+//! size, R the mean distance between samples): the chance a block of S bytes is
+//! sampled is `1 - e^(-S/R)`, so the sum over held sampled blocks is unbiased.
+//!
+//! Frees are nearly all of blocks never sampled: `FILTER` counts, per hash of an
+//! address, the sampled blocks that may have it, so such a free reads one byte and
+//! returns; only the rest take the lock.
+
+use super::countdown;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use std::cell::{Cell, UnsafeCell};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Once};
+
+const FILTER_BITS: u32 = 16;
+static FILTER: [AtomicU8; 1 << FILTER_BITS] = [const { AtomicU8::new(0) }; 1 << FILTER_BITS];
+/// Sampled blocks kept at most; past it, samples are dropped and counted.
+const MAX_BLOCKS: usize = 1 << 16;
+
+static TRACKING: AtomicBool = AtomicBool::new(false);
+static HELD: Shared = Shared { locked: AtomicBool::new(false), held: UnsafeCell::new(None) };
+/// Set in a forked child: what the parent counted may have been torn by the fork.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// The sampled blocks and totals, behind a lock a forked child can take back: a task
+/// that forks (multiprocessing) while another thread holds it must not hang its child.
+/// Held for microseconds, by sampled allocations and frees only.
+struct Shared {
+    locked: AtomicBool,
+    held: UnsafeCell<Option<Held>>,
+}
+
+// SAFETY: `held` is only reached through `with_held`, under `locked`.
+unsafe impl Sync for Shared {}
+
+fn with_held<T>(f: impl FnOnce(&mut Option<Held>) -> T) -> T {
+    while HELD.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        std::thread::yield_now();
+    }
+    // SAFETY: this thread holds the lock.
+    let out = f(unsafe { &mut *HELD.held.get() });
+    HELD.locked.store(false, Ordering::Release);
+    out
+}
+
+/// In a forked child: stop counting, forget which blocks were sampled (frees then take
+/// no lock), and take the lock back; what the parent counted is never read or dropped.
+extern "C" fn in_child() {
+    TRACKING.store(false, Ordering::Relaxed);
+    FORKED.store(true, Ordering::Relaxed);
+    FILTER.iter().for_each(|s| s.store(0, Ordering::Relaxed));
+    HELD.locked.store(false, Ordering::Release);
+}
+
+thread_local! {
+    /// The prefix id of the task this thread runs (0: none). Const-initialised and
+    /// without a destructor, so a hook called while the thread exits still reads it.
+    static TASK: Cell<u32> = const { Cell::new(0) };
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Totals {
+    pub allocated: f64,
+    pub in_use: f64,
+    pub peak: f64,
+}
+
+struct Block {
+    held_bytes: f64,
+    prefix: u32,
+}
+
+#[derive(Default)]
+struct Held {
+    blocks: FxHashMap<usize, Block>,
+    /// Prefix names by id - 1, and ids by name.
+    names: Vec<Arc<str>>,
+    ids: FxHashMap<Arc<str>, u32>,
+    /// By prefix id; 0 is "no task".
+    totals: Vec<Totals>,
+    dropped: u64,
+    /// Tasks whose numpy handler could not be set.
+    numpy_failures: u64,
+}
+
+impl Held {
+    fn totals(&mut self, prefix: u32) -> &mut Totals {
+        let i = prefix as usize;
+        if self.totals.len() <= i {
+            self.totals.resize(i + 1, Totals::default());
+        }
+        &mut self.totals[i]
+    }
+
+    fn add(&mut self, addr: usize, block: Block, allocated: f64) {
+        let t = self.totals(block.prefix);
+        t.allocated += allocated;
+        t.in_use += block.held_bytes;
+        t.peak = t.peak.max(t.in_use);
+        slot(addr).fetch_add(1, Ordering::Relaxed);
+        self.blocks.insert(addr, block);
+    }
+
+    fn remove(&mut self, addr: usize) -> Option<Block> {
+        let block = self.blocks.remove(&addr)?;
+        slot(addr).fetch_sub(1, Ordering::Relaxed);
+        let t = self.totals(block.prefix);
+        t.in_use = (t.in_use - block.held_bytes).max(0.0);
+        Some(block)
+    }
+}
+
+fn slot(addr: usize) -> &'static AtomicU8 {
+    let h = (addr as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - FILTER_BITS);
+    &FILTER[h as usize]
+}
+
+/// Starts tracking from nothing: blocks sampled before are forgotten.
+pub fn start(mean_bytes: u64) {
+    static AT_FORK: Once = Once::new();
+    // SAFETY: registers a handler that only stores atomics.
+    AT_FORK.call_once(|| _ = unsafe { nix::libc::pthread_atfork(None, None, Some(in_child)) });
+    countdown::set_mean(mean_bytes);
+    with_held(|held| {
+        FILTER.iter().for_each(|s| s.store(0, Ordering::Relaxed));
+        let before = held.replace(Held::default());
+        if FORKED.swap(false, Ordering::Relaxed) {
+            std::mem::forget(before); // perhaps torn by the fork
+        }
+    });
+    TRACKING.store(true, Ordering::Release);
+}
+
+/// Stops counting; the totals stay readable until the next start.
+pub fn stop() {
+    TRACKING.store(false, Ordering::Release);
+}
+
+pub fn tracking() -> bool {
+    TRACKING.load(Ordering::Relaxed)
+}
+
+/// The calling thread runs a task of `prefix` from now (None: no task).
+pub fn set_task(prefix: Option<&str>) {
+    let id = prefix.map_or(0, |p| {
+        with_held(|held| {
+            let Some(held) = held.as_mut() else { return 0 };
+            if let Some(&id) = held.ids.get(p) {
+                return id;
+            }
+            let name: Arc<str> = p.into();
+            held.names.push(name.clone());
+            let id = held.names.len() as u32;
+            held.ids.insert(name, id);
+            id
+        })
+    });
+    _ = TASK.try_with(|t| t.set(id));
+}
+
+/// `size` bytes were allocated at `addr` by this thread.
+#[inline]
+pub fn allocated(addr: usize, size: usize) {
+    if !tracking() {
+        return;
+    }
+    if let Some(counted) = countdown::take(size) {
+        sampled(addr, size, counted);
+    }
+}
+
+#[cold]
+fn sampled(addr: usize, size: usize, counted: u64) {
+    let prefix = TASK.try_with(Cell::get).unwrap_or(0);
+    let mean = countdown::mean() as f64;
+    let chance = -(-(size as f64) / mean).exp_m1();
+    let block = Block { held_bytes: if chance > 0.0 { size as f64 / chance } else { mean }, prefix };
+    with_held(|held| {
+        let Some(held) = held.as_mut() else { return };
+        if held.blocks.len() >= MAX_BLOCKS {
+            held.dropped += 1;
+            held.totals(prefix).allocated += counted as f64;
+            return;
+        }
+        held.add(addr, block, counted as f64);
+    })
+}
+
+/// The block at `addr` is about to be freed (or moved by `realloc`): called before the
+/// allocator's own free, so that no other thread can have been given `addr` yet.
+#[inline]
+pub fn freeing(addr: usize) -> Option<Taken> {
+    if slot(addr).load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    take(addr)
+}
+
+/// A sampled block taken out of the table, to put back if a `realloc` fails.
+pub struct Taken {
+    addr: usize,
+    block: Block,
+}
+
+#[cold]
+fn take(addr: usize) -> Option<Taken> {
+    let block = with_held(|held| held.as_mut()?.remove(addr))?;
+    Some(Taken { addr, block })
+}
+
+/// Puts back a block a failed `realloc` left where it was.
+pub fn put_back(taken: Taken) {
+    with_held(|held| held.as_mut().map(|held| held.add(taken.addr, taken.block, 0.0)));
+}
+
+pub fn count_numpy_failure() {
+    with_held(|held| held.as_mut().map(|held| held.numpy_failures += 1));
+}
+
+/// One task prefix's totals (`prefix` None: outside tasks).
+#[derive(Debug, Serialize)]
+pub struct PrefixTotals {
+    pub prefix: Option<Arc<str>>,
+    #[serde(flatten)]
+    pub totals: Totals,
+}
+
+/// What was counted since the last start.
+#[derive(Debug, Default, Serialize)]
+pub struct Counted {
+    pub prefixes: Vec<PrefixTotals>,
+    /// Samples dropped at the cap of sampled blocks.
+    pub dropped: u64,
+    pub numpy_failures: u64,
+    pub mean_bytes: u64,
+    pub tracking: bool,
+}
+
+pub fn counted() -> Counted {
+    if FORKED.load(Ordering::Relaxed) {
+        return Counted::default();
+    }
+    with_held(|held| {
+        let Some(held) = held.as_ref() else { return Counted::default() };
+        let name = |id: usize| (id > 0).then(|| held.names[id - 1].clone());
+        let totals = held.totals.iter().enumerate().filter(|(_, t)| t.allocated > 0.0);
+        let totals = totals.map(|(i, t)| PrefixTotals { prefix: name(i), totals: *t });
+        Counted {
+            prefixes: totals.collect(),
+            dropped: held.dropped,
+            numpy_failures: held.numpy_failures,
+            mean_bytes: countdown::mean(),
+            tracking: tracking(),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_bytes_follow_allocations_and_frees_by_prefix() {
+        std::thread::spawn(|| {
+            start(countdown::MEAN_BYTES);
+            set_task(Some("load"));
+            // Blocks of 128 times the mean: every one is sampled, and stands for itself.
+            const SIZE: usize = 64 << 20;
+            let blocks: Vec<usize> = (1..=100).map(|i| i << 32).collect();
+            blocks.iter().for_each(|&b| allocated(b, SIZE));
+            set_task(None);
+            blocks[..60].iter().for_each(|&b| assert!(freeing(b).is_some()));
+            assert!(freeing(blocks[0]).is_none(), "a block is freed once");
+            assert!(freeing(12345 << 32).is_none(), "never sampled");
+            let Counted { prefixes: totals, dropped, .. } = counted();
+            let load = totals.iter().find(|p| p.prefix.as_deref() == Some("load")).unwrap().totals;
+            let close = |a: f64, b: f64| (a / b - 1.0).abs() < 0.02;
+            assert!(close(load.allocated, 100.0 * SIZE as f64), "{load:?}");
+            assert!(close(load.in_use, 40.0 * SIZE as f64), "{load:?}");
+            assert!(close(load.peak, 100.0 * SIZE as f64), "{load:?}");
+            assert_eq!(dropped, 0);
+            stop();
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -1,0 +1,42 @@
+//! Memory per task: allocations of Python's allocators, sampled by bytes and charged
+//! to the task prefix running on the allocating thread, with frees of sampled blocks
+//! matched, so that what a process holds gets the names of the tasks that allocated it.
+//!
+//! `hooks` wraps the allocators, `countdown` picks the sampled allocations, `live`
+//! keeps the sampled blocks still held and the totals per prefix, and `numpy`
+//! counts array buffers, which bypass Python's allocators before numpy 2.5.
+
+pub mod countdown;
+pub mod hooks;
+pub mod live;
+pub mod numpy;
+
+use pyo3::prelude::*;
+
+/// Counts allocations from now, afresh, for the whole process. With the GIL.
+pub fn start() {
+    live::start(countdown::MEAN_BYTES);
+    hooks::install();
+}
+
+/// Stops counting; the totals stay readable. With the GIL.
+pub fn stop() {
+    live::stop();
+    hooks::uninstall();
+}
+
+/// The calling thread (`ident`, if it is the caller) starts a task of `prefix`, or ends
+/// its task (None): its allocations are charged to that prefix, and numpy's handler is
+/// set in the task's context (where that fails, its buffers go uncounted: the task
+/// must start all the same). With the GIL.
+pub fn task(py: Python<'_>, ident: u64, prefix: Option<&str>) {
+    // SAFETY: no preconditions.
+    let caller = unsafe { nix::libc::pthread_self() } as u64;
+    if !live::tracking() || ident != caller {
+        return;
+    }
+    live::set_task(prefix);
+    if prefix.is_some() && numpy::set_in_context(py).is_err() {
+        live::count_numpy_failure();
+    }
+}
