@@ -14,6 +14,7 @@ from distributed.core import PooledRPCCall, rpc
 from dask_pyspy import config, options, stalls
 from dask_pyspy._loop import off_loop
 from dask_pyspy.files import check_writable, file_kind
+from dask_pyspy.memory import MemoryProfile
 from dask_pyspy.model import Profile
 from dask_pyspy.protocol import EVENT_TOPIC, StackDump, assemble
 
@@ -290,6 +291,39 @@ def get_stalls(
     return client.sync(_stalls, client, min_duration, options.limit(limit), **request)
 
 
+async def _memory(client: Client, **kwargs: Any) -> MemoryProfile:
+    reply = await _call(client, "pyspy_memory", **kwargs)
+    if reply["missing"]:
+        logger.warning("dask-pyspy: memory counts missing from %s", reply["missing"])
+    return MemoryProfile(reply["processes"], reply["missing"])
+
+
+def get_memory(
+    client: Client | None = None,
+    workers: int | list[str] | None = None,
+    scheduler: bool = True,
+    timeout: float | None = None,
+) -> MemoryProfile:
+    """What each task prefix allocated, holds and held at most, in every process whose
+    sampler runs with `memory=True` (``PySpyPlugin(memory=True)``), since it started.
+    Workers that cannot answer are logged and listed in `MemoryProfile.missing`.
+
+    Args:
+        client: the client (default: the current one).
+        workers: as for `get_profile`.
+        scheduler: as for `get_profile`.
+        timeout: as for `get_profile`.
+    """
+    client = client or default_client()
+    options.workers(workers)
+    request = dict(
+        workers=workers,
+        scheduler=options.flag("scheduler", scheduler),
+        timeout=None if timeout is None else options.seconds("timeout", timeout),
+    )
+    return client.sync(_memory, client, **request)
+
+
 def _pyspy_profile(self: Client, **kwargs: Any) -> Profile:
     return get_profile(client=self, **kwargs)
 
@@ -302,10 +336,16 @@ def _pyspy_stalls(self: Client, **kwargs: Any) -> list[dict[str, Any]]:
     return get_stalls(client=self, **kwargs)
 
 
+def _pyspy_memory(self: Client, **kwargs: Any) -> MemoryProfile:
+    return get_memory(client=self, **kwargs)
+
+
 _pyspy_profile.__doc__ = get_profile.__doc__
+_pyspy_memory.__doc__ = get_memory.__doc__
 _pyspy_stalls.__doc__ = get_stalls.__doc__
 _pyspy_dump.__doc__ = dump.__doc__
 # Methods added to distributed's Client, which does not declare them.
 Client.pyspy_profile = _pyspy_profile  # type: ignore[attr-defined]
 Client.pyspy_dump = _pyspy_dump  # type: ignore[attr-defined]
 Client.pyspy_stalls = _pyspy_stalls  # type: ignore[attr-defined]
+Client.pyspy_memory = _pyspy_memory  # type: ignore[attr-defined]

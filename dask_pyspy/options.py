@@ -160,6 +160,11 @@ class SamplerOptions:
             CPU, merged with its Python frames (Linux x86-64, 4.19 or later; a timer on each
             busy thread's CPU clock signals it where it runs). ``stats()["native"]`` counts
             what it did.
+        memory: also sample allocations (Python's allocators and numpy's array buffers,
+            one every ~512 KiB allocated on average), each charged to the task prefix
+            running on the allocating thread, and match the frees of those sampled:
+            ``Sampler.memory()``, ``client.pyspy_memory()``. One count per process,
+            afresh each time the sampler starts.
     """
 
     rate: float = _checked_by(number)
@@ -173,6 +178,7 @@ class SamplerOptions:
     function: bool = _checked_by(flag)
     reader: str = _checked_by(functools.partial(choice, choices=READER_CHOICES))
     native: bool = _checked_by(flag)
+    memory: bool = _checked_by(flag)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # in field order; numbers as the native sampler takes them

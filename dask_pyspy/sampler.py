@@ -125,6 +125,11 @@ class Sampler:
         """Counters of the sampling thread and its store (rate achieved, CPU used, drops)."""
         return self._native.stats()
 
+    def memory(self) -> dict[str, Any]:
+        """What memory tracking (`memory=True`) counted in this process since the sampler
+        started: one of `MemoryProfile.processes`' values."""
+        return self._native.memory()
+
     def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:
         """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`,
         in the dask span with id `span`."""

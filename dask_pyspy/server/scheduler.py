@@ -149,6 +149,7 @@ class ClusterProfiler:
             "pyspy_profile": self.profile_rpc,
             "pyspy_dump": self.dump,
             "pyspy_stalls": self.stalls,
+            "pyspy_memory": self.memory,
         }
         install_handlers(self.scheduler, handlers)
         self.scheduler.log_event(EVENT_TOPIC, {"action": "start"})
@@ -351,6 +352,22 @@ class ClusterProfiler:
         if scheduler and sampler is not None:
             own = await off_loop(sampler.stalls, start, stop, min_duration, most)
             replies[f"scheduler {self.scheduler.address}"] = own
+        elif scheduler:
+            missing[SCHEDULER] = f"sampling is off on the scheduler: {self.hold.error}"
+        return {"processes": replies, "missing": missing}
+
+    async def memory(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:
+        """Every selected process's memory counts (`Sampler.memory`), by process name;
+        processes that could not say are missing."""
+        try:
+            addresses = self.select_workers(workers)
+            timeout = config.timeout(timeout)
+        except ValueError as e:
+            return rejected(e)
+        replies, missing = await self._ask_workers(addresses, "pyspy_memory", timeout)
+        sampler = self.hold.sampler
+        if scheduler and sampler is not None:
+            replies[f"scheduler {self.scheduler.address}"] = sampler.memory()
         elif scheduler:
             missing[SCHEDULER] = f"sampling is off on the scheduler: {self.hold.error}"
         return {"processes": replies, "missing": missing}

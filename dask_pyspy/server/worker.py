@@ -157,6 +157,7 @@ class WorkerProfiler:
                     "pyspy_dump": self.dump,
                     "pyspy_configure": self.configure,
                     "pyspy_stalls": self.stalls,
+                    "pyspy_memory": self.memory,
                 }
                 install_handlers(self.worker, handlers)
 
@@ -231,6 +232,10 @@ class WorkerProfiler:
         """This worker's event-loop stalls in the window (`Sampler.stalls`)."""
         sampler = self._check()
         return await off_loop(sampler.stalls, start, stop, min_duration, most)
+
+    async def memory(self) -> dict[str, Any]:
+        """What this worker's memory tracking counted (`Sampler.memory`)."""
+        return self._check().memory()
 
     async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
         """New options from the scheduler (`SamplerOptions.to_dict`), applied in place:

@@ -5,6 +5,7 @@ use crate::bind::loops::PyLoopWatch;
 use crate::bind::profile::PyProfile;
 use crate::error::Error;
 use crate::formats::wire;
+use crate::heap;
 use crate::profile::model::{Metadata, Tag};
 use crate::sampling::config::SamplerConfig;
 use crate::sampling::sampler::{self, Sampler};
@@ -42,12 +43,24 @@ impl PySampler {
         no_panic(|| {
             let config = self.inner.config();
             let chosen = reader::choose(py, config.reader_choice(), config.line_mode())?;
-            Ok(detached(py, || self.inner.start(chosen))??)
+            detached(py, || self.inner.start(chosen))??;
+            if config.memory {
+                heap::start();
+            }
+            Ok(())
         })
     }
 
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        if self.inner.config().memory {
+            heap::stop();
+        }
         detached(py, || self.inner.stop())
+    }
+
+    /// What memory tracking counted since it started (`memory=True`), for the whole process.
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        values::to_py(py, &heap::live::counted())
     }
 
     #[getter]
@@ -79,10 +92,13 @@ impl PySampler {
         span: Option<&Bound<'_, PyString>>,
     ) {
         let text = |s: &Bound<'_, PyString>| s.to_string_lossy().into_owned();
-        self.inner.tags().set_tag(ident, Tag { key: text(key), prefix: text(prefix), span: span.map(text) })
+        let tag = Tag { key: text(key), prefix: text(prefix), span: span.map(text) };
+        heap::task(key.py(), ident, Some(&tag.prefix));
+        self.inner.tags().set_tag(ident, tag)
     }
 
-    fn clear_thread_tag(&self, ident: u64) {
+    fn clear_thread_tag(&self, py: Python<'_>, ident: u64) {
+        heap::task(py, ident, None);
         self.inner.tags().clear_tag(ident)
     }
 

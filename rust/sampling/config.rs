@@ -37,6 +37,8 @@ pub struct SamplerConfig {
     pub reader: String,
     /// Also capture each running thread's native (C) frames, by a signal to it.
     pub native: bool,
+    /// Also sample allocations, charged to the task running (`heap`).
+    pub memory: bool,
 }
 
 impl Default for SamplerConfig {
@@ -53,6 +55,7 @@ impl Default for SamplerConfig {
             function: false,
             reader: "auto".into(),
             native: false,
+            memory: false,
         }
     }
 }
