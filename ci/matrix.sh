@@ -15,13 +15,14 @@ REPORT_TESTS="tests/cluster/test_report.py::test_report_opens_offline_and_escape
     tests/cluster/test_report.py::test_task_views_lead_with_task_code tests/cluster/test_report.py::test_a_reader_fallback_is_an_error
     tests/cluster/test_findings.py::test_summary_prints_the_findings_and_keeps_the_totals"
 MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py tests/inprocess/test_stalls.py
-    tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS
-    tests/cluster/test_no_trace.py"
+    tests/inprocess/test_native.py tests/inprocess/test_task_memory.py tests/cluster/test_cluster.py::test_task_attribution
+    $REPORT_TESTS tests/cluster/test_no_trace.py"
 # What runs without pandas and pyarrow, which have no cp313t wheels: the sampler and
 # reader, the local threaded scheduler, a LocalCluster with the plugin, the report.
 MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py
     tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py tests/inprocess/test_stalls.py
-    tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS tests/cluster/test_no_trace.py"
+    tests/inprocess/test_task_memory.py tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS
+    tests/cluster/test_no_trace.py"
 # arrow's native frames need pyarrow.
 MATRIX_DESELECT_FREE_THREADED="tests/inprocess/test_native.py::test_pyarrow_names_are_demangled
     tests/inprocess/test_native.py::test_cpp_exceptions_while_sampling"

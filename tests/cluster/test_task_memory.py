@@ -1,0 +1,111 @@
+"""Memory per task on a real cluster: what each task prefix allocated, holds and held
+at most, from sampled allocations (`PySpyPlugin(memory=True)`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import Client, LocalCluster, wait
+
+import dask_pyspy
+
+MIB = 2**20
+# Sampled estimates: blocks of 1 MiB are sampled with a chance of 86% at the default
+# mean of 512 KiB, so 300 of them read within ~3% (one standard error); larger blocks
+# closer. The bounds allow five of those.
+CLOSE = 0.15
+
+LEAKED: list[bytes] = []
+STASHED: dict[str, bytearray] = {}
+
+
+def make_array(mib: int) -> object:
+    import numpy as np
+
+    return np.ones(mib * MIB // 8)
+
+
+def leak(mib: int) -> int:
+    """Keeps `mib` MiB of Python objects for good, as a leak would."""
+    LEAKED.extend(bytes(64 * 1024) for _ in range(mib * 16))
+    return len(LEAKED)
+
+
+def churn(mib: int) -> int:
+    for _ in range(mib):
+        block = bytearray(MIB)
+        del block
+    return mib
+
+
+def stash(mib: int) -> int:
+    STASHED["block"] = bytearray(mib * MIB)
+    return mib
+
+
+def unstash() -> int:
+    return len(STASHED.pop("block"))
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = LocalCluster(
+        n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0", worker_dashboard_address=None
+    )
+    client = Client(cluster)
+    client.register_plugin(dask_pyspy.PySpyPlugin(memory=True))
+    yield client
+    client.close()
+    cluster.close()
+
+
+def held(client: Client, prefix: str) -> dict[str, float]:
+    return (
+        client.pyspy_memory(scheduler=False).by_prefix().get(prefix, dict.fromkeys(("allocated", "in_use", "peak"), 0))
+    )
+
+
+def near(value: float, expected: float) -> bool:
+    return abs(value - expected) <= CLOSE * expected
+
+
+def test_an_array_a_worker_holds_is_charged_to_the_task_that_made_it(client):
+    future = client.submit(make_array, 200, pure=False)
+    wait(future)
+    made = held(client, "make_array")
+    assert near(made["in_use"], 200 * MIB) and near(made["allocated"], 200 * MIB), made
+    del future
+    deadline = time.monotonic() + 60
+    while held(client, "make_array")["in_use"] > 20 * MIB:  # released by the worker
+        assert time.monotonic() < deadline, held(client, "make_array")
+        time.sleep(0.1)
+    assert near(held(client, "make_array")["peak"], 200 * MIB)
+
+
+def test_a_leak_grows_with_its_calls_and_is_charged_to_its_prefix(client):
+    sizes = []
+    for calls in (1, 2, 3):
+        wait(client.submit(leak, 100, pure=False))
+        sizes.append(held(client, "leak")["in_use"])
+        assert near(sizes[-1], calls * 100 * MIB), (calls, sizes)
+
+
+def test_allocations_freed_in_the_task_leave_nothing_in_use(client):
+    wait(client.submit(churn, 1024, pure=False))
+    churned = held(client, "churn")
+    assert near(churned["allocated"], 1024 * MIB), churned
+    assert churned["in_use"] < 8 * MIB and churned["peak"] < 16 * MIB, churned
+
+
+def test_a_block_freed_by_another_task_stays_charged_to_the_one_that_made_it(client):
+    wait(client.submit(stash, 300, pure=False))
+    assert near(held(client, "stash")["in_use"], 300 * MIB), held(client, "stash")
+    wait(client.submit(unstash, pure=False))
+    assert held(client, "stash")["in_use"] < 8 * MIB
+    assert held(client, "unstash")["allocated"] < 8 * MIB
+
+
+def test_bad_arguments_are_named(client):
+    with pytest.raises(ValueError, match="scheduler must be True or False"):
+        client.pyspy_memory(scheduler="yes")

@@ -1,0 +1,148 @@
+"""Memory tracking in one process: allocations from before the hooks, tracemalloc
+stacked on ours, and threads allocating at once (free-threaded builds included)."""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+from dask_pyspy import Sampler
+
+MIB = 2**20
+
+
+def by_prefix(sampler: Sampler) -> dict[str | None, dict[str, float]]:
+    return {row["prefix"]: row for row in sampler.memory()["prefixes"]}
+
+
+def test_blocks_from_before_the_hooks_are_freed_without_being_counted():
+    before = [bytearray(MIB) for _ in range(200)]
+    s = Sampler(memory=True)
+    s.start()
+    try:
+        ident = threading.get_ident()
+        s.set_thread_tag(ident, "free-old-1", "free-old")
+        before.clear()  # freed through our hooks, never sampled
+        s.clear_thread_tag(ident)
+        counted = by_prefix(s)
+        assert all(row["in_use"] >= 0 for row in counted.values()), counted
+        assert counted.get("free-old", {}).get("allocated", 0) < 4 * MIB, counted
+    finally:
+        s.stop()
+
+
+def test_tracemalloc_started_after_ours_sees_the_same_and_stops_cleanly():
+    s = Sampler(memory=True)
+    s.start()
+    try:
+        tracemalloc.start()
+        ident = threading.get_ident()
+        s.set_thread_tag(ident, "traced-1", "traced")
+        blocks = [bytearray(MIB) for _ in range(300)]
+        s.clear_thread_tag(ident)
+        traced, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        ours = by_prefix(s)["traced"]["in_use"]
+        assert abs(ours - traced) < 0.15 * traced, (ours, traced)
+        del blocks
+    finally:
+        s.stop()
+
+
+def test_threads_allocating_at_once_are_each_charged_their_own():
+    s = Sampler(memory=True)
+    s.start()
+    kept: dict[int, list[bytearray]] = {}
+
+    def work(i: int) -> None:
+        ident = threading.get_ident()
+        s.set_thread_tag(ident, f"t{i}-1", f"t{i}")
+        kept[i] = [bytearray(MIB) for _ in range(50 * (i + 1))]
+        for _ in range(200):
+            churn = [bytes(1000) for _ in range(100)]
+            del churn
+        s.clear_thread_tag(ident)
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        counted = by_prefix(s)
+        for i in range(4):
+            expected = 50 * (i + 1) * MIB
+            assert abs(counted[f"t{i}"]["in_use"] - expected) < 0.2 * expected, (i, counted[f"t{i}"])
+    finally:
+        s.stop()
+
+
+def test_a_child_forked_while_threads_allocate_runs_and_exits():
+    import os
+    import time
+
+    s = Sampler(memory=True)
+    s.start()
+    stop = threading.Event()
+
+    def allocate() -> None:
+        while not stop.is_set():
+            blocks = [bytearray(MIB) for _ in range(8)]
+            del blocks
+
+    busy = [threading.Thread(target=allocate) for _ in range(2)]
+    for t in busy:
+        t.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                blocks = [bytearray(MIB) for _ in range(64)]
+                del blocks
+                os._exit(0 if not Sampler().memory()["tracking"] else 3)
+            deadline = time.monotonic() + 60
+            while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+                assert time.monotonic() < deadline, "the forked child hung"
+                time.sleep(0.01)
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        stop.set()
+        for t in busy:
+            t.join()
+        s.stop()
+
+
+def test_numpy_buffers_go_through_our_handler_in_the_tasks_context_only():
+    import contextvars
+
+    import numpy as np
+
+    get_handler_name = (np._core if hasattr(np, "_core") else np.core).multiarray.get_handler_name
+    s = Sampler(memory=True)
+    s.start()
+    seen: dict[str, object] = {}
+
+    def task() -> None:
+        ident = threading.get_ident()
+        s.set_thread_tag(ident, "arrays-1", "arrays")
+        array = np.ones(200 * MIB // 8)
+        seen["handler"] = get_handler_name(array)
+        seen["held"] = by_prefix(s)["arrays"]["in_use"]
+        del array
+        s.clear_thread_tag(ident)
+
+    try:
+        worker = threading.Thread(target=lambda: contextvars.copy_context().run(task))
+        worker.start()
+        worker.join()
+        arrays = by_prefix(s)["arrays"]
+        assert seen["handler"] == "dask_pyspy", seen
+        assert abs(seen["held"] - 200 * MIB) < 0.05 * 200 * MIB, seen
+        assert arrays["in_use"] < MIB and abs(arrays["peak"] - 200 * MIB) < 0.05 * 200 * MIB, arrays
+        elsewhere: list[str] = []
+        other = threading.Thread(target=lambda: elsewhere.append(get_handler_name()))
+        other.start()
+        other.join()
+        assert elsewhere != ["dask_pyspy"], "set in the task's context only"
+    finally:
+        s.stop()
