@@ -2,8 +2,9 @@
 //! Installed while Python runs, so each wraps the allocator it found (CPython's rule);
 //! blocks allocated before reach our `free` and `realloc` too, and are not ours to count.
 //!
-//! Each domain has functions of its own and ignores `ctx`: another thread may read the
-//! new functions with the old `ctx` while they are set (cpython#128679). The allocators
+//! Each domain has functions of its own and ignores `ctx` (set to the wrapped one's):
+//! another thread may read the new functions with the old `ctx`, or the old functions
+//! with the new, while they are set (cpython#128679). The allocators
 //! wrapped are published before ours are installed and never freed: a call that began
 //! before an uninstall still finds them.
 //!
@@ -116,9 +117,11 @@ unsafe extern "C" fn free<const D: usize>(_: *mut c_void, ptr: *mut c_void) {
     unsafe { a.free.unwrap()(a.ctx, ptr) }
 }
 
-fn ours<const D: usize>() -> Allocator {
+/// Ours for domain `D`, with the `ctx` of the allocator it wraps: a thread that reads
+/// the new functions with the old `ctx`, or the old with the new, calls them as it should.
+fn ours<const D: usize>(wrapping: &Allocator) -> Allocator {
     Allocator {
-        ctx: std::ptr::null_mut(),
+        ctx: wrapping.ctx,
         malloc: Some(malloc::<D>),
         calloc: Some(calloc::<D>),
         realloc: Some(realloc::<D>),
@@ -149,8 +152,9 @@ fn install_one<const D: usize>() {
     if INSTALLED[D].load(Ordering::Acquire) {
         return; // on top, or below one wrapped since: it counts again as tracking starts
     }
-    WRAPPED[D].store(Box::into_raw(Box::new(current(D))), Ordering::Release);
-    let mut mine = ours::<D>();
+    let wrapping = Box::leak(Box::new(current(D)));
+    WRAPPED[D].store(wrapping, Ordering::Release);
+    let mut mine = ours::<D>(wrapping);
     // SAFETY: `mine` is a complete allocator wrapping the one installed.
     unsafe { PyMem_SetAllocator(D as c_int, &mut mine) };
     INSTALLED[D].store(true, Ordering::Release);
