@@ -39,6 +39,8 @@ extern "C" {
 
 /// `PyMemAllocatorDomain`.
 const RAW: usize = 0;
+/// pymalloc's threshold: larger requests it passes to RAW.
+const SMALL_REQUEST: usize = 512;
 const DOMAINS: usize = 3;
 
 static WRAPPED: [AtomicPtr<Allocator>; DOMAINS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; DOMAINS];
@@ -67,18 +69,20 @@ pub fn inside<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
-/// Runs the wrapped allocator's call; true if it is to be counted (not a RAW call made
-/// inside a MEM or OBJ one).
-fn call<const D: usize, T>(f: impl FnOnce() -> T) -> (T, bool) {
+/// Runs the wrapped allocator's call for `size` bytes; true if it is to be counted (not a
+/// RAW call made inside a MEM or OBJ one). pymalloc serves requests up to 512 bytes
+/// itself, and most are: those skip the thread-local flag (a realloc never does, as a
+/// large block shrinking goes to RAW too).
+fn call<const D: usize, T>(size: usize, f: impl FnOnce() -> T) -> (T, bool) {
     if D == RAW {
         return (f(), !INSIDE.try_with(Cell::get).unwrap_or(false));
     }
-    (inside(f), true)
+    (if size > SMALL_REQUEST { inside(f) } else { f() }, true)
 }
 
 unsafe extern "C" fn malloc<const D: usize>(_: *mut c_void, size: usize) -> *mut c_void {
     let a = wrapped::<D>();
-    let (p, counts) = call::<D, _>(|| unsafe { a.malloc.unwrap()(a.ctx, size) });
+    let (p, counts) = call::<D, _>(size, || unsafe { a.malloc.unwrap()(a.ctx, size) });
     if counts && !p.is_null() {
         live::allocated(p as usize, size);
     }
@@ -87,7 +91,7 @@ unsafe extern "C" fn malloc<const D: usize>(_: *mut c_void, size: usize) -> *mut
 
 unsafe extern "C" fn calloc<const D: usize>(_: *mut c_void, n: usize, size: usize) -> *mut c_void {
     let a = wrapped::<D>();
-    let (p, counts) = call::<D, _>(|| unsafe { a.calloc.unwrap()(a.ctx, n, size) });
+    let (p, counts) = call::<D, _>(n.saturating_mul(size), || unsafe { a.calloc.unwrap()(a.ctx, n, size) });
     if counts && !p.is_null() {
         live::allocated(p as usize, n.saturating_mul(size));
     }
@@ -97,7 +101,7 @@ unsafe extern "C" fn calloc<const D: usize>(_: *mut c_void, n: usize, size: usiz
 unsafe extern "C" fn realloc<const D: usize>(_: *mut c_void, ptr: *mut c_void, size: usize) -> *mut c_void {
     let a = wrapped::<D>();
     let taken = if ptr.is_null() { None } else { live::freeing(ptr as usize) };
-    let (p, counts) = call::<D, _>(|| unsafe { a.realloc.unwrap()(a.ctx, ptr, size) });
+    let (p, counts) = call::<D, _>(usize::MAX, || unsafe { a.realloc.unwrap()(a.ctx, ptr, size) });
     if p.is_null() {
         // Failed, the block left where it was (unless asked for 0 bytes, which freed it).
         if let Some(taken) = taken.filter(|_| size != 0) {

@@ -136,11 +136,16 @@ fn find(py: Python<'_>) -> PyResult<Option<Numpy>> {
     if !modules.contains("numpy")? {
         return Ok(None);
     }
+    let version: String = modules.get_item("numpy")?.getattr("__version__")?.extract()?;
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    if (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) < (1, 22) {
+        return Ok(None); // before the handler API: its slots are other functions
+    }
     let core =
         ["numpy._core._multiarray_umath", "numpy.core._multiarray_umath"].iter().find_map(|m| py.import(*m).ok());
     let Some(api) = core.and_then(|m| m.getattr("_ARRAY_API").ok()) else { return Ok(None) };
-    // SAFETY: numpy's API table, an unnamed capsule of function pointers; its version
-    // (>= 1.22, checked by the caller's numpy import) has the handler slots.
+    // SAFETY: numpy's API table, an unnamed capsule of function pointers; from 1.22 on,
+    // it has the handler slots.
     unsafe {
         let table = ffi::PyCapsule_GetPointer(api.as_ptr(), std::ptr::null()) as *const *const c_void;
         if table.is_null() {
