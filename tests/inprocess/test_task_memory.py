@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import tracemalloc
 
+import pytest
+
 from dask_pyspy import Sampler
 
 MIB = 2**20
@@ -77,6 +79,7 @@ def test_threads_allocating_at_once_are_each_charged_their_own():
         s.stop()
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_child_forked_while_threads_allocate_runs_and_exits():
     import os
     import time
