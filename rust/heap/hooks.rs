@@ -16,9 +16,9 @@ use nix::libc::{c_int, c_void};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
-type Malloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
-type Calloc = unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void;
-type Realloc = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void;
+pub type Malloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
+pub type Calloc = unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void;
+pub type Realloc = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void;
 type Free = unsafe extern "C" fn(*mut c_void, *mut c_void);
 
 /// CPython's `PyMemAllocatorEx` (stable since 3.5).
@@ -100,17 +100,7 @@ unsafe extern "C" fn calloc<const D: usize>(_: *mut c_void, n: usize, size: usiz
 
 unsafe extern "C" fn realloc<const D: usize>(_: *mut c_void, ptr: *mut c_void, size: usize) -> *mut c_void {
     let a = wrapped::<D>();
-    let taken = if ptr.is_null() { None } else { live::freeing(ptr as usize) };
-    let (p, counts) = call::<D, _>(usize::MAX, || unsafe { a.realloc.unwrap()(a.ctx, ptr, size) });
-    if p.is_null() {
-        // Failed, the block left where it was (unless asked for 0 bytes, which freed it).
-        if let Some(taken) = taken.filter(|_| size != 0) {
-            live::put_back(taken);
-        }
-    } else if counts {
-        live::allocated(p as usize, size);
-    }
-    p
+    live::reallocated(ptr, size, || call::<D, _>(usize::MAX, || unsafe { a.realloc.unwrap()(a.ctx, ptr, size) }))
 }
 
 unsafe extern "C" fn free<const D: usize>(_: *mut c_void, ptr: *mut c_void) {

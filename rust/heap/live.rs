@@ -11,6 +11,7 @@ use super::countdown;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::cell::{Cell, UnsafeCell};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Once};
 
@@ -210,9 +211,20 @@ fn take(addr: usize) -> Option<Taken> {
     Some(Taken { addr, block })
 }
 
-/// Puts back a block a failed `realloc` left where it was.
-pub fn put_back(taken: Taken) {
-    with_held(|held| held.as_mut().map(|held| held.add(taken.addr, taken.block, 0.0)));
+/// A `realloc` of the block at `addr` (null: none) to `size` bytes, made by `call`, which
+/// returns the new block and whether it is to be counted. The old block leaves the table
+/// first; a failed call leaves it where it was (unless asked for 0 bytes, which freed it).
+pub fn reallocated(addr: *mut c_void, size: usize, call: impl FnOnce() -> (*mut c_void, bool)) -> *mut c_void {
+    let taken = if addr.is_null() { None } else { freeing(addr as usize) };
+    let (moved, counts) = call();
+    if moved.is_null() {
+        if let Some(taken) = taken.filter(|_| size != 0) {
+            with_held(|held| held.as_mut().map(|held| held.add(taken.addr, taken.block, 0.0)));
+        }
+    } else if counts {
+        allocated(moved as usize, size);
+    }
+    moved
 }
 
 pub fn count_numpy_failure() {

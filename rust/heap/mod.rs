@@ -31,8 +31,7 @@ pub fn stop() {
 /// must start all the same). With the GIL.
 pub fn task(py: Python<'_>, ident: u64, prefix: Option<&str>) {
     // SAFETY: no preconditions.
-    let caller = unsafe { nix::libc::pthread_self() } as u64;
-    if !live::tracking() || ident != caller {
+    if !live::tracking() || ident != unsafe { nix::libc::pthread_self() } as u64 {
         return;
     }
     live::set_task(prefix);

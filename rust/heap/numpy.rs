@@ -7,18 +7,17 @@
 //! application's own handler is left alone). An array is freed by the handler that
 //! allocated it, so ours and what it wraps are never freed.
 
-use super::{hooks, live};
+use super::hooks::{self, Calloc, Malloc, Realloc};
+use super::live;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use std::ffi::{c_void, CStr};
 use std::sync::OnceLock;
 
-type Malloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
-type Calloc = unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void;
-type Realloc = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void;
+/// numpy's `free` gets the block's size too.
 type Free = unsafe extern "C" fn(*mut c_void, *mut c_void, usize);
 
-/// numpy's `PyDataMemAllocator`.
+/// numpy's `PyDataMemAllocator`: Python's, but for `free`.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Allocator {
@@ -86,16 +85,7 @@ unsafe extern "C" fn calloc(_: *mut c_void, n: usize, size: usize) -> *mut c_voi
 
 unsafe extern "C" fn realloc(_: *mut c_void, ptr: *mut c_void, size: usize) -> *mut c_void {
     let a = WRAPPED.get().unwrap();
-    let taken = if ptr.is_null() { None } else { live::freeing(ptr as usize) };
-    let p = hooks::inside(|| unsafe { a.realloc.unwrap()(a.ctx, ptr, size) });
-    if p.is_null() {
-        if let Some(taken) = taken.filter(|_| size != 0) {
-            live::put_back(taken);
-        }
-    } else {
-        live::allocated(p as usize, size);
-    }
-    p
+    live::reallocated(ptr, size, || (hooks::inside(|| unsafe { a.realloc.unwrap()(a.ctx, ptr, size) }), true))
 }
 
 unsafe extern "C" fn free(_: *mut c_void, ptr: *mut c_void, size: usize) {
