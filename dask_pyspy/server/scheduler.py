@@ -348,13 +348,8 @@ class ClusterProfiler:
         most = limit or 2**31
         window = {"start": start, "stop": stop, "min_duration": min_duration, "most": most}
         replies, missing = await self._ask_workers(addresses, "pyspy_stalls", timeout, **window)
-        sampler = self.hold.sampler
-        if scheduler and sampler is not None:
-            own = await off_loop(sampler.stalls, start, stop, min_duration, most)
-            replies[f"scheduler {self.scheduler.address}"] = own
-        elif scheduler:
-            missing[SCHEDULER] = f"sampling is off on the scheduler: {self.hold.error}"
-        return {"processes": replies, "missing": missing}
+        own = (lambda sampler: sampler.stalls(start, stop, min_duration, most)) if scheduler else None
+        return await self._with_own(replies, missing, own)
 
     async def memory(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:
         """Every selected process's memory counts (`Sampler.memory`), by process name;
@@ -365,10 +360,17 @@ class ClusterProfiler:
         except ValueError as e:
             return rejected(e)
         replies, missing = await self._ask_workers(addresses, "pyspy_memory", timeout)
+        return await self._with_own(replies, missing, Sampler.memory if scheduler else None)
+
+    async def _with_own(
+        self, replies: dict[str, Any], missing: dict[str, str], own: Callable[[Sampler], Any] | None
+    ) -> dict[str, Any]:
+        """The workers' `replies` and `missing`, with the scheduler's own reply, `own` of its
+        sampler (off the event loop), where asked for: missing while sampling is off."""
         sampler = self.hold.sampler
-        if scheduler and sampler is not None:
-            replies[f"scheduler {self.scheduler.address}"] = sampler.memory()
-        elif scheduler:
+        if own is not None and sampler is not None:
+            replies[f"scheduler {self.scheduler.address}"] = await off_loop(own, sampler)
+        elif own is not None:
             missing[SCHEDULER] = f"sampling is off on the scheduler: {self.hold.error}"
         return {"processes": replies, "missing": missing}
 

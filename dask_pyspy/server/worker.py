@@ -235,7 +235,7 @@ class WorkerProfiler:
 
     async def memory(self) -> dict[str, Any]:
         """What this worker's memory tracking counted (`Sampler.memory`)."""
-        return self._check().memory()
+        return await off_loop(self._check().memory)
 
     async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
         """New options from the scheduler (`SamplerOptions.to_dict`), applied in place:
