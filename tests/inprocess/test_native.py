@@ -177,7 +177,10 @@ def test_captures_merge_with_the_python_frames_they_copied():
         assert native["exact"] == 0  # py-spy's reader (3.9, 3.10) walks no copy
         return
     assert native["exact"] >= 0.9 * native["captures"], native
-    assert native["mismatched"] + native["moved"] <= max(3, native["captures"] // 20), native
+    # A capture the sampler took up late (a loaded machine) is not walked: it stands only
+    # where its frame pointer still does, else it is `moved` and keeps its Python frames.
+    # That is right; halves that disagree are not.
+    assert native["mismatched"] <= max(5, native["captures"] // 40), native
 
 
 def even_caller(f: Callable[[], None]) -> None:
