@@ -238,6 +238,16 @@ impl Modules {
         Some((&self.list[i], name))
     }
 
+    /// The function holding `addr`, by its module's code and its name's place in that
+    /// module's string table (reading the module if it was not); None where no symbol
+    /// names it.
+    pub fn function_key(&mut self, addr: u64) -> Option<(u64, u32)> {
+        let i = self.index(addr)?;
+        self.read(i);
+        let m = &self.list[i];
+        Some((m.code.start, m.symbols().lookup(addr.wrapping_sub(m.bias))?))
+    }
+
     /// Reads the first module not read yet that holds one of `pcs` and has unwind
     /// tables; whether one did (an unwind over them may go further).
     pub fn read_tables(&mut self, pcs: impl IntoIterator<Item = u64>) -> bool {

@@ -1,5 +1,6 @@
-//! Code addresses to frames: each address is looked up once (module, symbol,
-//! demangled name) and kept, with what the merge does with it.
+//! Code addresses to frames: each address is looked up once (module, symbol) and
+//! kept, with what the merge does with it; each function is named (read from its
+//! file, demangled) once, however many of its addresses samples meet.
 
 use super::modules::{Modules, EVAL};
 use crate::profile::model::Frame;
@@ -34,6 +35,9 @@ pub enum Kind {
 
 pub struct Resolver {
     by_address: FxHashMap<u64, (u32, Kind)>,
+    /// By function (`Modules::function_key`): a hot loop's leaf is a new address at
+    /// most captures.
+    by_function: FxHashMap<(u64, u32), (u32, Kind)>,
     /// The module listing `by_address` was made under: a module unloaded since may
     /// have left its addresses to another.
     listing: u64,
@@ -48,6 +52,7 @@ impl Resolver {
     pub fn new() -> Resolver {
         Resolver {
             by_address: FxHashMap::default(),
+            by_function: FxHashMap::default(),
             listing: 0,
             frames: Vec::new(),
             ids: FxHashMap::default(),
@@ -59,7 +64,7 @@ impl Resolver {
     /// The frame id and kind of the code at `addr`.
     pub fn resolve(&mut self, addr: u64, modules: &mut Modules) -> (u32, Kind) {
         if self.listing != modules.listings() {
-            self.by_address.clear();
+            self.forget_addresses();
             self.listing = modules.listings();
         }
         if let Some(&found) = self.by_address.get(&addr) {
@@ -68,15 +73,31 @@ impl Resolver {
         if modules.find(addr).is_none() {
             modules.refresh(); // a module loaded since the last listing
         }
-        let (frame, kind) = describe(addr, modules);
-        self.unknown += (frame.file == "?") as u64;
         if self.by_address.len() >= MAX_ADDRESSES {
-            self.by_address.clear();
+            self.by_address.clear(); // a scan past assembly meets many
         }
+        let function = modules.function_key(addr);
+        let found = match function.and_then(|f| self.by_function.get(&f)) {
+            Some(&found) => found,
+            None => {
+                let found = self.intern(describe(addr, modules));
+                if let Some(f) = function {
+                    self.by_function.insert(f, found);
+                }
+                found
+            }
+        };
+        self.by_address.insert(addr, found);
+        found
+    }
+
+    /// The id of `frame` (a new one if it is new), with its kind.
+    fn intern(&mut self, (frame, kind): (Frame, Kind)) -> (u32, Kind) {
+        self.unknown += (frame.file == "?") as u64;
         if self.frames.len() >= MAX_FRAMES {
             self.frames.clear();
             self.ids.clear();
-            self.by_address.clear();
+            self.forget_addresses();
             self.epoch += 1;
         }
         let next = self.frames.len() as u32;
@@ -84,8 +105,12 @@ impl Resolver {
         if id == next {
             self.frames.push(frame);
         }
-        self.by_address.insert(addr, (id, kind));
         (id, kind)
+    }
+
+    fn forget_addresses(&mut self) {
+        self.by_address.clear();
+        self.by_function.clear();
     }
 
     pub fn frame(&self, id: u32) -> Option<&Frame> {
@@ -108,4 +133,22 @@ fn describe(addr: u64, modules: &mut Modules) -> (Frame, Kind) {
         _ => Kind::Shown,
     };
     (Frame::native(name, module.name.clone()), kind)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_function_is_named_once_for_all_its_addresses() {
+        let getpid = nix::libc::getpid as *const () as usize as u64;
+        let (mut modules, mut resolver) = (Modules::new(), Resolver::new());
+        let first = resolver.resolve(getpid, &mut modules);
+        let named = resolver.by_function.clone();
+        let second = resolver.resolve(getpid + 1, &mut modules);
+        assert_eq!(first, second);
+        assert!(resolver.frame(first.0).is_some_and(|f| f.name.ends_with("getpid")));
+        assert_eq!((named.len(), resolver.by_function), (1, named), "named once, from the first address");
+        assert_eq!(resolver.by_address.len(), 2);
+    }
 }
