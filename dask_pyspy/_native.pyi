@@ -33,6 +33,7 @@ class Sampler:
         metadata: dict[str, Any] | None = None,
         spans: dict[str, dict[str, list[str]]] | None = None,
         span_ids: list[str] | None = None,
+        process_stats: dict[str, Any] | None = None,
     ) -> bytes: ...
     def window_size(
         self, bounds: tuple[float, float], aggregate: bool, span_ids: list[str] | None = None

@@ -110,7 +110,25 @@ STATS = {
     "cores": Omittable(COUNT),
     "window_cpu": Omittable({"process_cpu_s": NUMBER, "native_cpu_s": NUMBER}),
     # CPU and resident memory per step (sampling/series.rs); older profiles have none.
-    "series": Omittable({"start": TIME, "step": NUMBER, "cpu": STEPS, "rss": STEPS}),
+    # `in_use`: bytes held per task prefix and step, where memory per task was tracked.
+    "series": Omittable(
+        {
+            "start": TIME,
+            "step": NUMBER,
+            "cpu": STEPS,
+            "rss": STEPS,
+            "in_use": Omittable(Items({"prefix": OrNull(TEXT), "bytes": STEPS})),
+        }
+    ),
+    # Memory per task (dask_pyspy.memory), and a worker's results in memory by prefix.
+    "memory": Omittable(
+        {
+            "prefixes": Items({"prefix": OrNull(TEXT), "allocated": NUMBER, "in_use": NUMBER, "peak": NUMBER}),
+            "dropped": COUNT,
+            "mean_bytes": COUNT,
+        }
+    ),
+    "managed": Omittable(Each(NUMBER)),
     "stalls": Omittable(STALLS),
     "reader": Omittable(OrNull(TEXT)),
     "last_error": Omittable(OrNull(TEXT)),

@@ -171,13 +171,16 @@ class Sampler:
         metadata: dict[str, Any],
         spans: dict[str, dict[str, list[str]]],
         span_ids: list[str] | None = None,
+        process_stats: dict[str, Any] | None = None,
     ) -> bytes:
         """The window in the wire format (see `Profile.to_wire`) without a `Profile` in
         between; `aggregate` aggregates it (see `Profile.merge_wire`); `span_ids` keeps
-        only the samples of tasks in those spans."""
+        only the samples of tasks in those spans; `process_stats` joins the process's
+        stats (what its server knows: a worker's managed memory)."""
         self._check_started()
         self.name_threads()
-        return self._native.export(self._bounds(start, stop), aggregate, name, metadata, spans, span_ids)
+        bounds = self._bounds(start, stop)
+        return self._native.export(bounds, aggregate, name, metadata, spans, span_ids, process_stats)
 
     def window_size(
         self, start: float | None, stop: float | None, aggregate: bool, span_ids: list[str] | None = None

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from dask_pyspy.render import stalls, tables, timeline
+from dask_pyspy.render import memory, stalls, tables, timeline
 from dask_pyspy.render.findings import Summary, function_file, window
 from dask_pyspy.render.pages import render, when
 
@@ -291,6 +291,7 @@ def _figures(raw: Drawable, profile: Drawable, title: str, stalled: list[stalls.
         # From the raw samples: finer than an aggregated copy's 10 s cells.
         "timeline": timeline.charts(raw.timeline(), records) if raw.n_samples and raw.keeps_times else None,
         "stalls": _stall_section(profile, stalled),
+        "memory": memory.section(raw.processes),
         "summary": summary,
         "findings": summary.findings,
         # Whether the speedscope file's samples are aggregated.

@@ -56,6 +56,18 @@ class SpanNames:
         return sorted(wanted.union(nested))
 
 
+def managed_by_prefix(worker: Worker) -> dict[str, float]:
+    """Per task prefix, the bytes of results the worker holds in memory (distributed's
+    "managed" memory: spilled results are on disk)."""
+    in_memory = getattr(worker.data, "fast", worker.data)
+    tasks, out = worker.state.tasks, {}
+    for key in list(in_memory):
+        ts = tasks.get(key)
+        if ts is not None:
+            out[ts.prefix] = out.get(ts.prefix, 0.0) + (ts.nbytes or 0)
+    return out
+
+
 class TaskTagger(dict):
     """`Worker.active_threads` that also tells the sampler which task each thread runs,
     and in which dask span.
@@ -202,12 +214,14 @@ class WorkerProfiler:
         `span_ids`, only the samples of tasks in those spans. Sent as a frame of its
         own: packed into the message, it would be copied on the event loop."""
         sampler = self._check()
+        # Read on the loop, which owns the worker's state; only where memory is tracked.
+        held = {"managed": managed_by_prefix(self.worker)} if sampler.options.memory else None
 
         def export() -> bytes:
             tasks = {self.worker.address: self.tasks.summary(start, stop)}
             meta = {"tasks": tasks}
             spans, ids = dict(self.spans.spans), self.spans.with_nested(span_ids)
-            return sampler.export(start, stop, aggregate, self.worker.address, meta, spans, ids)
+            return sampler.export(start, stop, aggregate, self.worker.address, meta, spans, ids, held)
 
         return to_serialize(await off_loop(export))
 

@@ -181,9 +181,10 @@ impl PySampler {
     }
 
     /// The samples in `bounds` (aggregated if `aggregate`; only those tagged with one
-    /// of `span_ids` if given) in the wire format, with `metadata` and `spans`: one
-    /// copy of the window, straight to bytes.
-    #[pyo3(signature = (bounds, aggregate, process_name, metadata=None, spans=None, span_ids=None))]
+    /// of `span_ids` if given) in the wire format, with `metadata` and `spans`, and
+    /// `process_stats` (what the server knows of its process) among the process's
+    /// stats: one copy of the window, straight to bytes.
+    #[pyo3(signature = (bounds, aggregate, process_name, metadata=None, spans=None, span_ids=None, process_stats=None))]
     #[allow(clippy::too_many_arguments)] // Python's keywords
     fn export<'py>(
         &self,
@@ -194,11 +195,16 @@ impl PySampler {
         metadata: Option<&Bound<'py, PyDict>>,
         spans: Option<&Bound<'py, PyDict>>,
         span_ids: Option<Vec<String>>,
+        process_stats: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let (metadata, spans) = (metadata_arg(metadata)?, spans_arg(spans)?);
+        let process_stats = process_stats.map(values::object).transpose()?.unwrap_or_default();
         let span_ids = span_ids.map(FxHashSet::from_iter);
         let bytes = heavy(py, || {
             let mut data = self.inner.profile(window(bounds, aggregate, span_ids.as_ref()), process_name, metadata);
+            if let Some(stats) = data.processes[0].stats.as_object_mut() {
+                stats.extend(process_stats);
+            }
             data.spans = spans;
             wire::encode(&data)
         })?;

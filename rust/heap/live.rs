@@ -269,6 +269,35 @@ pub fn counted() -> Counted {
     })
 }
 
+/// Prefixes a second of the series keeps apart, at most; the rest are summed as `OTHER`.
+const MOST_PREFIXES: usize = 8;
+/// The prefix id standing for the prefixes past `MOST_PREFIXES`.
+pub const OTHER: u32 = u32::MAX;
+
+/// Bytes in use now by prefix id, largest first (None while not tracking): a look a
+/// second, for the series beside RSS.
+pub fn in_use() -> Option<Box<[(u32, f32)]>> {
+    if !tracking() {
+        return None;
+    }
+    let mut held: Vec<(u32, f32)> = with_held(|held| {
+        let totals = held.as_ref().map_or(&[][..], |h| &h.totals[..]);
+        totals.iter().enumerate().filter(|(_, t)| t.in_use > 0.0).map(|(i, t)| (i as u32, t.in_use as f32)).collect()
+    });
+    held.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+    if held.len() > MOST_PREFIXES {
+        let rest: f32 = held.drain(MOST_PREFIXES - 1..).map(|(_, bytes)| bytes).sum();
+        held.push((OTHER, rest));
+    }
+    Some(held.into_boxed_slice())
+}
+
+/// The name of prefix id `id` (None: outside tasks, or not known since a restart).
+pub fn prefix_name(id: u32) -> Option<Arc<str>> {
+    let i = (id as usize).checked_sub(1)?;
+    with_held(|held| held.as_ref()?.names.get(i).cloned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,6 +2,7 @@
 //! (`thread.rs`), changes its options, and reads its samples, stats and stacks.
 
 use crate::error::{Error, Result};
+use crate::heap::live;
 use crate::profile::model::{Frame, Metadata, Process, ProfileData};
 use crate::profile::stalls::{Explained, Stall};
 use crate::reader::tags::{Activity, ThreadTags};
@@ -27,6 +28,8 @@ const FORKED: &str = "this sampler was copied into a forked child, where its thr
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 /// Stalls a window explains at most per process, the longest.
 pub const EXPLAINED: usize = 100;
+/// The series' name for the prefixes holding least, summed (`live::OTHER`).
+const OTHER_PREFIXES: &str = "(other prefixes)";
 /// Stalls whose start and duration a window carries at most per process, the longest:
 /// a timeline draws about as many marks, and a day of a stall a second stays small.
 const RECORDS: usize = 2_000;
@@ -221,10 +224,14 @@ impl Sampler {
         };
         let series = self.shared.series.lock();
         process.stats["window_cpu"] = json!(series.totals(window.start_ns, window.stop_ns));
-        if let Some(resources) = series.window(window.start_ns, window.stop_ns) {
+        if let Some(resources) = series.window(window.start_ns, window.stop_ns, prefix_name) {
             process.stats["series"] = resources;
         }
         drop(series);
+        let memory = live::counted();
+        if memory.tracking || !memory.prefixes.is_empty() {
+            process.stats["memory"] = json!(memory);
+        }
         let stalls = self.shared.stalls.lock().window(window.start_ns, window.stop_ns);
         let window = Window { stalls: &stalls, ..window };
         let mut store = self.shared.store.lock();
@@ -349,5 +356,13 @@ impl Drop for Sampler {
             return;
         }
         self.stop();
+    }
+}
+
+/// How the series names a task prefix id of `live::in_use`.
+fn prefix_name(id: u32) -> Value {
+    match id {
+        live::OTHER => json!(OTHER_PREFIXES),
+        _ => json!(live::prefix_name(id)),
     }
 }

@@ -1,7 +1,9 @@
 //! What the whole process used, second by second, for a day: its CPU (all of it,
-//! and that of threads Python does not know) and its resident memory, kept beside the
-//! samples and exported with each window, resampled to a bounded number of steps.
+//! and that of threads Python does not know), its resident memory and, where memory
+//! per task is tracked, the bytes each task prefix holds; kept beside the samples and
+//! exported with each window, resampled to a bounded number of steps.
 
+use crate::heap::live;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -14,13 +16,20 @@ const MOST_STEPS: u64 = 1_440;
 const STEPS: [u64; 13] = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
 const NS: u64 = 1_000_000_000;
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Second {
     second: u64,
     process_ns: u64,
     native_ns: u64,
-    /// Resident memory at the first tick of the second.
+    memory: Memory,
+}
+
+/// What the first tick of a second reads of the process's memory.
+#[derive(Clone, Debug, Default)]
+struct Memory {
     rss: u64,
+    /// Bytes in use by task prefix id, where tracked (`live::in_use`).
+    in_use: Option<Box<[(u32, f32)]>>,
 }
 
 #[derive(Default)]
@@ -45,10 +54,10 @@ fn resident_bytes() -> u64 {
 impl Series {
     /// Adds a tick's CPU to its second; the first tick of a second reads the memory.
     pub fn record(&mut self, time_ns: u64, process_ns: u64, native_ns: u64) {
-        self.add(time_ns, process_ns, native_ns, resident_bytes);
+        self.add(time_ns, process_ns, native_ns, || Memory { rss: resident_bytes(), in_use: live::in_use() });
     }
 
-    fn add(&mut self, time_ns: u64, process_ns: u64, native_ns: u64, rss: impl FnOnce() -> u64) {
+    fn add(&mut self, time_ns: u64, process_ns: u64, native_ns: u64, memory: impl FnOnce() -> Memory) {
         let second = time_ns / NS;
         match self.seconds.back_mut() {
             Some(last) if last.second == second => {
@@ -59,7 +68,7 @@ impl Series {
                 if self.seconds.len() >= SECONDS {
                     self.seconds.pop_front();
                 }
-                self.seconds.push_back(Second { second, process_ns, native_ns, rss: rss() });
+                self.seconds.push_back(Second { second, process_ns, native_ns, memory: memory() });
             }
         }
     }
@@ -81,8 +90,10 @@ impl Series {
     /// The window's seconds in at most `MOST_STEPS` steps, for a process's stats:
     /// `start` (Unix seconds, a multiple of `step`), `step`, and per step the CPU
     /// seconds used (`cpu`) and the most resident memory seen (`rss`, bytes); null
-    /// where no second of the step was seen. None if the window holds no second.
-    pub fn window(&self, start_ns: u64, stop_ns: u64) -> Option<Value> {
+    /// where no second of the step was seen. Where memory per task was tracked,
+    /// `in_use`: per task prefix (named by `name`), the bytes it held at each step's
+    /// last tracked second, largest first. None if the window holds no second.
+    pub fn window(&self, start_ns: u64, stop_ns: u64, name: impl Fn(u32) -> Value) -> Option<Value> {
         let (first, last) = {
             let mut seen = self.within(start_ns, stop_ns);
             let first = seen.next()?.second;
@@ -91,25 +102,59 @@ impl Series {
         let step = STEPS.into_iter().find(|s| (last - first) / s < MOST_STEPS).unwrap_or(STEPS[STEPS.len() - 1]);
         let start = first - first % step;
         let steps = ((last - start) / step + 1) as usize;
-        let (mut cpu, mut rss) = (vec![None; steps], vec![None; steps]);
+        let (mut cpu, mut rss, mut held) = (vec![None; steps], vec![None; steps], vec![None; steps]);
         for s in self.within(start_ns, stop_ns) {
             let at = ((s.second - start) / step) as usize;
             *cpu[at].get_or_insert(0.0) += s.process_ns as f64 / 1e9;
-            rss[at] = rss[at].max(Some(s.rss));
+            rss[at] = rss[at].max(Some(s.memory.rss));
+            held[at] = s.memory.in_use.as_deref().or(held[at]);
         }
-        Some(json!({"start": start, "step": step, "cpu": cpu, "rss": rss}))
+        let mut out = json!({"start": start, "step": step, "cpu": cpu, "rss": rss});
+        if held.iter().any(Option::is_some) {
+            out["in_use"] = in_use_by_prefix(&held, name);
+        }
+        Some(out)
     }
+}
+
+/// Per prefix in any step, its bytes at each step (0 where a tracked step did not list
+/// it, null where no second of the step was tracked), largest first.
+fn in_use_by_prefix(held: &[Option<&[(u32, f32)]>], name: impl Fn(u32) -> Value) -> Value {
+    let mut ids: Vec<u32> = held.iter().flatten().flat_map(|h| h.iter().map(|&(id, _)| id)).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let bytes_of = |id: u32| -> Vec<Option<f32>> {
+        held.iter().map(|h| h.map(|h| h.iter().find(|(i, _)| *i == id).map_or(0.0, |&(_, b)| b))).collect()
+    };
+    let mut rows: Vec<(f32, Value)> = ids
+        .into_iter()
+        .map(|id| {
+            let bytes = bytes_of(id);
+            let most = bytes.iter().flatten().fold(0.0f32, |m, &b| m.max(b));
+            (most, json!({"prefix": name(id), "bytes": bytes}))
+        })
+        .collect();
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+    Value::Array(rows.into_iter().map(|(_, row)| row).collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn only_rss(rss: u64) -> Memory {
+        Memory { rss, in_use: None }
+    }
+
+    fn no_name(id: u32) -> Value {
+        json!(id)
+    }
+
     #[test]
     fn sums_the_seconds_of_a_window() {
         let mut s = Series::default();
         for i in 0..30u64 {
-            s.add(i * 100_000_000, 10_000_000, 4_000_000, || 1); // 3 s at 10 ticks a second
+            s.add(i * 100_000_000, 10_000_000, 4_000_000, || only_rss(1)); // 3 s at 10 ticks a second
         }
         let all = s.totals(0, 3 * NS);
         assert!((all.process_cpu_s - 0.3).abs() < 1e-9 && (all.native_cpu_s - 0.12).abs() < 1e-9);
@@ -122,25 +167,42 @@ mod tests {
         let mut s = Series::default();
         for second in 100..100 + 3_600u64 {
             if second != 107 {
-                s.add(second * NS, NS / 2, 0, || second * 1000); // half a core; memory growing
+                s.add(second * NS, NS / 2, 0, || only_rss(second * 1000)); // half a core; memory growing
             }
         }
-        let w = s.window(0, u64::MAX).unwrap();
+        let w = s.window(0, u64::MAX, no_name).unwrap();
         assert_eq!((w["start"].as_u64(), w["step"].as_u64()), (Some(100), Some(5)), "at most 1,440 steps");
         let (cpu, rss) = (w["cpu"].as_array().unwrap(), w["rss"].as_array().unwrap());
         assert_eq!((cpu.len(), rss.len()), (720, 720));
         assert_eq!((cpu[0].as_f64(), rss[0].as_u64()), (Some(2.5), Some(104_000)), "seconds 100-104");
         assert_eq!(cpu[1].as_f64(), Some(2.0), "second 107 was not seen");
-        let short = s.window(200 * NS, 209 * NS).unwrap();
+        let short = s.window(200 * NS, 209 * NS, no_name).unwrap();
         assert_eq!(
             (short["start"].as_u64(), short["step"].as_u64(), short["cpu"].as_array().unwrap().len()),
             (Some(200), Some(1), 10)
         );
-        assert!(s.window(0, 50 * NS).is_none());
+        assert!(s.window(0, 50 * NS, no_name).is_none());
         let mut gaps = Series::default();
-        gaps.add(10 * NS, NS, 0, || 5);
-        gaps.add(13 * NS, NS, 0, || 6);
-        let w = gaps.window(0, u64::MAX).unwrap();
+        gaps.add(10 * NS, NS, 0, || only_rss(5));
+        gaps.add(13 * NS, NS, 0, || only_rss(6));
+        let w = gaps.window(0, u64::MAX, no_name).unwrap();
         assert_eq!(w["rss"], json!([5, null, null, 6]), "a second not seen is null");
+    }
+
+    #[test]
+    fn bytes_in_use_by_prefix_are_those_of_each_steps_last_tracked_second() {
+        let mut s = Series::default();
+        let held = |h: &[(u32, f32)]| Memory { rss: 1, in_use: Some(h.into()) };
+        s.add(NS, NS, 0, || held(&[(1, 10.0)]));
+        s.add(2 * NS, NS, 0, || held(&[(2, 30.0), (1, 20.0)]));
+        s.add(3 * NS, NS, 0, || only_rss(1)); // tracking stopped
+        let w = s.window(0, u64::MAX, no_name).unwrap();
+        assert_eq!(
+            w["in_use"],
+            json!([{"prefix": 2, "bytes": [0.0, 30.0, null]}, {"prefix": 1, "bytes": [10.0, 20.0, null]}])
+        );
+        let mut untracked = Series::default();
+        untracked.add(NS, NS, 0, || only_rss(1));
+        assert!(untracked.window(0, u64::MAX, no_name).unwrap().get("in_use").is_none());
     }
 }

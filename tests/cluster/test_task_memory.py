@@ -9,6 +9,7 @@ import pytest
 from distributed import Client, LocalCluster, wait
 
 import dask_pyspy
+from tests.cluster.browser import console_errors, screenshot, start_chromium
 
 MIB = 2**20
 # Sampled estimates: blocks of 1 MiB are sampled with a chance of 86% at the default
@@ -104,6 +105,60 @@ def test_a_block_freed_by_another_task_stays_charged_to_the_one_that_made_it(cli
     wait(client.submit(unstash, pure=False))
     assert held(client, "stash")["in_use"] < 8 * MIB
     assert held(client, "unstash")["allocated"] < 8 * MIB
+
+
+def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The report's memory section as Chromium shows it: process rows and prefix rows by
+    their first cell."""
+    driver = start_chromium()
+    try:
+        driver.get(path.as_uri())
+        tables = driver.execute_script(
+            "const s = document.getElementById('memory'); const out = [];"
+            "for (let e = s.nextElementSibling; e && e.tagName !== 'H2'; e = e.nextElementSibling)"
+            "  if (e.tagName === 'TABLE') out.push([...e.rows].slice(1).map(r => [...r.cells].map(c => c.innerText)));"
+            "return out;"
+        )
+        driver.execute_script("document.getElementById('memory').scrollIntoView();")
+        screenshot(driver, "report-memory")
+        assert console_errors(driver) == []
+    finally:
+        driver.quit()
+    processes, prefixes = ({row[0]: row[1:] for row in rows} for rows in tables)
+    return processes, prefixes
+
+
+def held_series(profile: dask_pyspy.Profile) -> dict[str | None, list[float | None]]:
+    """The worker's bytes in use by prefix, per step of its series."""
+    stats = next(p["stats"] for p in profile.processes if not p["name"].startswith("scheduler"))
+    return {row["prefix"]: row["bytes"] for row in stats["series"].get("in_use", ())}
+
+
+def mib(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, tmp_path):
+    path = tmp_path / "report.html"
+    with dask_pyspy.pyspy_report(path, client=client) as rec:
+        kept = client.submit(make_array, 150, pure=False)
+        wait([kept, client.submit(leak, 100, pure=False)])
+        deadline = time.monotonic() + 60
+        while "make_array" not in held_series(client.pyspy_profile(last=10, scheduler=False)):
+            assert time.monotonic() < deadline, "the series never read the array (once a second)"
+            time.sleep(0.2)
+    leaked = held(client, "leak")["in_use"]
+    processes, prefixes = memory_tables(path)
+    worker = next(name for name in processes if not name.startswith("scheduler"))
+    resident, results, beyond, _ = (mib(c) for c in processes[worker])
+    assert near(results, 150) and beyond >= 0.9 * leaked / MIB, processes
+    allocated, in_use, _, results, beyond = (mib(c) for c in prefixes["make_array"])
+    assert near(in_use, 150) and near(results, 150) and beyond < 15, prefixes
+    assert near(mib(prefixes["leak"][4]), leaked / MIB) and mib(prefixes["leak"][3]) == 0, prefixes
+    # Beside resident memory, step by step: the array held since it was made.
+    series = held_series(rec.profile)
+    assert near(series["make_array"][-1], 150 * MIB), series
+    del kept
 
 
 def test_bad_arguments_are_named(client):
