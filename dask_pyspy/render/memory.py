@@ -48,7 +48,8 @@ def section(processes: list[dict[str, Any]]) -> dict[str, Any] | None:
     tracked = [(p["name"], p["stats"]) for p in processes if (p.get("stats") or {}).get("memory")]
     if not tracked:
         return None
-    rows, prefixes = [], {}
+    rows: list[list[Any]] = []
+    prefixes: dict[str | None, dict[str, float]] = {}
     for name, stats in tracked:
         row, beyond = _process_row(name, stats)
         rows.append(row)

@@ -60,7 +60,8 @@ def managed_by_prefix(worker: Worker) -> dict[str, float]:
     """Per task prefix, the bytes of results the worker holds in memory (distributed's
     "managed" memory: spilled results are on disk)."""
     in_memory = getattr(worker.data, "fast", worker.data)
-    tasks, out = worker.state.tasks, {}
+    tasks = worker.state.tasks
+    out: dict[str, float] = {}
     for key in list(in_memory):
         ts = tasks.get(key)
         if ts is not None:
