@@ -218,7 +218,9 @@ class Profile:
         `group` "prefix" or "span" (task time) or "activity" (outside tasks). Also
         `"processes": [{"name", "kind", "cpu": [..], "rss": [..]}]`: each process's CPU
         seconds and most resident memory (bytes) per step, as its sampler kept them
-        each second; None in steps it was not seen.
+        each second; None in steps it was not seen. Where memory per task was tracked,
+        a process also has `"in_use": [{"prefix", "bytes": [..]}]`, the most each task
+        prefix held per step (prefix None: outside tasks).
 
         A thread's samples at one instant cover [time, time + their summed weight], each
         spread over the steps that overlap it: raw samples fall in the step of their

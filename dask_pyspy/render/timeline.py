@@ -35,6 +35,7 @@ TICK_INTERVALS = (
 )  # fmt: skip
 MAX_TICKS = 10
 MOST_LINES = 8  # processes of a kind drawn a memory line each; more as min, median and max
+MOST_HELD = 8  # task prefixes stacked under resident memory; the rest as "other"
 SPREAD = (("most", "#e15759", max), ("median", "#4e79a7", statistics.median), ("least", "#59a14f", min))
 BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
 # Event-loop stalls: a row per process, the most stalled; past that, one row for the rest.
@@ -160,13 +161,38 @@ def _memory_lines(processes: list[dict[str, Any]], steps: int) -> list[tuple[str
     return [(name, colour, [f(v) if v else None for v in seen]) for name, colour, f in SPREAD]
 
 
-def _memory(timeline: dict[str, Any], kind: str) -> dict[str, Any] | None:
-    """The kind's resident memory over time, or None where its processes kept none."""
+def _held(processes: list[dict[str, Any]], steps: int, colours: dict[str, str]) -> list[tuple[str, str, list[float]]]:
+    """Bytes held by task prefix, summed over the processes per step, largest peak
+    first: the MOST_HELD largest, the rest as "other"; a prefix drawn in the CPU charts
+    keeps its colour there."""
+    summed: dict[str, list[float]] = {}
+    for p in processes:
+        for row in p.get("in_use", ()):
+            name = row["prefix"] or "(outside tasks)"
+            into = summed.setdefault(name, [0.0] * steps)
+            for i, v in enumerate(row["bytes"]):
+                into[i] += v or 0.0
+    ranked = sorted(summed.items(), key=lambda kv: -max(kv[1]))
+    shown, rest = ranked[:MOST_HELD], ranked[MOST_HELD:]
+    if rest:
+        shown.append((OTHER, [sum(values) for values in zip(*(v for _, v in rest))]))
+    spare = iter(c for c in PALETTE if c not in colours.values())
+    return [
+        (name, OTHER_COLOUR if name == OTHER else colours.get(name) or next(spare, OTHER_COLOUR), v)
+        for name, v in shown
+    ]
+
+
+def _memory(timeline: dict[str, Any], kind: str, colours: dict[str, str]) -> dict[str, Any] | None:
+    """The kind's resident memory over time, and the bytes task prefixes held stacked
+    under it where tracked; None where its processes kept none."""
     mine = [p for p in timeline.get("processes", []) if p["kind"] == kind and any(v is not None for v in p["rss"])]
     if not mine:
         return None
-    lines = _memory_lines(mine, timeline["steps"])
-    top = max(v for _, _, values in lines for v in values if v is not None)
+    steps = timeline["steps"]
+    lines, held = _memory_lines(mine, steps), _held(mine, steps, colours)
+    stacked = [sum(values[i] for _, _, values in held) for i in range(steps)]
+    top = max([v for _, _, values in lines for v in values if v is not None] + stacked)
     unit, size = next((u, s) for u, s in BYTE_UNITS if top >= s or s == 1)
     ymax = _nice(top / size)
     drawn = [
@@ -178,9 +204,23 @@ def _memory(timeline: dict[str, Any], kind: str) -> dict[str, Any] | None:
         }
         for name, colour, values in lines
     ]
+    areas, bottom = [], [0.0] * steps
+    for name, colour, values in held:
+        above = [b + v / size for b, v in zip(bottom, values)]
+        areas.append(
+            {
+                "name": name,
+                "colour": colour,
+                "path": _path(bottom, above, HEIGHT / ymax),
+                "peak": f"{max(values) / size:.3g} {unit}",
+            }
+        )
+        bottom = above
     spread = len(mine) > MOST_LINES
     label = f"resident memory ({unit}){f': across {len(mine)} processes' if spread else ''}"
-    return {"label": label, "lines": drawn, "ticks": _value_ticks(ymax)}
+    if areas:
+        label += "; bytes held by task prefix, stacked"
+    return {"label": label, "lines": drawn, "held": areas, "ticks": _value_ticks(ymax)}
 
 
 def _clip(records: Records, start: float, stop: float) -> Records:
@@ -298,7 +338,7 @@ def charts(timeline: dict[str, Any], stalls: dict[str, Records] | None = None) -
                 "processes": totals["processes"],
                 "charts": [wall, cpu],
                 "legend": legend,
-                "memory": _memory(timeline, kind),
+                "memory": _memory(timeline, kind, {s["name"]: s["colour"] for s in top}),
                 "stalls": _stalls(stalls or {}, kind, start, stop),
             }
         )

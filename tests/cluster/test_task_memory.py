@@ -107,9 +107,9 @@ def test_a_block_freed_by_another_task_stays_charged_to_the_one_that_made_it(cli
     assert held(client, "unstash")["allocated"] < 8 * MIB
 
 
-def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
     """The report's memory section as Chromium shows it: process rows and prefix rows by
-    their first cell."""
+    their first cell; and the prefixes stacked under the timeline's resident memory."""
     driver = start_chromium()
     try:
         driver.get(path.as_uri())
@@ -119,13 +119,14 @@ def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
             "  if (e.tagName === 'TABLE') out.push([...e.rows].slice(1).map(r => [...r.cells].map(c => c.innerText)));"
             "return out;"
         )
+        stacked = driver.execute_script("return [...document.querySelectorAll('.tl-held')].map(e => e.dataset.name);")
         driver.execute_script("document.getElementById('memory').scrollIntoView();")
         screenshot(driver, "report-memory")
         assert console_errors(driver) == []
     finally:
         driver.quit()
     processes, prefixes = ({row[0]: row[1:] for row in rows} for rows in tables)
-    return processes, prefixes
+    return processes, prefixes, stacked
 
 
 def held_series(profile: dask_pyspy.Profile) -> dict[str | None, list[float | None]]:
@@ -148,7 +149,7 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
             assert time.monotonic() < deadline, "the series never read the array (once a second)"
             time.sleep(0.2)
     leaked = held(client, "leak")["in_use"]
-    processes, prefixes = memory_tables(path)
+    processes, prefixes, stacked = memory_tables(path)
     worker = next(name for name in processes if not name.startswith("scheduler"))
     resident, results, beyond, _ = (mib(c) for c in processes[worker])
     assert near(results, 150) and beyond >= 0.9 * leaked / MIB, processes
@@ -158,6 +159,7 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
     # Beside resident memory, step by step: the array held since it was made.
     series = held_series(rec.profile)
     assert near(series["make_array"][-1], 150 * MIB), series
+    assert {"make_array", "leak"} <= set(stacked), stacked
     del kept
 
 

@@ -209,6 +209,29 @@ def test_many_processes_draw_the_most_median_and_least_memory():
     assert none["memory"] is None
 
 
+def test_bytes_held_stack_by_prefix_over_processes_under_resident_memory():
+    from dask_pyspy.render.timeline import MOST_HELD, OTHER, OTHER_COLOUR, charts
+
+    mib, steps = 2**20, 2
+    held = [{"prefix": f"p{i}", "bytes": [i * mib, None]} for i in range(1, MOST_HELD + 3)]
+    processes = [
+        {"name": f"tcp://w:{i}", "kind": "worker", "cpu": [0.5] * steps, "rss": [60 * mib] * steps, "in_use": held}
+        for i in range(2)
+    ]
+    totals = {"processes": 2, "wall": [1.0] * steps, "cpu": [0.5] * steps}
+    series = [{"name": "p10", "kind": "worker", "group": "prefix", "seconds": 1.0, "wall": [1.0] * 2, "cpu": [0.5] * 2}]
+    timeline = {"start": 1e9, "step": 1.0, "steps": steps, "kinds": {"worker": totals}, "series": series}
+    (kind,) = charts({**timeline, "processes": processes})["kinds"]
+    areas = kind["memory"]["held"]
+    names = [a["name"] for a in areas]
+    assert names == [f"p{i}" for i in range(MOST_HELD + 2, 2, -1)] + [OTHER], "largest first, the rest summed"
+    assert areas[0]["peak"] == "20 MiB", "summed over the processes"
+    assert areas[-1]["peak"] == "6 MiB" and areas[-1]["colour"] == OTHER_COLOUR, "p1 and p2, in both"
+    assert areas[names.index("p10")]["colour"] == kind["legend"][0]["colour"], "a prefix keeps its CPU colour"
+    assert len({a["colour"] for a in areas}) == len(areas)
+    assert kind["memory"]["ticks"][-1]["label"] == "200", "the stack, 110 MiB, and RSS fit the axis"
+
+
 def test_a_day_of_stalls_is_marked_a_row_per_process_merged_per_pixel():
     from dask_pyspy.render.timeline import LEFT, MERGE_GAP, STALL_ROWS, WIDTH, charts
 
