@@ -16,25 +16,33 @@ const MOST_STEPS: u64 = 1_440;
 const STEPS: [u64; 13] = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
 const NS: u64 = 1_000_000_000;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 struct Second {
     second: u64,
     process_ns: u64,
     native_ns: u64,
-    memory: Memory,
+    /// Resident memory at the first tick of the second.
+    rss: u64,
 }
 
 /// What the first tick of a second reads of the process's memory.
-#[derive(Clone, Debug, Default)]
 struct Memory {
     rss: u64,
     /// Bytes in use by task prefix id, where tracked (`live::in_use`).
     in_use: Option<Box<[(u32, f32)]>>,
 }
 
+/// A second's bytes in use by task prefix id; kept apart from `Second`, so a process
+/// that does not track memory keeps no room for them.
+struct Held {
+    second: u64,
+    in_use: Box<[(u32, f32)]>,
+}
+
 #[derive(Default)]
 pub struct Series {
     seconds: VecDeque<Second>,
+    held: VecDeque<Held>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -66,9 +74,14 @@ impl Series {
             }
             _ => {
                 if self.seconds.len() >= SECONDS {
-                    self.seconds.pop_front();
+                    let gone = self.seconds.pop_front().map_or(0, |s| s.second);
+                    while self.held.front().is_some_and(|h| h.second <= gone) {
+                        self.held.pop_front();
+                    }
                 }
-                self.seconds.push_back(Second { second, process_ns, native_ns, memory: memory() });
+                let Memory { rss, in_use } = memory();
+                self.seconds.push_back(Second { second, process_ns, native_ns, rss });
+                self.held.extend(in_use.map(|in_use| Held { second, in_use }));
             }
         }
     }
@@ -106,8 +119,11 @@ impl Series {
         for s in self.within(start_ns, stop_ns) {
             let at = ((s.second - start) / step) as usize;
             *cpu[at].get_or_insert(0.0) += s.process_ns as f64 / 1e9;
-            rss[at] = rss[at].max(Some(s.memory.rss));
-            held[at] = s.memory.in_use.as_deref().or(held[at]);
+            rss[at] = rss[at].max(Some(s.rss));
+        }
+        let kept = self.held.partition_point(|h| h.second < first);
+        for h in self.held.range(kept..).take_while(|h| h.second <= last) {
+            held[((h.second - start) / step) as usize] = Some(&*h.in_use);
         }
         let mut out = json!({"start": start, "step": step, "cpu": cpu, "rss": rss});
         if held.iter().any(Option::is_some) {
