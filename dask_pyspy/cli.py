@@ -117,6 +117,12 @@ def pyspy() -> None:
     "its other options from this machine's dask config.",
 )
 @click.option(
+    "--memory/--no-memory",
+    default=None,
+    help="First turn memory per task on (or off) in every server: registers PySpyPlugin(memory=...), "
+    "its other options from this machine's dask config; counts start afresh.",
+)
+@click.option(
     "-o",
     "--output",
     default="pyspy-profile.html",
@@ -133,6 +139,7 @@ def record(
     weight: str,
     aggregate: bool,
     native: bool | None,
+    memory: bool | None,
     output: str,
     timeout: float,
 ) -> None:
@@ -145,8 +152,9 @@ def record(
     except (OSError, ValueError) as e:
         raise RequestError(f"--output: {e}") from e
     with _connect(scheduler, timeout) as client:
-        if native is not None:
-            _ask(lambda: client.register_plugin(PySpyPlugin(native=native)))
+        switched = {name: on for name, on in (("native", native), ("memory", memory)) if on is not None}
+        if switched:
+            _ask(lambda: client.register_plugin(PySpyPlugin(**switched)))
         # An empty window first: no plugin or an unknown worker fails now, not after --duration.
         now = time.time()
         _ask(lambda: get_profile(client, workers=workers, start=now, stop=now))

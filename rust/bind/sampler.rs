@@ -45,7 +45,10 @@ impl PySampler {
             let chosen = reader::choose(py, config.reader_choice(), config.line_mode())?;
             detached(py, || self.inner.start(chosen))??;
             if config.memory {
-                heap::start();
+                let tags = self.inner.tags().snapshot();
+                heap::start(
+                    tags.iter().filter_map(|(&ident, t)| Some((ident, t.marks.task.as_ref()?.prefix.as_str()))),
+                );
             }
             Ok(())
         })

@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::cell::{Cell, UnsafeCell};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Once};
 
 const FILTER_BITS: u32 = 16;
@@ -21,6 +21,8 @@ static FILTER: [AtomicU8; 1 << FILTER_BITS] = [const { AtomicU8::new(0) }; 1 << 
 const MAX_BLOCKS: usize = 1 << 16;
 
 static TRACKING: AtomicBool = AtomicBool::new(false);
+/// Counts starts: a thread's `TASK` set under an earlier one is not this one's.
+static STARTS: AtomicU32 = AtomicU32::new(0);
 static HELD: Shared = Shared { locked: AtomicBool::new(false), held: UnsafeCell::new(None) };
 /// Set in a forked child: what the parent counted may have been torn by the fork.
 static FORKED: AtomicBool = AtomicBool::new(false);
@@ -56,9 +58,10 @@ extern "C" fn in_child() {
 }
 
 thread_local! {
-    /// The prefix id of the task this thread runs (0: none). Const-initialised and
-    /// without a destructor, so a hook called while the thread exits still reads it.
-    static TASK: Cell<u32> = const { Cell::new(0) };
+    /// The prefix id of the task this thread runs (0: none), and the start of tracking
+    /// it was set under. Const-initialised and without a destructor, so a hook called
+    /// while the thread exits still reads it.
+    static TASK: Cell<(u32, u32)> = const { Cell::new((0, 0)) };
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -84,9 +87,31 @@ struct Held {
     dropped: u64,
     /// Tasks whose numpy handler could not be set.
     numpy_failures: u64,
+    /// The prefix ids of the tasks running when tracking started, by thread
+    /// (`pthread_self`): their threads set no task since.
+    running: FxHashMap<u64, u32>,
 }
 
 impl Held {
+    /// The id of `prefix`, a new one if it is new.
+    fn id(&mut self, prefix: &str) -> u32 {
+        if let Some(&id) = self.ids.get(prefix) {
+            return id;
+        }
+        let name: Arc<str> = prefix.into();
+        self.names.push(name.clone());
+        let id = self.names.len() as u32;
+        self.ids.insert(name, id);
+        id
+    }
+
+    /// The prefix id of the task the calling thread was running when tracking started.
+    fn running_task(&self) -> u32 {
+        // SAFETY: no preconditions.
+        let ident = unsafe { nix::libc::pthread_self() } as u64;
+        self.running.get(&ident).copied().unwrap_or(0)
+    }
+
     fn totals(&mut self, prefix: u32) -> &mut Totals {
         let i = prefix as usize;
         if self.totals.len() <= i {
@@ -118,18 +143,23 @@ fn slot(addr: usize) -> &'static AtomicU8 {
     &FILTER[h as usize]
 }
 
-/// Starts tracking from nothing: blocks sampled before are forgotten.
-pub fn start(mean_bytes: u64) {
+/// Starts tracking from nothing: blocks sampled before are forgotten. `running`: the
+/// tasks running now (thread ident, prefix), whose allocations are theirs until their
+/// threads start or end a task.
+pub fn start<'a>(mean_bytes: u64, running: impl IntoIterator<Item = (u64, &'a str)>) {
     static AT_FORK: Once = Once::new();
     // SAFETY: registers a handler that only stores atomics.
     AT_FORK.call_once(|| _ = unsafe { nix::libc::pthread_atfork(None, None, Some(in_child)) });
     countdown::set_mean(mean_bytes);
+    let mut fresh = Held::default();
+    fresh.running = running.into_iter().map(|(ident, prefix)| (ident, fresh.id(prefix))).collect();
     with_held(|held| {
         FILTER.iter().for_each(|s| s.store(0, Ordering::Relaxed));
-        let before = held.replace(Held::default());
+        let before = held.replace(fresh);
         if FORKED.swap(false, Ordering::Relaxed) {
             std::mem::forget(before); // perhaps torn by the fork
         }
+        STARTS.fetch_add(1, Ordering::Relaxed);
     });
     TRACKING.store(true, Ordering::Release);
 }
@@ -145,20 +175,8 @@ pub fn tracking() -> bool {
 
 /// The calling thread runs a task of `prefix` from now (None: no task).
 pub fn set_task(prefix: Option<&str>) {
-    let id = prefix.map_or(0, |p| {
-        with_held(|held| {
-            let Some(held) = held.as_mut() else { return 0 };
-            if let Some(&id) = held.ids.get(p) {
-                return id;
-            }
-            let name: Arc<str> = p.into();
-            held.names.push(name.clone());
-            let id = held.names.len() as u32;
-            held.ids.insert(name, id);
-            id
-        })
-    });
-    _ = TASK.try_with(|t| t.set(id));
+    let id = prefix.map_or(0, |p| with_held(|held| held.as_mut().map_or(0, |held| held.id(p))));
+    _ = TASK.try_with(|t| t.set((STARTS.load(Ordering::Relaxed), id)));
 }
 
 /// `size` bytes were allocated at `addr` by this thread.
@@ -174,12 +192,16 @@ pub fn allocated(addr: usize, size: usize) {
 
 #[cold]
 fn sampled(addr: usize, size: usize, counted: u64) {
-    let prefix = TASK.try_with(Cell::get).unwrap_or(0);
+    let (set_under, task) = TASK.try_with(Cell::get).unwrap_or_default();
     let mean = countdown::mean() as f64;
     let chance = -(-(size as f64) / mean).exp_m1();
-    let block = Block { held_bytes: if chance > 0.0 { size as f64 / chance } else { mean }, prefix };
+    let held_bytes = if chance > 0.0 { size as f64 / chance } else { mean };
     with_held(|held| {
         let Some(held) = held.as_mut() else { return };
+        let starts = STARTS.load(Ordering::Relaxed);
+        let prefix = if set_under == starts { task } else { held.running_task() };
+        _ = TASK.try_with(|t| t.set((starts, prefix)));
+        let block = Block { held_bytes, prefix };
         if held.blocks.len() >= MAX_BLOCKS {
             held.dropped += 1;
             held.totals(prefix).allocated += counted as f64;
@@ -305,10 +327,13 @@ mod tests {
     #[test]
     fn held_bytes_follow_allocations_and_frees_by_prefix() {
         std::thread::spawn(|| {
-            start(countdown::MEAN_BYTES);
-            set_task(Some("load"));
+            // SAFETY: no preconditions.
+            let me = unsafe { nix::libc::pthread_self() } as u64;
             // Blocks of 128 times the mean: every one is sampled, and stands for itself.
             const SIZE: usize = 64 << 20;
+            start(countdown::MEAN_BYTES, [(me, "early"), (me + 1, "elsewhere")]);
+            allocated(1 << 20, SIZE); // a task running since before the start
+            set_task(Some("load"));
             let blocks: Vec<usize> = (1..=100).map(|i| i << 32).collect();
             blocks.iter().for_each(|&b| allocated(b, SIZE));
             set_task(None);
@@ -316,7 +341,10 @@ mod tests {
             assert!(freeing(blocks[0]).is_none(), "a block is freed once");
             assert!(freeing(12345 << 32).is_none(), "never sampled");
             let Counted { prefixes: totals, dropped, .. } = counted();
-            let load = totals.iter().find(|p| p.prefix.as_deref() == Some("load")).unwrap().totals;
+            let of = |prefix: &str| totals.iter().find(|p| p.prefix.as_deref() == Some(prefix)).map(|p| p.totals);
+            assert_eq!(of("early").map(|t| t.in_use), Some(SIZE as f64), "charged to the task running at the start");
+            assert_eq!(of("elsewhere"), None, "another thread's");
+            let load = of("load").unwrap();
             let close = |a: f64, b: f64| (a / b - 1.0).abs() < 0.02;
             assert!(close(load.allocated, 100.0 * SIZE as f64), "{load:?}");
             assert!(close(load.in_use, 40.0 * SIZE as f64), "{load:?}");

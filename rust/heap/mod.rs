@@ -13,9 +13,10 @@ pub mod numpy;
 
 use pyo3::prelude::*;
 
-/// Counts allocations from now, afresh, for the whole process. With the GIL.
-pub fn start() {
-    live::start(countdown::MEAN_BYTES);
+/// Counts allocations from now, afresh, for the whole process; `running`: the tasks
+/// running now (thread ident, prefix). With the GIL.
+pub fn start<'a>(running: impl IntoIterator<Item = (u64, &'a str)>) {
+    live::start(countdown::MEAN_BYTES, running);
     hooks::install();
 }
 

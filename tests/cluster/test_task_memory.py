@@ -135,6 +135,11 @@ def held_series(profile: dask_pyspy.Profile) -> dict[str | None, list[float | No
     return {row["prefix"]: row["bytes"] for row in stats["series"].get("in_use", ())}
 
 
+def last_held(profile: dask_pyspy.Profile, prefix: str) -> float:
+    """What `prefix` held at the last step of the worker's series that read it."""
+    return next((v for v in reversed(held_series(profile).get(prefix, [])) if v is not None), 0.0)
+
+
 def mib(cell: str) -> float:
     return float(cell.replace(",", ""))
 
@@ -145,7 +150,8 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
         kept = client.submit(make_array, 150, pure=False)
         wait([kept, client.submit(leak, 100, pure=False)])
         deadline = time.monotonic() + 60
-        while "make_array" not in held_series(client.pyspy_profile(last=10, scheduler=False)):
+        # An earlier test's array may be in the seconds before: this window's own.
+        while not near(last_held(client.pyspy_profile(start=rec.start, scheduler=False), "make_array"), 150 * MIB):
             assert time.monotonic() < deadline, "the series never read the array (once a second)"
             time.sleep(0.2)
     leaked = held(client, "leak")["in_use"]
@@ -157,8 +163,7 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
     assert near(in_use, 150) and near(results, 150) and beyond < 15, prefixes
     assert near(mib(prefixes["leak"][4]), leaked / MIB) and mib(prefixes["leak"][3]) == 0, prefixes
     # Beside resident memory, step by step: the array held since it was made.
-    series = held_series(rec.profile)
-    assert near(series["make_array"][-1], 150 * MIB), series
+    assert near(last_held(rec.profile, "make_array"), 150 * MIB), held_series(rec.profile)
     assert {"make_array", "leak"} <= set(stacked), stacked
     del kept
 
@@ -166,3 +171,35 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
 def test_bad_arguments_are_named(client):
     with pytest.raises(ValueError, match="scheduler must be True or False"):
         client.pyspy_memory(scheduler="yes")
+
+
+def leak_until(event: str) -> int:
+    """Leaks 1 MiB every 0.2 s until the distributed Event `event` is set."""
+    from distributed import Event
+
+    stop = Event(event)
+    while not stop.wait(0.2):
+        leak(1)
+    return len(LEAKED)
+
+
+def test_cli_record_turns_memory_on(client, tmp_path):
+    from distributed import Event
+
+    from tests.cluster.test_cli import run
+
+    client.register_plugin(dask_pyspy.PySpyPlugin(memory=False))
+    out = tmp_path / "cli.pyspy.gz"
+    leaking = client.submit(leak_until, "stop-leaking", pure=False)
+    try:
+        done = run("record", "--scheduler", client.scheduler.address, "--memory", "--duration", "4", "-o", str(out))
+        assert done.returncode == 0, done.stderr
+        prof = dask_pyspy.Profile.load(out)
+        (worker,) = [p["stats"] for p in prof.processes if p["name"] in client.scheduler_info()["workers"]]
+        assert worker["config"]["memory"] and worker["memory"]["tracking"], worker["config"]
+        leaked = {row["prefix"]: row["in_use"] for row in worker["memory"]["prefixes"]}
+        assert leaked.get("leak_until", 0) >= 4 * MIB, leaked  # 1 MiB each 0.2 s for 4 s
+    finally:
+        Event("stop-leaking", client=client).set()
+        leaking.result()
+        client.register_plugin(dask_pyspy.PySpyPlugin(memory=True))
