@@ -21,15 +21,16 @@ pub type Calloc = unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void
 pub type Realloc = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void;
 type Free = unsafe extern "C" fn(*mut c_void, *mut c_void);
 
-/// CPython's `PyMemAllocatorEx` (stable since 3.5).
+/// CPython's `PyMemAllocatorEx` (stable since 3.5); with numpy's `free`, which gets
+/// the size too, numpy's `PyDataMemAllocator`.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Allocator {
-    ctx: *mut c_void,
-    malloc: Option<Malloc>,
-    calloc: Option<Calloc>,
-    realloc: Option<Realloc>,
-    free: Option<Free>,
+pub struct Allocator<F = Free> {
+    pub ctx: *mut c_void,
+    pub malloc: Option<Malloc>,
+    pub calloc: Option<Calloc>,
+    pub realloc: Option<Realloc>,
+    pub free: Option<F>,
 }
 
 extern "C" {

@@ -7,7 +7,7 @@
 //! application's own handler is left alone). An array is freed by the handler that
 //! allocated it, so ours and what it wraps are never freed.
 
-use super::hooks::{self, Calloc, Malloc, Realloc};
+use super::hooks;
 use super::live;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -18,15 +18,7 @@ use std::sync::OnceLock;
 type Free = unsafe extern "C" fn(*mut c_void, *mut c_void, usize);
 
 /// numpy's `PyDataMemAllocator`: Python's, but for `free`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Allocator {
-    ctx: *mut c_void,
-    malloc: Option<Malloc>,
-    calloc: Option<Calloc>,
-    realloc: Option<Realloc>,
-    free: Option<Free>,
-}
+type Allocator = hooks::Allocator<Free>;
 
 // SAFETY: numpy's allocator functions are thread-safe, and their `ctx` is theirs.
 unsafe impl Send for Allocator {}
