@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 TOTALS = ("allocated", "in_use", "peak")
+OUTSIDE = "(outside tasks)"  # how views name prefix None
 
 
 class MemoryProfile:

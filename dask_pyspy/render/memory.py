@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dask_pyspy.memory import TOTALS
+from dask_pyspy.memory import OUTSIDE, TOTALS
 
 MIB = 2**20
-OUTSIDE = "(outside tasks)"
 MAX_PREFIXES = 20  # prefix rows, most in use first
+COLUMNS = (*TOTALS, "managed", "beyond")  # the prefix table's figures, in order
 
 
 def _mib(n: float) -> int:
@@ -30,17 +30,24 @@ def _last_rss(stats: dict[str, Any]) -> float | None:
     return rss[-1] if rss else None
 
 
-def _process_row(name: str, stats: dict[str, Any]) -> tuple[list[Any], dict[str, float]]:
-    """One process's split, and its prefixes' bytes in use beyond the results it holds."""
+def _by_prefix(stats: dict[str, Any]) -> dict[str | None, dict[str, float]]:
+    """A process's `COLUMNS` per task prefix: its totals, its results in memory, and
+    what it holds beyond them."""
     managed: dict[str, float] = stats.get("managed") or {}
-    beyond = {
-        row["prefix"]: max(row["in_use"] - managed.get(row["prefix"], 0.0), 0.0) for row in stats["memory"]["prefixes"]
-    }
-    held, attributed = sum(managed.values()), sum(beyond.values())
+    out = {}
+    for row in stats["memory"]["prefixes"]:
+        results = managed.get(row["prefix"], 0.0)
+        beyond = max(row["in_use"] - results, 0.0)
+        out[row["prefix"]] = {**{k: row[k] for k in TOTALS}, "managed": results, "beyond": beyond}
+    return out
+
+
+def _process_row(name: str, stats: dict[str, Any], beyond: float) -> list[Any]:
+    """One process's resident memory split into results, `beyond` them, and the rest."""
+    held = sum((stats.get("managed") or {}).values())
     rss = _last_rss(stats)
-    rest = None if rss is None else rss - held - attributed
-    shown = "\u2014" if rest is None else _mib(max(rest, 0.0))
-    return [name, "\u2014" if rss is None else _mib(rss), _mib(held), _mib(attributed), shown], beyond
+    rest = "\u2014" if rss is None else _mib(max(rss - held - beyond, 0.0))
+    return [name, "\u2014" if rss is None else _mib(rss), _mib(held), _mib(beyond), rest]
 
 
 def section(processes: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -51,23 +58,16 @@ def section(processes: list[dict[str, Any]]) -> dict[str, Any] | None:
     rows: list[list[Any]] = []
     prefixes: dict[str | None, dict[str, float]] = {}
     for name, stats in tracked:
-        row, beyond = _process_row(name, stats)
-        rows.append(row)
-        managed = stats.get("managed") or {}
-        for counted in stats["memory"]["prefixes"]:
-            p = counted["prefix"]
-            totals = prefixes.setdefault(p, dict.fromkeys((*TOTALS, "managed", "beyond"), 0.0))
-            for k in TOTALS:
-                totals[k] += counted[k]
-            totals["managed"] += managed.get(p, 0.0)
-            totals["beyond"] += beyond[p]
+        mine = _by_prefix(stats)
+        rows.append(_process_row(name, stats, sum(t["beyond"] for t in mine.values())))
+        for p, t in mine.items():
+            into = prefixes.setdefault(p, dict.fromkeys(COLUMNS, 0.0))
+            for k in COLUMNS:
+                into[k] += t[k]
     ranked = sorted(prefixes.items(), key=lambda kv: -kv[1]["in_use"])
     return {
         "processes": rows,
-        "prefixes": [
-            [OUTSIDE if p is None else p, *(_mib(t[k]) for k in (*TOTALS, "managed", "beyond"))]
-            for p, t in ranked[:MAX_PREFIXES]
-        ],
+        "prefixes": [[OUTSIDE if p is None else p, *(_mib(t[k]) for k in COLUMNS)] for p, t in ranked[:MAX_PREFIXES]],
         "more_prefixes": max(len(ranked) - MAX_PREFIXES, 0),
         "over_resident": [row[0] for row in rows if isinstance(row[1], int) and row[2] + row[3] > row[1]],
         "mean_kib": round(tracked[0][1]["memory"]["mean_bytes"] / 1024),

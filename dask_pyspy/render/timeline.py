@@ -15,6 +15,7 @@ import math
 import statistics
 from typing import Any
 
+from dask_pyspy.memory import OUTSIDE
 from dask_pyspy.render.pages import when
 
 TOP_SERIES = 10  # per kind; the rest sum into "other"
@@ -168,7 +169,7 @@ def _held(processes: list[dict[str, Any]], steps: int, colours: dict[str, str]) 
     summed: dict[str, list[float]] = {}
     for p in processes:
         for row in p.get("in_use", ()):
-            name = row["prefix"] or "(outside tasks)"
+            name = row["prefix"] or OUTSIDE
             into = summed.setdefault(name, [0.0] * steps)
             for i, v in enumerate(row["bytes"]):
                 into[i] += v or 0.0
