@@ -37,6 +37,10 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLoopWatch>()?;
     m.add_class::<steps::PyActivity>()?;
     m.add_class::<steps::Steps>()?;
+    m.add_function(wrap_pyfunction!(bind::memory::memory_speedscope, m)?)?;
+    m.add_function(wrap_pyfunction!(bind::memory::memory_pprof, m)?)?;
+    m.add_function(wrap_pyfunction!(bind::memory::memory_flamegraph, m)?)?;
+    m.add("OUTSIDE_TASKS", formats::memory::OUTSIDE)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_submodule(&testing::module(m.py())?)?;
     Ok(())

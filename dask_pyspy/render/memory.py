@@ -1,7 +1,7 @@
 """The report's section on memory per task: per process, its resident memory split
 into what distributed manages (task results it holds), what task prefixes allocated
 and still hold beyond those results, and the rest; per task prefix, bytes allocated,
-in use and at peak.
+in use and at peak; and a flame graph of the bytes in use by stack.
 
 It reads each process's `stats["memory"]` (sampled allocations, `memory=True`),
 `stats["managed"]` (a worker's results in memory, by prefix) and its series' last
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dask_pyspy.memory import OUTSIDE, TOTALS
+from dask_pyspy.memory import OUTSIDE, TOTALS, MemoryProfile
 
 MIB = 2**20
 MAX_PREFIXES = 20  # prefix rows, most in use first
@@ -70,6 +70,7 @@ def section(processes: list[dict[str, Any]]) -> dict[str, Any] | None:
         "prefixes": [[OUTSIDE if p is None else p, *(_mib(t[k]) for k in COLUMNS)] for p, t in ranked[:MAX_PREFIXES]],
         "more_prefixes": max(len(ranked) - MAX_PREFIXES, 0),
         "over_resident": [row[0] for row in rows if isinstance(row[1], int) and row[2] + row[3] > row[1]],
+        "graph": MemoryProfile({name: stats["memory"] for name, stats in tracked}).flamegraph_svg(),
         "mean_kib": round(tracked[0][1]["memory"]["mean_bytes"] / 1024),
         "dropped": sum(stats["memory"]["dropped"] for _, stats in tracked),
     }

@@ -1,8 +1,9 @@
 //! The Python bindings: what crosses the boundary and how (the GIL released for any
 //! work, heavy work at low priority, a panic a RuntimeError), the `Sampler` and
-//! `Profile` classes in their own files.
+//! `Profile` classes and memory per task's functions in their own files.
 
 pub mod loops;
+pub mod memory;
 pub mod profile;
 pub mod sampler;
 

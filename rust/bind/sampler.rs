@@ -43,11 +43,13 @@ impl PySampler {
         no_panic(|| {
             let config = self.inner.config();
             let chosen = reader::choose(py, config.reader_choice(), config.line_mode())?;
+            let walker = chosen.own_frames();
             detached(py, || self.inner.start(chosen))??;
             if config.memory {
                 let tags = self.inner.tags().snapshot();
                 heap::start(
                     tags.iter().filter_map(|(&ident, t)| Some((ident, t.marks.task.as_ref()?.prefix.as_str()))),
+                    walker,
                 );
             }
             Ok(())
@@ -61,9 +63,10 @@ impl PySampler {
         detached(py, || self.inner.stop())
     }
 
-    /// What memory tracking counted since it started (`memory=True`), for the whole process.
+    /// What memory tracking counted since it started (`memory=True`), for the whole
+    /// process, with every site apart.
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        values::to_py(py, &heap::live::counted())
+        values::to_py(py, &heap::live::counted(usize::MAX))
     }
 
     #[getter]

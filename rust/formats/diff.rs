@@ -126,7 +126,7 @@ fn graph(first: &ProfileData, second: &ProfileData, by: By, title: &str, negate:
     let opts = differential::Options { normalize: true, strip_hex: false };
     let mut lines = Vec::new();
     differential::from_readers(opts, fold(first).as_bytes(), fold(second).as_bytes(), &mut lines).ok()?;
-    render(std::str::from_utf8(&lines).ok()?.lines(), title, negate, None)
+    render(std::str::from_utf8(&lines).ok()?.lines(), title, "μs", negate, None)
 }
 
 pub fn diff(base: &ProfileData, new: &ProfileData) -> Diff {

@@ -17,12 +17,12 @@ fn xml_safe(text: &str) -> String {
 }
 
 /// `text` safe in a folded stack: the characters that delimit one replaced.
-fn clean(text: &str) -> String {
+pub fn clean(text: &str) -> String {
     xml_safe(&text.replace([';', '\n', '\r'], " "))
 }
 
 /// `name (file.py:12)`, or `name (file.py)` without `lines`.
-fn label(f: &Frame, lines: bool) -> String {
+pub fn label(f: &Frame, lines: bool) -> String {
     let file = f.file.rsplit('/').next().unwrap_or(&f.file);
     clean(&if lines && f.line > 0 {
         format!("{} ({}:{})", f.name, file, f.line)
@@ -151,7 +151,7 @@ pub fn svg<'s>(
     samples: impl Iterator<Item = &'s Sample>,
 ) -> Option<String> {
     let lines = folded(data, shown, samples, true);
-    render(lines.iter().map(String::as_str), title, false, native_palette(data).as_mut())
+    render(lines.iter().map(String::as_str), title, "μs", false, native_palette(data).as_mut())
 }
 
 /// Blues for native frames, apart from the warm colours of Python's; None without any.
@@ -187,19 +187,20 @@ pub fn process_svgs(data: &ProfileData, shown: Shown, processes: &[(u32, String)
     processes.iter().zip(samples).map(|((_, title), samples)| svg(data, title, shown, samples.into_iter())).collect()
 }
 
-/// The SVG of folded lines, with a second count per line for a differential graph
-/// (red: the second grew; blue: shrank; reversed by `negate`), frames named in
-/// `palette` in its colours; None without samples.
+/// The SVG of folded lines counted in `unit`, with a second count per line for a
+/// differential graph (red: the second grew; blue: shrank; reversed by `negate`),
+/// frames named in `palette` in its colours; None without samples.
 pub fn render<'a>(
     lines: impl IntoIterator<Item = &'a str>,
     title: &str,
+    unit: &str,
     negate: bool,
     palette: Option<&mut PaletteMap>,
 ) -> Option<String> {
     let mut opts = Options::default();
     opts.palette_map = palette;
     opts.title = xml_safe(title);
-    opts.count_name = "μs".into();
+    opts.count_name = unit.into();
     opts.deterministic = true;
     // Frames under this share of the graph are slivers without a label; left out,
     // a rare deep stack no longer sets the graph's height.

@@ -6,6 +6,7 @@ pub mod diff;
 pub mod files;
 pub mod flamegraph;
 pub mod limits;
+pub mod memory;
 pub mod pprof;
 pub mod speedscope;
 pub mod speedscope_read;

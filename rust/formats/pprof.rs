@@ -5,7 +5,7 @@
 //! One Location per frame (its line), one Function per (name, file).
 
 use crate::formats::compress;
-use crate::profile::model::{ProfileData, Tag};
+use crate::profile::model::{Frame, ProfileData, Tag};
 use crate::profile::sample::State;
 use crate::profile::views::Weight;
 use prost::Message;
@@ -110,19 +110,19 @@ pub mod proto {
 }
 
 /// The string table: each string once, "" at index 0 as the format requires.
-struct Strings {
-    table: Vec<String>,
+pub struct Strings {
+    pub table: Vec<String>,
     index: FxHashMap<String, i64>,
 }
 
 impl Strings {
-    fn new() -> Self {
+    pub fn new() -> Self {
         let mut s = Strings { table: Vec::new(), index: FxHashMap::default() };
         s.id("");
         s
     }
 
-    fn id(&mut self, text: &str) -> i64 {
+    pub fn id(&mut self, text: &str) -> i64 {
         if let Some(&id) = self.index.get(text) {
             return id;
         }
@@ -132,11 +132,11 @@ impl Strings {
         id
     }
 
-    fn label(&mut self, key: &str, value: &str) -> proto::Label {
+    pub fn label(&mut self, key: &str, value: &str) -> proto::Label {
         proto::Label { key: self.id(key), str: self.id(value) }
     }
 
-    fn value_type(&mut self, kind: &str, unit: &str) -> proto::ValueType {
+    pub fn value_type(&mut self, kind: &str, unit: &str) -> proto::ValueType {
         proto::ValueType { r#type: self.id(kind), unit: self.id(unit) }
     }
 }
@@ -146,18 +146,17 @@ impl Strings {
 const MAPPING: proto::Mapping =
     proto::Mapping { id: 1, filename: 0, has_functions: true, has_filenames: true, has_line_numbers: true };
 
-/// Functions, locations and mappings: location id = frame index + 1 (ids must be
-/// nonzero); a native frame's location is in its library's mapping.
-fn functions_and_locations(
-    data: &ProfileData,
+/// Functions, locations and mappings of `frames`: location id = frame index + 1 (ids
+/// must be nonzero); a native frame's location is in its library's mapping.
+pub fn locations(
+    frames: &[Frame],
     strings: &mut Strings,
 ) -> (Vec<proto::Function>, Vec<proto::Location>, Vec<proto::Mapping>) {
     let mut functions: Vec<proto::Function> = Vec::new();
     let mut mappings = vec![MAPPING];
     let mut libraries: FxHashMap<&str, u64> = FxHashMap::default();
     let mut by_name: FxHashMap<(&str, &str), u64> = FxHashMap::default();
-    let locations = data
-        .frames
+    let locations = frames
         .iter()
         .enumerate()
         .map(|(i, f)| {
@@ -210,7 +209,7 @@ pub fn build(data: &ProfileData) -> proto::Profile {
         sample_type.push(strings.value_type("cpu", "nanoseconds"));
     }
     let period_type = sample_type[1].clone();
-    let (function, location, mapping) = functions_and_locations(data, &mut strings);
+    let (function, location, mapping) = locations(&data.frames, &mut strings);
 
     // Stack, tag, activity, thread and state: what a pprof sample's labels tell apart.
     type Key = (u32, Option<u32>, Option<u32>, u32, State);

@@ -11,12 +11,14 @@ pub mod hooks;
 pub mod live;
 pub mod numpy;
 
+use crate::reader::OwnFrames;
 use pyo3::prelude::*;
 
 /// Counts allocations from now, afresh, for the whole process; `running`: the tasks
-/// running now (thread ident, prefix). With the GIL.
-pub fn start<'a>(running: impl IntoIterator<Item = (u64, &'a str)>) {
-    live::start(countdown::MEAN_BYTES, running);
+/// running now (thread ident, prefix); `walker`: walks an allocating thread's stack
+/// (None: blocks get no stacks). With the GIL.
+pub fn start<'a>(running: impl IntoIterator<Item = (u64, &'a str)>, walker: Option<OwnFrames>) {
+    live::start(countdown::MEAN_BYTES, running, walker);
     hooks::install();
 }
 

@@ -5,7 +5,7 @@
 
 use crate::error::Error;
 use crate::names::choose;
-use crate::profile::model::ProfileData;
+use crate::profile::model::{Frame, ProfileData};
 use crate::profile::sample::Sample;
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -92,6 +92,11 @@ const MACHINERY: &[&str] = &[
     "/dask/_task_spec.py", "/dask/core.py", "/dask/local.py", "/dask/threaded.py", "/dask/utils.py", "/dask_pyspy/",
 ];
 
+/// Whether `frame` is in the machinery that runs tasks.
+pub fn is_machinery(frame: &Frame) -> bool {
+    MACHINERY.iter().any(|m| frame.file.contains(m))
+}
+
 /// An activity's kind of process and its own name: "scheduler: task-finished" is
 /// ("scheduler", "task-finished"); a name without a kind has kind "".
 pub fn split_activity(activity: &str) -> (&str, &str) {
@@ -119,7 +124,7 @@ impl<'a> View<'a> {
                 *functions.entry((&f.name, &f.file)).or_insert(next)
             })
             .collect();
-        let machinery = data.frames.iter().map(|f| MACHINERY.iter().any(|m| f.file.contains(m))).collect();
+        let machinery = data.frames.iter().map(is_machinery).collect();
         View { data, machinery, function }
     }
 

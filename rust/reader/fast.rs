@@ -362,6 +362,21 @@ impl StackReader for FastReader {
         Some((ids.frames, ids.evals))
     }
 
+    /// Code objects not cached are fetched now: a thread's own walk saw them alive
+    /// (its frames held them) at most a tick ago.
+    fn name_stacks(&mut self, stacks: &[&RawStack]) -> Vec<Option<Vec<Frame>>> {
+        let codes: FxHashSet<u64> = stacks.iter().flat_map(|s| s.frames.iter().map(|f| f.code)).collect();
+        if self.codes.refresh(&codes, &self.layout, &mut self.mem, &mut self.batch).is_err() {
+            return vec![None; stacks.len()];
+        }
+        let mut named = Vec::with_capacity(stacks.len());
+        for stack in stacks {
+            let ids = self.frame_ids(stack).ok();
+            named.push(ids.map(|ids| ids.frames.iter().map(|&id| self.codes.frame(id).clone()).collect()));
+        }
+        named
+    }
+
     fn frame(&self, id: u64) -> Frame {
         self.codes.frame(id).clone()
     }

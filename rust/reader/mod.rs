@@ -14,6 +14,7 @@ mod layout;
 mod linetable;
 mod memory;
 pub mod native;
+mod own;
 mod pyspy;
 pub mod tags;
 mod threads;
@@ -21,6 +22,8 @@ mod threads;
 use check::open_fast;
 pub use code::LineMode;
 pub use fast::FastReader;
+pub use frames::RawStack;
+pub use own::OwnFrames;
 pub use pyspy::PySpyReader;
 pub use threads::{clock_ns, thread_cpu_ns};
 
@@ -151,6 +154,11 @@ pub trait StackReader {
     fn copied_frames(&mut self, _at: &FramePointer, _copy: &Copied<'_>) -> Option<(Vec<u64>, Vec<Run>)> {
         None
     }
+    /// The Python frames of stacks a thread walked itself (`OwnFrames`), each as
+    /// `frame` names them, innermost first; None for one this reader cannot name.
+    fn name_stacks(&mut self, stacks: &[&RawStack]) -> Vec<Option<Vec<Frame>>> {
+        vec![None; stacks.len()]
+    }
     /// The frame behind an id this reader handed out.
     fn frame(&self, id: u64) -> Frame;
     /// Changes when earlier frame ids may mean other frames.
@@ -193,6 +201,16 @@ impl std::str::FromStr for ReaderChoice {
 pub enum Chosen {
     Fast(Box<FastReader>),
     PySpy { fallback: Option<Fallback> },
+}
+
+impl Chosen {
+    /// A walker of a thread's own frames, where this reader can name what it walks.
+    pub fn own_frames(&self) -> Option<OwnFrames> {
+        match self {
+            Chosen::Fast(r) => Some(OwnFrames::new(r.layout().clone())),
+            Chosen::PySpy { .. } => None,
+        }
+    }
 }
 
 /// Why py-spy's reader runs where `auto` was asked for; `expected` where it is this

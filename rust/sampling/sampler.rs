@@ -28,6 +28,8 @@ const FORKED: &str = "this sampler was copied into a forked child, where its thr
 const DUMP_WAIT: Duration = Duration::from_secs(2);
 /// Stalls a window explains at most per process, the longest.
 pub const EXPLAINED: usize = 100;
+/// Allocation sites a window's export keeps apart (the report's graph of bytes in use).
+const EXPORTED_SITES: usize = 200;
 /// The series' name for the prefixes holding least, summed (`live::OTHER`).
 const OTHER_PREFIXES: &str = "(other prefixes)";
 /// Stalls whose start and duration a window carries at most per process, the longest:
@@ -228,7 +230,7 @@ impl Sampler {
             process.stats["series"] = resources;
         }
         drop(series);
-        let memory = live::counted();
+        let memory = live::counted(EXPORTED_SITES);
         if memory.tracking || !memory.prefixes.is_empty() {
             process.stats["memory"] = json!(memory);
         }

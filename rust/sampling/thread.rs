@@ -9,12 +9,13 @@
 //!
 //! It never touches the GIL: the readers read interpreter memory directly.
 
+use crate::heap::live;
 use crate::priority;
 use crate::profile::model::Frame;
 use crate::profile::sample::{Sample, State, FLAG_BLOCKS_LOOP};
 use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
 use crate::reader::tags::{Marks, ThreadTags};
-use crate::reader::{Chosen, PySpyReader, Read, StackReader, ThreadStack, Want};
+use crate::reader::{Chosen, PySpyReader, RawStack, Read, StackReader, ThreadStack, Want};
 use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
 use crate::sampling::charge::Charge;
@@ -379,12 +380,24 @@ impl<'a> Loop<'a> {
                 stats.last_error = Some(e);
             }
         }
+        self.name_allocation_sites();
         if let Some(mut store) = self.shared.store.try_lock() {
             self.shared.fold_calls(&mut store); // else the next tick, or the export, folds them
         }
         self.phases.add(Phase::Record, &mut lap);
         self.phases.tick();
         self.shared.stats.lock().ticks += 1;
+    }
+
+    /// Names the stacks of the allocation sites memory tracking found since the last tick.
+    fn name_allocation_sites(&mut self) {
+        let (start, pending) = live::unnamed();
+        if pending.is_empty() {
+            return;
+        }
+        let stacks: Vec<&RawStack> = pending.iter().map(|(_, stack)| stack).collect();
+        let named = self.reader.name_stacks(&stacks);
+        live::name(start, pending.iter().map(|&(id, _)| id).zip(named));
     }
 
     /// Reads the stacks; when nothing ran since a tick at which nothing ran either,

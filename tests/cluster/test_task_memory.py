@@ -3,13 +3,19 @@ at most, from sampled allocations (`PySpyPlugin(memory=True)`)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 from distributed import Client, LocalCluster, wait
+from selenium.webdriver.support.ui import WebDriverWait
 
 import dask_pyspy
 from tests.cluster.browser import console_errors, screenshot, start_chromium
+from tests.cluster.test_pprof import go_pprof
+from tests.cluster.test_report import chromium, speedscope_site  # noqa: F401  (fixtures)
+from tests.conftest import wait_for
+from tests.inprocess.test_task_memory import named_sites
 
 MIB = 2**20
 # Sampled estimates: blocks of 1 MiB are sampled with a chance of 86% at the default
@@ -131,9 +137,10 @@ def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]], lis
 
 
 def held_series(profile: dask_pyspy.Profile) -> dict[str | None, list[float | None]]:
-    """The worker's bytes in use by prefix, per step of its series."""
-    stats = next(p["stats"] for p in profile.processes if not p["name"].startswith("scheduler"))
-    return {row["prefix"]: row["bytes"] for row in stats["series"].get("in_use", ())}
+    """The worker's bytes in use by prefix, per step of its series (none where the
+    window holds no sample of the worker yet, and so no process)."""
+    workers = [p["stats"] for p in profile.processes if not p["name"].startswith("scheduler")]
+    return {row["prefix"]: row["bytes"] for stats in workers for row in stats["series"].get("in_use", ())}
 
 
 def last_held(profile: dask_pyspy.Profile, prefix: str) -> float:
@@ -204,3 +211,39 @@ def test_cli_record_turns_memory_on(client, tmp_path):
         Event("stop-leaking", client=client).set()
         leaking.result()
         client.register_plugin(dask_pyspy.PySpyPlugin(memory=True))
+
+
+def named_memory(client: Client) -> dask_pyspy.MemoryProfile:
+    """The workers' memory profile once every row's stack is named."""
+
+    def named() -> dask_pyspy.MemoryProfile | None:
+        memory = client.pyspy_memory(scheduler=False)
+        rows = [row for counted in memory.processes.values() for row in counted["sites"]]
+        return memory if named_sites(rows) is not None else None
+
+    return wait_for(named, "stacks named")
+
+
+def test_memory_files_open_in_pprof_and_speedscope(client, tmp_path, speedscope_site, chromium):  # noqa: F811
+    wait(client.submit(leak, 50, pure=False))
+    memory = named_memory(client)
+    pb = memory.save(tmp_path / "memory.pb.gz")
+    top = go_pprof(pb, "-sample_index=inuse_space", "-unit=MB", "-tagfocus=task_prefix=^leak$", "-top")
+    # Rows of -top: flat, flat%, sum%, cum, cum%, function.
+    cumulative = {name: float(mb) for mb, name in re.findall(r"^ *\S+ +\S+ +\S+ +([0-9.]+)MB +\S+ +(\S+)$", top, re.M)}
+    leaked = memory.by_prefix()["leak"]["in_use"]
+    assert near(cumulative.get("leak", 0) * 1e6, leaked), top  # the task's function holds it all
+    assert "task_prefix" in go_pprof(pb, "-tags") and "leak" in go_pprof(pb, "-tags")
+    site, url = speedscope_site
+    memory.save(site / "memory.json")
+    doc = memory.speedscope()
+    active = doc["activeProfileIndex"]
+    assert doc["profiles"][active]["name"].endswith("bytes in use"), doc["profiles"][active]["name"]
+    chromium.get(f"{url}/index.html#profileURL=/memory.json")
+    title = f"{doc['profiles'][active]['name']} ({active + 1}/{len(doc['profiles'])})"
+    WebDriverWait(chromium, 60).until(lambda d: title in d.find_element("tag name", "body").text)
+    assert "went wrong" not in chromium.find_element("tag name", "body").text
+    screenshot(chromium, "speedscope-memory")
+    assert console_errors(chromium) == []
+    with pytest.raises(ValueError, match="for a memory profile"):
+        memory.save(tmp_path / "memory.html")

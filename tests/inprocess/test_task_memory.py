@@ -9,6 +9,7 @@ import tracemalloc
 import pytest
 
 from dask_pyspy import Sampler
+from tests.conftest import wait_for
 
 MIB = 2**20
 
@@ -147,5 +148,56 @@ def test_numpy_buffers_go_through_our_handler_in_the_tasks_context_only():
         other.start()
         other.join()
         assert elsewhere != ["dask_pyspy"], "set in the task's context only"
+    finally:
+        s.stop()
+
+
+def hold_strings(n: int) -> list[str]:
+    return [str(i) * 100 for i in range(n)]
+
+
+def hold_array(mib: int) -> object:
+    import numpy as np
+
+    return np.ones(mib * MIB // 8)
+
+
+def named_sites(rows: list[dict], prefix: str | None = None) -> list[dict] | None:
+    """The rows of `prefix` (None: every row) once the sampling thread has named each
+    row's stack, else None."""
+    rows = [row for row in rows if prefix is None or row["prefix"] == prefix]
+    return None if any(row["note"] == "stack not named yet" for row in rows) else rows
+
+
+def sites_of(sampler: Sampler, prefix: str) -> list[dict]:
+    return wait_for(lambda: named_sites(sampler.memory()["sites"], prefix), "stacks named")
+
+
+def test_blocks_in_use_are_charged_to_the_stack_that_allocated_them():
+    s = Sampler(memory=True)
+    s.start()
+    try:
+        ident = threading.get_ident()
+        s.set_thread_tag(ident, "hold-1", "hold")
+        kept = [hold_strings(300_000), hold_array(100)]
+        s.clear_thread_tag(ident)
+        sites = sites_of(s, "hold")
+        in_use = by_prefix(s)["hold"]["in_use"]
+        assert abs(sum(row["in_use"] for row in sites) - in_use) < 1, "every byte in use has one row"
+        if s.stats()["reader"] != "fast":  # 3.9 and 3.10: py-spy's reader cannot name our stacks
+            assert {row["note"] for row in sites} == {"no stack kept"}, sites
+            return
+        held_by = {}
+        for row in sites:
+            # 3.11 runs a list comprehension as a function of its own: `hold_strings.<locals>.<listcomp>`.
+            functions = [f["name"].split(".")[0] for f in row["frames"] if f["file"] == __file__]
+            held_by.setdefault(functions[-1] if functions else row["note"], []).append(row["in_use"])
+        # 300,000 strings of 100-600 characters, and a 100 MiB array, each from its own function.
+        strings, array = sum(held_by.get("hold_strings", [])), sum(held_by.get("hold_array", []))
+        assert abs(array - 100 * MIB) < 0.05 * 100 * MIB, held_by
+        assert strings > 0.8 * (in_use - array), held_by
+        test = next(row for row in sites if row["frames"])["frames"]
+        assert test[0]["file"] != __file__ and any(f["name"].startswith("test_blocks_in_use") for f in test), test
+        del kept
     finally:
         s.stop()
