@@ -19,6 +19,8 @@ SCHEDULER_CORES = 1  # left to the scheduler and the client, which share this pr
 MAX_WORKERS = 4  # more processes would only slow the demo's start
 WORKLOAD_MODULES = ("dask.array", "dask.dataframe")
 WINDOW = 100  # rows `slow_python_loop` looks back over, for each row
+# What `remember_names` keeps in each worker, by partition: a cache nobody clears.
+_SEEN: dict[int, list[str]] = {}
 
 
 def sized(cores: int, workers: int | None = None, threads: int | None = None) -> tuple[int, int]:
@@ -46,18 +48,32 @@ def slow_python_loop(part: Any) -> float:
     return below / max(len(xs), 1)
 
 
-def workload(days: int) -> None:
-    """A dataframe shuffle and groupby, a numpy QR decomposition and `slow_python_loop`,
-    each scaling with `days` (one partition a day): what the report tells apart."""
+def remember_names(part: Any) -> int:
+    """Keeps every name of a partition as Python strings in a module-level cache that is
+    never cleared: unmanaged memory, which the report's memory section names."""
+    _SEEN[id(part)] = [f"{name}:{i}" for i, name in enumerate(part["name"].tolist())]
+    return len(_SEEN[id(part)])
+
+
+def workload(days: int) -> Any:
+    """A dataframe kept in the workers' memory, then its shuffle and groupby, a numpy QR
+    decomposition, `slow_python_loop` and `remember_names`, each scaling with `days`
+    (one partition a day): what the report tells apart, in time and in memory. Returns
+    the kept dataframe: the workers hold it while the caller keeps it."""
     import dask
     import dask.array as da
+    from distributed import wait
 
     end = datetime.date(2000, 1, 1) + datetime.timedelta(days=days)
     df = dask.datasets.timeseries(start="2000-01-01", end=end.isoformat(), freq="1s", partition_freq="1d")
+    df = df.persist()  # results the workers hold: distributed's managed memory
+    wait(df)
     dask.compute(df.shuffle("id").groupby("id").x.mean(), df.groupby("name").agg({"x": "std", "y": "mean"}))
     _, r = da.linalg.qr(da.random.random((400 * days, 1000), chunks=1000))  # a tall matrix's QR
     r.compute()
     dask.compute(*map(dask.delayed(slow_python_loop), df.to_delayed()))
+    dask.compute(*map(dask.delayed(remember_names), df.to_delayed()))
+    return df
 
 
 def local_cluster(workers: int, threads: int) -> LocalCluster:
@@ -89,12 +105,16 @@ def run_demo(output: str, days: int, workers: int | None = None, threads: int | 
     n_workers, n_threads = sized(cores, workers, threads)
     how = "as asked" if workers and threads else f"sized to {cores} cores, one kept for the scheduler"
     with local_cluster(n_workers, n_threads) as cluster, Client(cluster) as client:
-        client.register_plugin(dask_pyspy.PySpyPlugin())
+        client.register_plugin(dask_pyspy.PySpyPlugin(memory=True))
         click.echo(f"Cluster up: {count(n_workers, 'worker')} x {count(n_threads, 'thread')} ({how})")
         click.echo(f"Dashboard: {client.dashboard_link}")
-        click.echo(f"Profiling {days} days of data: a dataframe shuffle, a numpy QR, a slow Python function")
+        click.echo(
+            f"Profiling {days} days of data: a dataframe kept in memory and shuffled, a numpy QR, "
+            "a slow Python function, a cache that is never cleared"
+        )
         with dask_pyspy.profile(output, client=client) as rec:
-            workload(days)
+            kept = workload(days)  # held until the report is written: its memory section shows it
+        del kept
     assert rec.profile is not None, "set as the block ended"
     _tell(rec.profile, output)
 
