@@ -14,15 +14,20 @@ set -euo pipefail
 REPORT_TESTS="tests/cluster/test_report.py::test_report_opens_offline_and_escapes_names
     tests/cluster/test_report.py::test_task_views_lead_with_task_code tests/cluster/test_report.py::test_a_reader_fallback_is_an_error
     tests/cluster/test_findings.py::test_summary_prints_the_findings_and_keeps_the_totals"
+# Memory per task's shapes on a real cluster (the report, pprof and speedscope files: the main suite).
+MEMORY_TESTS="tests/cluster/test_task_memory.py::test_an_array_a_worker_holds_is_charged_to_the_task_that_made_it
+    tests/cluster/test_task_memory.py::test_a_leak_grows_with_its_calls_and_is_charged_to_its_prefix
+    tests/cluster/test_task_memory.py::test_allocations_freed_in_the_task_leave_nothing_in_use
+    tests/cluster/test_task_memory.py::test_a_block_freed_by_another_task_stays_charged_to_the_one_that_made_it"
 MATRIX_TESTS="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py tests/inprocess/test_stalls.py
     tests/inprocess/test_native.py tests/inprocess/test_task_memory.py tests/cluster/test_cluster.py::test_task_attribution
-    $REPORT_TESTS tests/cluster/test_no_trace.py"
+    $REPORT_TESTS $MEMORY_TESTS tests/cluster/test_no_trace.py"
 # What runs without pandas and pyarrow, which have no cp313t wheels: the sampler and
 # reader, the local threaded scheduler, a LocalCluster with the plugin, the report.
 MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py
     tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py tests/inprocess/test_stalls.py
     tests/inprocess/test_task_memory.py tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS
-    tests/cluster/test_no_trace.py"
+    $MEMORY_TESTS tests/cluster/test_no_trace.py"
 # arrow's native frames need pyarrow.
 MATRIX_DESELECT_FREE_THREADED="tests/inprocess/test_native.py::test_pyarrow_names_are_demangled
     tests/inprocess/test_native.py::test_cpp_exceptions_while_sampling"

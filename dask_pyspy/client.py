@@ -300,23 +300,35 @@ async def _memory(client: Client, **kwargs: Any) -> MemoryProfile:
 
 def get_memory(
     client: Client | None = None,
+    start: float | None = None,
+    stop: float | None = None,
+    last: float | None = None,
     workers: int | list[str] | None = None,
     scheduler: bool = True,
     timeout: float | None = None,
 ) -> MemoryProfile:
     """What each task prefix allocated, holds and held at most, in every process whose
-    sampler runs with `memory=True` (``PySpyPlugin(memory=True)``), since it started.
-    Workers that cannot answer are logged and listed in `MemoryProfile.missing`.
+    sampler runs with `memory=True` (``PySpyPlugin(memory=True)``): since it started, or
+    in a window (to the second): bytes allocated in it, in use at its end and the most
+    in use in it. Stacks (`MemoryProfile.processes[name]["sites"]`) are always since
+    the sampler started. Workers that cannot answer are logged and listed in
+    `MemoryProfile.missing`.
 
     Args:
         client: the client (default: the current one).
+        start: the window's start in Unix seconds (None: open); or give `last`.
+        stop: the window's end in Unix seconds (None: open); or give `last`.
+        last: the last so many seconds (not with `start` or `stop`; default: since started).
         workers: as for `get_profile`.
         scheduler: as for `get_profile`.
         timeout: as for `get_profile`.
     """
     client = client or default_client()
+    start, stop = _window(start, stop, last)
     options.workers(workers)
     request = dict(
+        start=start,
+        stop=stop,
         workers=workers,
         scheduler=options.flag("scheduler", scheduler),
         timeout=None if timeout is None else options.seconds("timeout", timeout),

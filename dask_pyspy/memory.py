@@ -16,11 +16,13 @@ OUTSIDE: str = _native.OUTSIDE_TASKS  # how views name prefix None
 
 
 class MemoryProfile:
-    """Sampled allocations per process since its sampler started, by task prefix.
+    """Sampled allocations per process, by task prefix: since its sampler started, or
+    in a window.
 
     Bytes are estimates from samples (one every ~512 KiB allocated on average), each
-    standing for the bytes it was drawn from. `in_use` is what the sampled blocks not
-    freed yet stand for; `peak` the most of it at any time.
+    standing for the bytes it was drawn from. `allocated` is what was allocated (in the
+    window); `in_use` what the sampled blocks not freed yet stand for (at its end);
+    `peak` the most of it at any time (in the window, to the second).
 
     Each sampled block also has its site: its task prefix and the Python stack that
     allocated it (on CPython 3.11+, where the fast reader runs). `speedscope()`,
@@ -29,8 +31,10 @@ class MemoryProfile:
     Attributes:
         processes: by process name (``"worker tcp://..."``, ``"scheduler tcp://..."``),
             what it counted: ``prefixes`` (a list of ``{"prefix", "allocated",
-            "in_use", "peak"}``; prefix None is allocation outside tasks), ``sites``
-            (a list of ``{"prefix", "frames", "note", "allocated", "in_use",
+            "in_use", "peak"}``; prefix None is allocation outside tasks), ``window``
+            (``[start, stop]`` in Unix seconds where one was asked for, else None:
+            since the sampler started), ``sites`` (since the sampler started:
+            a list of ``{"prefix", "frames", "note", "allocated", "in_use",
             "allocated_objects", "in_use_objects"}``, frames root first as
             ``{"name", "file", "line"}``; a row without frames stands for what its
             note says: stacks past the most kept, or blocks whose stack was not read),

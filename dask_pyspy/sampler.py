@@ -125,10 +125,13 @@ class Sampler:
         """Counters of the sampling thread and its store (rate achieved, CPU used, drops)."""
         return self._native.stats()
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self, start: float | None = None, stop: float | None = None) -> dict[str, Any]:
         """What memory tracking (`memory=True`) counted in this process since the sampler
-        started: one of `MemoryProfile.processes`' values."""
-        return self._native.memory()
+        started, its prefixes narrowed to the window from `start` to `stop` (Unix
+        seconds; to the second) where either is given: one of `MemoryProfile.processes`' values."""
+        if start is None and stop is None:
+            return self._native.memory()
+        return self._native.memory(self._bounds(start, stop))
 
     def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:
         """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`,

@@ -351,16 +351,25 @@ class ClusterProfiler:
         own = (lambda sampler: sampler.stalls(start, stop, min_duration, most)) if scheduler else None
         return await self._with_own(replies, missing, own)
 
-    async def memory(self, workers: Any = None, scheduler: bool = True, timeout: float | None = None) -> dict[str, Any]:
-        """Every selected process's memory counts (`Sampler.memory`), by process name;
-        processes that could not say are missing."""
+    async def memory(
+        self,
+        workers: Any = None,
+        scheduler: bool = True,
+        start: float | None = None,
+        stop: float | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Every selected process's memory counts in the window (`Sampler.memory`), by
+        process name; processes that could not say are missing."""
         try:
+            start, stop = options.window(start, stop)
             addresses = self.select_workers(workers)
             timeout = config.timeout(timeout)
         except ValueError as e:
             return rejected(e)
-        replies, missing = await self._ask_workers(addresses, "pyspy_memory", timeout)
-        return await self._with_own(replies, missing, Sampler.memory if scheduler else None)
+        replies, missing = await self._ask_workers(addresses, "pyspy_memory", timeout, start=start, stop=stop)
+        own = (lambda sampler: sampler.memory(start, stop)) if scheduler else None
+        return await self._with_own(replies, missing, own)
 
     async def _with_own(
         self, replies: dict[str, Any], missing: dict[str, str], own: Callable[[Sampler], Any] | None

@@ -248,9 +248,10 @@ class WorkerProfiler:
         sampler = self._check()
         return await off_loop(sampler.stalls, start, stop, min_duration, most)
 
-    async def memory(self) -> dict[str, Any]:
+    async def memory(self, start: float | None = None, stop: float | None = None) -> dict[str, Any]:
         """What this worker's memory tracking counted (`Sampler.memory`)."""
-        return await off_loop(self._check().memory)
+        sampler = self._check()
+        return await off_loop(sampler.memory, start, stop)
 
     async def configure(self, sampler_options: dict[str, Any]) -> dict[str, str | None]:
         """New options from the scheduler (`SamplerOptions.to_dict`), applied in place:

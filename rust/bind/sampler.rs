@@ -64,9 +64,13 @@ impl PySampler {
     }
 
     /// What memory tracking counted since it started (`memory=True`), for the whole
-    /// process, with every site apart.
-    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        values::to_py(py, &heap::live::counted(usize::MAX))
+    /// process, its prefixes narrowed to `bounds` (Unix seconds) where given, with every
+    /// site apart.
+    #[pyo3(signature = (bounds=None))]
+    fn memory<'py>(&self, py: Python<'py>, bounds: Option<(f64, f64)>) -> PyResult<Bound<'py, PyAny>> {
+        let within = bounds.map(|b| window(b, false, None)).map(|w| (w.start_ns, w.stop_ns));
+        let counted = detached(py, || self.inner.memory(within, usize::MAX))?;
+        values::to_py(py, &counted.unwrap_or_else(|| heap::live::counted(0)))
     }
 
     #[getter]

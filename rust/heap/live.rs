@@ -79,6 +79,37 @@ pub struct Totals {
     pub allocated: f64,
     pub in_use: f64,
     pub peak: f64,
+    /// The most in use since the last `read_second`.
+    #[serde(skip)]
+    pub recent_peak: f64,
+    /// Changed since the last `read_second`.
+    #[serde(skip)]
+    changed: bool,
+}
+
+impl Totals {
+    pub fn new(allocated: f64, in_use: f64, peak: f64) -> Totals {
+        Totals { allocated, in_use, peak, ..Totals::default() }
+    }
+}
+
+/// A prefix's totals as a second's read found them, where they changed since the last:
+/// allocated so far, in use now, and the most in use since the last read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Change {
+    pub prefix: u32,
+    pub allocated: f64,
+    pub in_use: f32,
+    pub peak: f32,
+}
+
+/// What the sampling thread reads once a second while tracking: the bytes in use by
+/// prefix for the series' chart, and the prefixes whose totals changed, with the start
+/// of tracking their ids belong to.
+pub struct SecondRead {
+    pub in_use: Box<[(u32, f32)]>,
+    pub start: u32,
+    pub changes: Box<[Change]>,
 }
 
 struct Block {
@@ -131,6 +162,8 @@ struct Held {
     site_ids: FxHashMap<SiteKey, u32>,
     /// Sites whose stacks wait to be named.
     unnamed: Vec<u32>,
+    /// Prefix ids whose totals changed since the last `read_second`.
+    changed: Vec<u32>,
 }
 
 impl Held {
@@ -161,6 +194,16 @@ impl Held {
         &mut self.totals[i]
     }
 
+    /// The totals of `prefix`, about to change: listed for the next `read_second`.
+    fn changing(&mut self, prefix: u32) -> &mut Totals {
+        if !self.totals(prefix).changed {
+            self.changed.push(prefix);
+        }
+        let t = self.totals(prefix);
+        t.changed = true;
+        t
+    }
+
     /// The site of an allocation the calling thread makes now for `prefix`.
     fn site(&mut self, prefix: u32) -> u32 {
         let Some(stack) = self.walker.as_mut().and_then(OwnFrames::walk) else { return NO_SITE };
@@ -179,10 +222,11 @@ impl Held {
     }
 
     fn add(&mut self, addr: usize, block: Block, allocated: f64) {
-        let t = self.totals(block.prefix);
+        let t = self.changing(block.prefix);
         t.allocated += allocated;
         t.in_use += block.held_bytes;
         t.peak = t.peak.max(t.in_use);
+        t.recent_peak = t.recent_peak.max(t.in_use);
         if let Some(site) = self.sites.get_mut(block.site as usize) {
             let t = &mut site.totals;
             t.allocated += allocated;
@@ -197,7 +241,7 @@ impl Held {
     fn remove(&mut self, addr: usize) -> Option<Block> {
         let block = self.blocks.remove(&addr)?;
         slot(addr).fetch_sub(1, Ordering::Relaxed);
-        let t = self.totals(block.prefix);
+        let t = self.changing(block.prefix);
         t.in_use = (t.in_use - block.held_bytes).max(0.0);
         if let Some(site) = self.sites.get_mut(block.site as usize) {
             let t = &mut site.totals;
@@ -274,7 +318,7 @@ fn sampled(addr: usize, size: usize, counted: u64) {
         _ = TASK.try_with(|t| t.set((starts, prefix)));
         if held.blocks.len() >= MAX_BLOCKS {
             held.dropped += 1;
-            held.totals(prefix).allocated += counted as f64;
+            held.changing(prefix).allocated += counted as f64;
             return;
         }
         let site = held.site(prefix);
@@ -427,10 +471,12 @@ pub struct PrefixTotals {
     pub totals: Totals,
 }
 
-/// What was counted since the last start.
+/// What was counted since the last start (prefixes: in `window` where one is given).
 #[derive(Debug, Default, Serialize)]
 pub struct Counted {
     pub prefixes: Vec<PrefixTotals>,
+    /// The window `prefixes` cover, in Unix seconds (None: since tracking started).
+    pub window: Option<(f64, f64)>,
     /// Samples dropped at the cap of sampled blocks.
     pub dropped: u64,
     pub numpy_failures: u64,
@@ -452,6 +498,7 @@ pub fn counted(most_sites: usize) -> Counted {
         let totals = totals.map(|(i, t)| PrefixTotals { prefix: name(i), totals: *t });
         Counted {
             prefixes: totals.collect(),
+            window: None,
             dropped: held.dropped,
             numpy_failures: held.numpy_failures,
             mean_bytes: countdown::mean(),
@@ -466,22 +513,49 @@ const MOST_PREFIXES: usize = 8;
 /// The prefix id standing for the prefixes past `MOST_PREFIXES`.
 pub const OTHER: u32 = u32::MAX;
 
-/// Bytes in use now by prefix id, largest first (None while not tracking): a look a
-/// second, for the series beside RSS.
-pub fn in_use() -> Option<Box<[(u32, f32)]>> {
+/// The second's read (None while not tracking): bytes in use by prefix id, largest
+/// first, at most `MOST_PREFIXES` (the rest summed as `OTHER`); and the changed totals.
+pub fn read_second() -> Option<SecondRead> {
     if !tracking() {
         return None;
     }
-    let mut held: Vec<(u32, f32)> = with_held(|held| {
-        let totals = held.as_ref().map_or(&[][..], |h| &h.totals[..]);
-        totals.iter().enumerate().filter(|(_, t)| t.in_use > 0.0).map(|(i, t)| (i as u32, t.in_use as f32)).collect()
-    });
-    held.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
-    if held.len() > MOST_PREFIXES {
-        let rest: f32 = held.drain(MOST_PREFIXES - 1..).map(|(_, bytes)| bytes).sum();
-        held.push((OTHER, rest));
+    let (mut in_use, changes) = with_held(|held| {
+        let held = held.as_mut()?;
+        let in_use: Vec<(u32, f32)> = (held.totals.iter().enumerate())
+            .filter(|(_, t)| t.in_use > 0.0)
+            .map(|(i, t)| (i as u32, t.in_use as f32))
+            .collect();
+        let changed = std::mem::take(&mut held.changed);
+        let changes = changed.into_iter().map(|prefix| {
+            let t = held.totals(prefix);
+            let change = Change { prefix, allocated: t.allocated, in_use: t.in_use as f32, peak: t.recent_peak as f32 };
+            (t.recent_peak, t.changed) = (t.in_use, false);
+            change
+        });
+        Some((in_use, changes.collect()))
+    })?;
+    in_use.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+    if in_use.len() > MOST_PREFIXES {
+        let rest: f32 = in_use.drain(MOST_PREFIXES - 1..).map(|(_, bytes)| bytes).sum();
+        in_use.push((OTHER, rest));
     }
-    Some(held.into_boxed_slice())
+    Some(SecondRead { in_use: in_use.into_boxed_slice(), start: STARTS.load(Ordering::Relaxed), changes })
+}
+
+/// Every prefix's totals now, as changes, with the start they belong to (None while
+/// nothing was counted since a start): the end of a window that reaches the present.
+pub fn now() -> Option<(u32, Vec<Change>)> {
+    with_held(|held| {
+        let held = held.as_ref()?;
+        let totals = held.totals.iter().enumerate().filter(|(_, t)| t.allocated > 0.0);
+        let changes = totals.map(|(i, t)| Change {
+            prefix: i as u32,
+            allocated: t.allocated,
+            in_use: t.in_use as f32,
+            peak: t.recent_peak as f32,
+        });
+        Some((STARTS.load(Ordering::Relaxed), changes.collect()))
+    })
 }
 
 /// The name of prefix id `id` (None: outside tasks, or not known since a restart).
@@ -547,8 +621,8 @@ mod tests {
             site(load, None, 5.0),
             site(0, Some(frames(&[])), 7.0),
         ];
-        *held.totals(load) = Totals { allocated: 400.0, in_use: 200.0, peak: 200.0 };
-        *held.totals(0) = Totals { allocated: 14.0, in_use: 7.0, peak: 7.0 };
+        *held.totals(load) = Totals::new(400.0, 200.0, 200.0);
+        *held.totals(0) = Totals::new(14.0, 7.0, 7.0);
         let rows = held.site_rows(2);
         let shown: Vec<_> = rows
             .iter()

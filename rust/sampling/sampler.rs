@@ -2,7 +2,7 @@
 //! (`thread.rs`), changes its options, and reads its samples, stats and stacks.
 
 use crate::error::{Error, Result};
-use crate::heap::live;
+use crate::heap::live::{self, Counted, PrefixTotals};
 use crate::profile::model::{Frame, Metadata, Process, ProfileData};
 use crate::profile::stalls::{Explained, Stall};
 use crate::reader::tags::{Activity, ThreadTags};
@@ -231,7 +231,8 @@ impl Sampler {
             process.stats["series"] = resources;
         }
         drop(series);
-        if let Some(memory) = memory_stats() {
+        let within = Some((window.start_ns, window.stop_ns));
+        if let Some(memory) = self.memory(within, EXPORTED_SITES).map(|m| json!(m)) {
             process.stats["memory"] = memory;
         }
         let stalls = self.shared.stalls.lock().window(window.start_ns, window.stop_ns);
@@ -306,8 +307,26 @@ impl Sampler {
     pub fn window_size(&self, window: Window<'_>) -> WindowSize {
         let mut size = self.shared.store.lock().window_size(window);
         // Its allocation sites' stacks can outweigh a short window's samples.
-        size.bytes += memory_stats().map_or(0, |m| m.to_string().len() as u64);
+        let memory = self.memory(Some((window.start_ns, window.stop_ns)), EXPORTED_SITES);
+        size.bytes += memory.map_or(0, |m| json!(m).to_string().len() as u64);
         size
+    }
+
+    /// What memory tracking counted (None where it never ran), its prefixes narrowed to
+    /// `window` (ns; to the second) where given, with at most `most_sites` sites (always
+    /// since tracking started).
+    pub fn memory(&self, window: Option<(u64, u64)>, most_sites: usize) -> Option<Counted> {
+        let mut counted = live::counted(most_sites);
+        if !counted.tracking && counted.prefixes.is_empty() {
+            return None;
+        }
+        if let (Some((start_ns, stop_ns)), Some((start, now))) = (window, live::now()) {
+            let rows = self.shared.series.lock().memory_window(start_ns, stop_ns, start, &now);
+            let rows = rows.into_iter().map(|(id, totals)| PrefixTotals { prefix: live::prefix_name(id), totals });
+            counted.prefixes = rows.collect();
+            counted.window = Some((start_ns as f64 / 1e9, stop_ns.min(now_ns()) as f64 / 1e9));
+        }
+        Some(counted)
     }
 
     /// Every thread's stack (leaf first), with its task and state: asks the sampling
@@ -362,12 +381,6 @@ impl Drop for Sampler {
         }
         self.stop();
     }
-}
-
-/// What memory tracking counted, for a window's stats; None where it never ran.
-fn memory_stats() -> Option<Value> {
-    let memory = live::counted(EXPORTED_SITES);
-    (memory.tracking || !memory.prefixes.is_empty()).then(|| json!(memory))
 }
 
 /// How the series names a task prefix id of `live::in_use`.

@@ -3,7 +3,8 @@
 //! per task is tracked, the bytes each task prefix holds; kept beside the samples and
 //! exported with each window, resampled to a bounded number of steps.
 
-use crate::heap::live;
+use crate::heap::live::{self, Change, SecondRead, Totals};
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -28,15 +29,15 @@ struct Second {
 /// What the first tick of a second reads of the process's memory.
 struct Memory {
     rss: u64,
-    /// Bytes in use by task prefix id, where tracked (`live::in_use`).
-    in_use: Option<Box<[(u32, f32)]>>,
+    /// Bytes in use by task prefix id and changed totals, where tracked.
+    tracked: Option<SecondRead>,
 }
 
-/// A second's bytes in use by task prefix id; kept apart from `Second`, so a process
-/// that does not track memory keeps no room for them.
+/// A second's read of memory per task (`live::read_second`); kept apart from `Second`,
+/// so a process that does not track memory keeps no room for it.
 struct Held {
     second: u64,
-    in_use: Box<[(u32, f32)]>,
+    read: SecondRead,
 }
 
 #[derive(Default)]
@@ -62,7 +63,7 @@ fn resident_bytes() -> u64 {
 impl Series {
     /// Adds a tick's CPU to its second; the first tick of a second reads the memory.
     pub fn record(&mut self, time_ns: u64, process_ns: u64, native_ns: u64) {
-        self.add(time_ns, process_ns, native_ns, || Memory { rss: resident_bytes(), in_use: live::in_use() });
+        self.add(time_ns, process_ns, native_ns, || Memory { rss: resident_bytes(), tracked: live::read_second() });
     }
 
     fn add(&mut self, time_ns: u64, process_ns: u64, native_ns: u64, memory: impl FnOnce() -> Memory) {
@@ -79,9 +80,9 @@ impl Series {
                         self.held.pop_front();
                     }
                 }
-                let Memory { rss, in_use } = memory();
+                let Memory { rss, tracked } = memory();
                 self.seconds.push_back(Second { second, process_ns, native_ns, rss });
-                self.held.extend(in_use.map(|in_use| Held { second, in_use }));
+                self.held.extend(tracked.map(|read| Held { second, read }));
             }
         }
     }
@@ -123,13 +124,53 @@ impl Series {
         }
         let kept = self.held.partition_point(|h| h.second < first);
         for h in self.held.range(kept..).take_while(|h| h.second <= last) {
-            held[((h.second - start) / step) as usize] = Some(&*h.in_use);
+            held[((h.second - start) / step) as usize] = Some(&*h.read.in_use);
         }
         let mut out = json!({"start": start, "step": step, "cpu": cpu, "rss": rss});
         if held.iter().any(Option::is_some) {
             out["in_use"] = in_use_by_prefix(&held, name);
         }
         Some(out)
+    }
+
+    /// Per task prefix id of tracking start `start`, what the window `[start_ns,
+    /// stop_ns]` saw, to the second: bytes allocated in it, in use at its end and the
+    /// most in use in it. `now` (`live::now`) ends a window that reaches past the last
+    /// second read.
+    pub fn memory_window(&self, start_ns: u64, stop_ns: u64, start: u32, now: &[Change]) -> Vec<(u32, Totals)> {
+        let (first, last) = (start_ns / NS, stop_ns.div_ceil(NS));
+        let mut before: FxHashMap<u32, Change> = FxHashMap::default();
+        let mut after: FxHashMap<u32, (Change, f32)> = FxHashMap::default();
+        let mut end = |c: &Change| {
+            let (at_end, peak) = after.entry(c.prefix).or_insert((*c, 0.0));
+            (*at_end, *peak) = (*c, peak.max(c.peak));
+        };
+        let reads = self.held.iter().filter(|h| h.read.start == start).take_while(|h| h.second <= last);
+        for h in reads {
+            for c in h.read.changes.iter() {
+                if h.second <= first {
+                    before.insert(c.prefix, *c);
+                } else {
+                    end(c);
+                }
+            }
+        }
+        if self.held.back().is_none_or(|h| h.second < last) {
+            now.iter().for_each(&mut end);
+        }
+        let prefixes: rustc_hash::FxHashSet<u32> = before.keys().chain(after.keys()).copied().collect();
+        let mut out: Vec<(u32, Totals)> = prefixes
+            .into_iter()
+            .map(|p| {
+                let was = before.get(&p).map_or((0.0, 0.0), |c| (c.allocated, c.in_use as f64));
+                let (is, peak) =
+                    after.get(&p).map_or((was, 0.0), |(c, peak)| ((c.allocated, c.in_use as f64), *peak as f64));
+                (p, Totals::new(is.0 - was.0, is.1, peak.max(was.1).max(is.1)))
+            })
+            .filter(|(_, t)| t.allocated > 0.0 || t.in_use > 0.0)
+            .collect();
+        out.sort_by_key(|&(p, _)| p);
+        out
     }
 }
 
@@ -159,7 +200,7 @@ mod tests {
     use super::*;
 
     fn only_rss(rss: u64) -> Memory {
-        Memory { rss, in_use: None }
+        Memory { rss, tracked: None }
     }
 
     fn no_name(id: u32) -> Value {
@@ -208,7 +249,10 @@ mod tests {
     #[test]
     fn bytes_in_use_by_prefix_are_those_of_each_steps_last_tracked_second() {
         let mut s = Series::default();
-        let held = |h: &[(u32, f32)]| Memory { rss: 1, in_use: Some(h.into()) };
+        let held = |h: &[(u32, f32)]| Memory {
+            rss: 1,
+            tracked: Some(SecondRead { in_use: h.into(), start: 1, changes: [].into() }),
+        };
         s.add(NS, NS, 0, || held(&[(1, 10.0)]));
         s.add(2 * NS, NS, 0, || held(&[(2, 30.0), (1, 20.0)]));
         s.add(3 * NS, NS, 0, || only_rss(1)); // tracking stopped
@@ -220,5 +264,28 @@ mod tests {
         let mut untracked = Series::default();
         untracked.add(NS, NS, 0, || only_rss(1));
         assert!(untracked.window(0, u64::MAX, no_name).unwrap().get("in_use").is_none());
+    }
+
+    #[test]
+    fn a_memory_window_counts_what_was_allocated_in_it_and_held_at_its_end() {
+        let mut s = Series::default();
+        let change = |prefix, allocated, in_use, peak| Change { prefix, allocated, in_use, peak };
+        let read = |start, changes: &[Change]| {
+            let changes = changes.into();
+            move || Memory { rss: 1, tracked: Some(SecondRead { in_use: [].into(), start, changes }) }
+        };
+        s.add(NS, NS, 0, read(1, &[change(1, 50.0, 40.0, 40.0)])); // a start before this one
+        s.add(10 * NS, NS, 0, read(2, &[change(1, 100.0, 80.0, 90.0)]));
+        s.add(11 * NS, NS, 0, read(2, &[change(1, 300.0, 20.0, 250.0), change(2, 10.0, 10.0, 10.0)]));
+        s.add(12 * NS, NS, 0, read(2, &[]));
+        s.add(13 * NS, NS, 0, read(2, &[change(2, 60.0, 0.0, 30.0)]));
+        let now = [change(1, 400.0, 120.0, 120.0), change(2, 60.0, 0.0, 0.0)];
+        // Seconds 11-12: what second 11's and 12's reads saw past second 10's.
+        let w = s.memory_window(10 * NS, 12 * NS, 2, &now);
+        assert_eq!(w, [(1, Totals::new(200.0, 20.0, 250.0)), (2, Totals::new(10.0, 10.0, 10.0))]);
+        // Reaching the present: ends at `now`.
+        let w = s.memory_window(12 * NS, 20 * NS, 2, &now);
+        assert_eq!(w, [(1, Totals::new(100.0, 120.0, 120.0)), (2, Totals::new(50.0, 0.0, 30.0))]);
+        assert!(s.memory_window(0, 5 * NS, 3, &[]).is_empty(), "another start's reads are not these");
     }
 }

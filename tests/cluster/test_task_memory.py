@@ -3,6 +3,7 @@ at most, from sampled allocations (`PySpyPlugin(memory=True)`)."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -247,3 +248,28 @@ def test_memory_files_open_in_pprof_and_speedscope(client, tmp_path, speedscope_
     assert console_errors(chromium) == []
     with pytest.raises(ValueError, match="for a memory profile"):
         memory.save(tmp_path / "memory.html")
+
+
+def test_a_window_counts_what_was_allocated_in_it_and_held_at_its_end(client):
+    began = time.time()
+    wait(client.submit(leak, 60, pure=False))
+    first_done = time.time()
+    # Windows are to the second: the series reads the totals at the first tick of each
+    # one, so `start` is kept clear of where a second begins.
+    wait_for(lambda: time.time() >= first_done + 2.2 and time.time() % 1 > 0.2, "a second read since")
+    start = time.time()
+    wait(client.submit(leak, 40, pure=False))
+    held_now = held(client, "leak")["in_use"]
+    later = client.pyspy_memory(start=start, scheduler=False).by_prefix()["leak"]
+    assert near(later["allocated"], 40 * MIB), later
+    assert near(later["in_use"], held_now) and later["peak"] >= later["in_use"], (later, held_now)
+    assert near(
+        client.pyspy_memory(last=time.time() - start, scheduler=False).by_prefix()["leak"]["allocated"], 40 * MIB
+    )
+    stop = math.floor(start) - 0.5  # its second's read, at the start of `start`'s, came before `start`
+    earlier = client.pyspy_memory(start=began, stop=stop, scheduler=False)
+    assert near(earlier.by_prefix()["leak"]["allocated"], 60 * MIB), earlier.by_prefix()
+    (window,) = {tuple(c["window"]) for c in earlier.processes.values()}
+    assert window == (began, stop)
+    with pytest.raises(ValueError, match="last"):
+        client.pyspy_memory(last=10, start=start)
