@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster, wait
 from selenium.webdriver.support.ui import WebDriverWait
 
 import dask_pyspy
-from tests.cluster.browser import console_errors, screenshot, start_chromium
+from tests.cluster.browser import console_errors, flame_labels, screenshot, start_chromium, wait_for_flame_graph
 from tests.cluster.test_pprof import go_pprof
 from tests.cluster.test_report import chromium, speedscope_site  # noqa: F401  (fixtures)
 from tests.conftest import wait_for
@@ -115,9 +115,10 @@ def test_a_block_freed_by_another_task_stays_charged_to_the_one_that_made_it(cli
     assert held(client, "unstash")["allocated"] < 8 * MIB
 
 
-def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
+def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str], list[str]]:
     """The report's memory section as Chromium shows it: process rows and prefix rows by
-    their first cell; and the prefixes stacked under the timeline's resident memory."""
+    their first cell; the prefixes stacked under the timeline's resident memory; and
+    the tooltips of the graph of bytes in use."""
     driver = start_chromium()
     try:
         driver.get(path.as_uri())
@@ -128,13 +129,17 @@ def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]], lis
             "return out;"
         )
         stacked = driver.execute_script("return [...document.querySelectorAll('.tl-held')].map(e => e.dataset.name);")
+        driver.switch_to.frame(driver.find_element("css selector", "iframe[title='Bytes in use']"))
+        wait_for_flame_graph(driver)
+        graph = [tooltip for _, tooltip in flame_labels(driver)]
+        driver.switch_to.default_content()
         driver.execute_script("document.getElementById('memory').scrollIntoView();")
         screenshot(driver, "report-memory")
         assert console_errors(driver) == []
     finally:
         driver.quit()
     processes, prefixes = ({row[0]: row[1:] for row in rows} for rows in tables)
-    return processes, prefixes, stacked
+    return processes, prefixes, stacked, graph
 
 
 def held_series(profile: dask_pyspy.Profile) -> dict[str | None, list[float | None]]:
@@ -164,7 +169,7 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
             assert time.monotonic() < deadline, "the series never read the array (once a second)"
             time.sleep(0.2)
     leaked = held(client, "leak")["in_use"]
-    processes, prefixes, stacked = memory_tables(path)
+    processes, prefixes, stacked, graph = memory_tables(path)
     worker = next(name for name in processes if not name.startswith("scheduler"))
     resident, results, beyond, _ = (mib(c) for c in processes[worker])
     assert near(results, 150) and beyond >= 0.9 * leaked / MIB, processes
@@ -174,6 +179,9 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
     # Beside resident memory, step by step: the array held since it was made.
     assert near(last_held(rec.profile, "make_array"), 150 * MIB), held_series(rec.profile)
     assert {"make_array", "leak"} <= set(stacked), stacked
+    # The bytes in use by stack: each task's own function under its prefix.
+    assert any(t.startswith("leak (test_task_memory.py:") for t in graph), graph
+    assert any(t.startswith("make_array (test_task_memory.py:") for t in graph), graph
     del kept
 
 
