@@ -9,7 +9,7 @@
 use crate::formats::pprof::{locations, proto, Strings};
 use crate::formats::speedscope::TASK_FILE;
 use crate::formats::{compress, flamegraph};
-use crate::heap::live::SMALLER;
+use crate::heap::sites::SMALLER;
 use crate::profile::model::Frame;
 use crate::profile::views::is_machinery;
 use prost::Message;

@@ -3,15 +3,15 @@
 //! size, R the mean distance between samples): the chance a block of S bytes is
 //! sampled is `1 - e^(-S/R)`, so the sum over held sampled blocks is unbiased.
 //!
-//! Each sampled block also has a site: its task prefix and the Python stack that
-//! allocated it, walked by the allocating thread itself and named later by the
-//! sampling thread (`unnamed`, `name`), so that what a process holds has stacks too.
+//! Each sampled block is also charged to its site (`sites.rs`): its task prefix and
+//! the Python stack that allocated it.
 //!
 //! Frees are nearly all of blocks never sampled: `FILTER` counts, per hash of an
 //! address, the sampled blocks that may have it, so such a free reads one byte and
 //! returns; only the rest take the lock.
 
 use super::countdown;
+use super::sites::{SiteRow, Sites};
 use crate::profile::model::Frame;
 use crate::reader::{OwnFrames, RawStack};
 use rustc_hash::FxHashMap;
@@ -25,10 +25,6 @@ const FILTER_BITS: u32 = 16;
 static FILTER: [AtomicU8; 1 << FILTER_BITS] = [const { AtomicU8::new(0) }; 1 << FILTER_BITS];
 /// Sampled blocks kept at most; past it, samples are dropped and counted.
 const MAX_BLOCKS: usize = 1 << 16;
-/// Sites kept at most; past it, a sample counts for its prefix without a stack.
-const MAX_SITES: usize = 1 << 12;
-/// A block without a site: its stack was not walked, or the sites were full.
-const NO_SITE: u32 = u32::MAX;
 
 static TRACKING: AtomicBool = AtomicBool::new(false);
 /// Counts starts: a thread's `TASK` set under an earlier one is not this one's.
@@ -120,28 +116,6 @@ struct Block {
     site: u32,
 }
 
-/// A site's estimates: bytes and objects allocated, and in use now.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct SiteTotals {
-    pub allocated: f64,
-    pub in_use: f64,
-    pub allocated_objects: f64,
-    pub in_use_objects: f64,
-}
-
-/// A site's prefix id and the (code, instruction) pairs of its stack.
-type SiteKey = (u32, Box<[(u64, u64)]>);
-
-/// Where sampled blocks were allocated: a task prefix and a Python stack.
-struct Site {
-    prefix: u32,
-    /// The stack as walked, until the sampling thread takes it to name it.
-    stack: Option<RawStack>,
-    /// Its frames, innermost first, once named (empty: they could not be).
-    frames: Option<Arc<[Frame]>>,
-    totals: SiteTotals,
-}
-
 #[derive(Default)]
 struct Held {
     blocks: FxHashMap<usize, Block>,
@@ -156,12 +130,7 @@ struct Held {
     /// The prefix ids of the tasks running when tracking started, by thread
     /// (`pthread_self`): their threads set no task since.
     running: FxHashMap<u64, u32>,
-    /// Walks the allocating thread's stack; None where no reader can name it.
-    walker: Option<OwnFrames>,
-    sites: Vec<Site>,
-    site_ids: FxHashMap<SiteKey, u32>,
-    /// Sites whose stacks wait to be named.
-    unnamed: Vec<u32>,
+    sites: Sites,
     /// Prefix ids whose totals changed since the last `read_second`.
     changed: Vec<u32>,
 }
@@ -204,36 +173,13 @@ impl Held {
         t
     }
 
-    /// The site of an allocation the calling thread makes now for `prefix`.
-    fn site(&mut self, prefix: u32) -> u32 {
-        let Some(stack) = self.walker.as_mut().and_then(OwnFrames::walk) else { return NO_SITE };
-        let key = (prefix, stack.frames.iter().map(|f| (f.code, f.instr)).collect());
-        if let Some(&id) = self.site_ids.get(&key) {
-            return id;
-        }
-        if self.sites.len() >= MAX_SITES {
-            return NO_SITE;
-        }
-        let id = self.sites.len() as u32;
-        self.sites.push(Site { prefix, stack: Some(stack), frames: None, totals: SiteTotals::default() });
-        self.site_ids.insert(key, id);
-        self.unnamed.push(id);
-        id
-    }
-
     fn add(&mut self, addr: usize, block: Block, allocated: f64) {
         let t = self.changing(block.prefix);
         t.allocated += allocated;
         t.in_use += block.held_bytes;
         t.peak = t.peak.max(t.in_use);
         t.recent_peak = t.recent_peak.max(t.in_use);
-        if let Some(site) = self.sites.get_mut(block.site as usize) {
-            let t = &mut site.totals;
-            t.allocated += allocated;
-            t.allocated_objects += if allocated > 0.0 { block.objects } else { 0.0 };
-            t.in_use += block.held_bytes;
-            t.in_use_objects += block.objects;
-        }
+        self.sites.add(block.site, allocated, block.held_bytes, block.objects);
         slot(addr).fetch_add(1, Ordering::Relaxed);
         self.blocks.insert(addr, block);
     }
@@ -243,11 +189,7 @@ impl Held {
         slot(addr).fetch_sub(1, Ordering::Relaxed);
         let t = self.changing(block.prefix);
         t.in_use = (t.in_use - block.held_bytes).max(0.0);
-        if let Some(site) = self.sites.get_mut(block.site as usize) {
-            let t = &mut site.totals;
-            t.in_use = (t.in_use - block.held_bytes).max(0.0);
-            t.in_use_objects = (t.in_use_objects - block.objects).max(0.0);
-        }
+        self.sites.remove(block.site, block.held_bytes, block.objects);
         Some(block)
     }
 }
@@ -267,7 +209,7 @@ pub fn start<'a>(mean_bytes: u64, running: impl IntoIterator<Item = (u64, &'a st
     countdown::set_mean(mean_bytes);
     let mut fresh = Held::default();
     fresh.running = running.into_iter().map(|(ident, prefix)| (ident, fresh.id(prefix))).collect();
-    fresh.walker = walker;
+    fresh.sites = Sites::new(walker);
     with_held(|held| {
         FILTER.iter().for_each(|s| s.store(0, Ordering::Relaxed));
         let before = held.replace(fresh);
@@ -321,7 +263,7 @@ fn sampled(addr: usize, size: usize, counted: u64) {
             held.changing(prefix).allocated += counted as f64;
             return;
         }
-        let site = held.site(prefix);
+        let site = held.sites.here(prefix);
         let block = Block { held_bytes, objects: held_bytes / size.max(1) as f64, prefix, site };
         held.add(addr, block, counted as f64);
     })
@@ -375,8 +317,7 @@ pub fn unnamed() -> (u32, Vec<(u32, RawStack)>) {
     with_held(|held| {
         let starts = STARTS.load(Ordering::Relaxed);
         let Some(held) = held.as_mut() else { return (starts, Vec::new()) };
-        let ids = std::mem::take(&mut held.unnamed);
-        (starts, ids.into_iter().filter_map(|id| Some((id, held.sites[id as usize].stack.take()?))).collect())
+        (starts, held.sites.take_unnamed())
     })
 }
 
@@ -385,82 +326,8 @@ pub fn unnamed() -> (u32, Vec<(u32, RawStack)>) {
 pub fn name(start: u32, named: impl IntoIterator<Item = (u32, Option<Vec<Frame>>)>) {
     with_held(|held| {
         let Some(held) = held.as_mut().filter(|_| STARTS.load(Ordering::Relaxed) == start) else { return };
-        for (id, frames) in named {
-            if let Some(site) = held.sites.get_mut(id as usize) {
-                site.frames = Some(frames.unwrap_or_default().into());
-            }
-        }
+        held.sites.name(named);
     })
-}
-
-/// One site's estimates, its frames root first; a row without frames stands for what
-/// `note` says.
-#[derive(Debug, Serialize)]
-pub struct SiteRow {
-    pub prefix: Option<Arc<str>>,
-    pub frames: Vec<Frame>,
-    pub note: Option<&'static str>,
-    #[serde(flatten)]
-    pub totals: SiteTotals,
-}
-
-/// Notes of rows without frames.
-pub const NOT_NAMED_YET: &str = "stack not named yet";
-pub const UNREADABLE: &str = "stack unreadable";
-pub const SMALLER: &str = "smaller stacks";
-pub const NO_STACK: &str = "no stack kept";
-
-impl Held {
-    /// The sites as rows, most in use first (then most allocated); sites whose stacks
-    /// read alike (they differ in instructions of one line) are one row. Past `most`
-    /// rows, a prefix's others are summed as one, and so is what its sites do not hold.
-    fn site_rows(&self, most: usize) -> Vec<SiteRow> {
-        let name = |id: u32| (id > 0).then(|| self.names[id as usize - 1].clone());
-        let mut alike: FxHashMap<(u32, Option<&[Frame]>), SiteTotals> = FxHashMap::default();
-        for site in self.sites.iter().filter(|s| s.totals.allocated > 0.0) {
-            add_to(alike.entry((site.prefix, site.frames.as_deref())).or_default(), &site.totals);
-        }
-        let mut groups: Vec<_> = alike.into_iter().collect();
-        groups.sort_by(|(_, a), (_, b)| b.in_use.total_cmp(&a.in_use).then(b.allocated.total_cmp(&a.allocated)));
-        let mut rest: Vec<(SiteTotals, SiteTotals)> = vec![Default::default(); self.totals.len()];
-        let mut rows = Vec::new();
-        for (n, ((prefix, frames), totals)) in groups.into_iter().enumerate() {
-            let (smaller, all) = &mut rest[prefix as usize];
-            add_to(all, &totals);
-            if n >= most {
-                add_to(smaller, &totals);
-                continue;
-            }
-            let (frames, note) = match frames {
-                None => (Vec::new(), Some(NOT_NAMED_YET)),
-                Some([]) => (Vec::new(), Some(UNREADABLE)),
-                Some(f) => (f.iter().rev().cloned().collect(), None),
-            };
-            rows.push(SiteRow { prefix: name(prefix), frames, note, totals });
-        }
-        for (prefix, (smaller, all)) in rest.into_iter().enumerate() {
-            let t = &self.totals[prefix];
-            let untracked = SiteTotals {
-                allocated: t.allocated - all.allocated,
-                in_use: t.in_use - all.in_use,
-                ..SiteTotals::default()
-            };
-            for (totals, note) in [(smaller, SMALLER), (untracked, NO_STACK)] {
-                if totals.allocated > 1.0 || totals.in_use > 1.0 {
-                    let prefix = name(prefix as u32);
-                    rows.push(SiteRow { prefix, frames: Vec::new(), note: Some(note), totals });
-                }
-            }
-        }
-        rows
-    }
-}
-
-fn add_to(sum: &mut SiteTotals, t: &SiteTotals) {
-    sum.allocated += t.allocated;
-    sum.in_use += t.in_use;
-    sum.allocated_objects += t.allocated_objects;
-    sum.in_use_objects += t.in_use_objects;
 }
 
 /// One task prefix's totals (`prefix` None: outside tasks).
@@ -482,7 +349,7 @@ pub struct Counted {
     pub numpy_failures: u64,
     pub mean_bytes: u64,
     pub tracking: bool,
-    /// Sampled blocks by site (see `Held::site_rows`).
+    /// Sampled blocks by site (see `Sites::rows`).
     pub sites: Vec<SiteRow>,
 }
 
@@ -503,7 +370,7 @@ pub fn counted(most_sites: usize) -> Counted {
             numpy_failures: held.numpy_failures,
             mean_bytes: countdown::mean(),
             tracking: tracking(),
-            sites: held.site_rows(most_sites),
+            sites: held.sites.rows(most_sites, &held.totals, |id| name(id as usize)),
         }
     })
 }
@@ -598,56 +465,5 @@ mod tests {
         })
         .join()
         .unwrap();
-    }
-
-    #[test]
-    fn sites_alike_are_one_row_and_past_the_most_are_summed_per_prefix() {
-        let mut held = Held::default();
-        let load = held.id("load");
-        let frames = |names: &[&str]| -> Arc<[Frame]> {
-            names.iter().map(|n| Frame::python(n.to_string(), "job.py".into(), 1)).collect()
-        };
-        let totals = |in_use: f64| SiteTotals { allocated: 2.0 * in_use, in_use, ..SiteTotals::default() };
-        let site = |prefix, named: Option<Arc<[Frame]>>, in_use| Site {
-            prefix,
-            stack: None,
-            frames: named,
-            totals: totals(in_use),
-        };
-        held.sites = vec![
-            site(load, Some(frames(&["read", "main"])), 100.0), // innermost first
-            site(load, Some(frames(&["read", "main"])), 50.0),  // another instruction of the same lines
-            site(load, Some(frames(&["parse", "main"])), 30.0),
-            site(load, None, 5.0),
-            site(0, Some(frames(&[])), 7.0),
-        ];
-        *held.totals(load) = Totals::new(400.0, 200.0, 200.0);
-        *held.totals(0) = Totals::new(14.0, 7.0, 7.0);
-        let rows = held.site_rows(2);
-        let shown: Vec<_> = rows
-            .iter()
-            .map(|r| {
-                (
-                    r.prefix.as_deref(),
-                    r.frames.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
-                    r.note,
-                    r.totals.in_use,
-                )
-            })
-            .collect();
-        assert_eq!(
-            shown,
-            [
-                (Some("load"), vec!["main", "read"], None, 150.0),
-                (Some("load"), vec!["main", "parse"], None, 30.0),
-                (None, vec![], Some(SMALLER), 7.0),
-                (Some("load"), vec![], Some(SMALLER), 5.0),
-                (Some("load"), vec![], Some(NO_STACK), 15.0),
-            ]
-        );
-        let named = held.site_rows(usize::MAX);
-        assert!(
-            named.iter().any(|r| r.note == Some(NOT_NAMED_YET)) && named.iter().any(|r| r.note == Some(UNREADABLE))
-        );
     }
 }

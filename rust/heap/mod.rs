@@ -3,13 +3,15 @@
 //! matched, so that what a process holds gets the names of the tasks that allocated it.
 //!
 //! `hooks` wraps the allocators, `countdown` picks the sampled allocations, `live`
-//! keeps the sampled blocks still held and the totals per prefix, and `numpy`
-//! counts array buffers, which bypass Python's allocators before numpy 2.5.
+//! keeps the sampled blocks still held and the totals per prefix, `sites` the totals
+//! per prefix and Python stack, and `numpy` counts array buffers, which bypass
+//! Python's allocators before numpy 2.5.
 
 pub mod countdown;
 pub mod hooks;
 pub mod live;
 pub mod numpy;
+pub mod sites;
 
 use crate::reader::OwnFrames;
 use pyo3::prelude::*;
