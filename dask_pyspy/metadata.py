@@ -110,7 +110,8 @@ STATS = {
     "cores": Omittable(COUNT),
     "window_cpu": Omittable({"process_cpu_s": NUMBER, "native_cpu_s": NUMBER}),
     # CPU and resident memory per step (sampling/series.rs); older profiles have none.
-    # `in_use`: bytes held per task prefix and step, where memory per task was tracked.
+    # `in_use`: bytes held per task prefix and step, where memory per task was tracked;
+    # `arrow`: what arrow's pool held, where noted.
     "series": Omittable(
         {
             "start": TIME,
@@ -118,12 +119,25 @@ STATS = {
             "cpu": STEPS,
             "rss": STEPS,
             "in_use": Omittable(Items({"prefix": OrNull(TEXT), "bytes": STEPS})),
+            "arrow": Omittable(STEPS),
         }
     ),
     # Memory per task (dask_pyspy.memory), and a worker's results in memory by prefix.
     "memory": Omittable(
         {
             "prefixes": Items({"prefix": OrNull(TEXT), "allocated": NUMBER, "in_use": NUMBER, "peak": NUMBER}),
+            "sites": Omittable(
+                Items(
+                    {
+                        "prefix": OrNull(TEXT),
+                        "frames": Items({"name": TEXT, "file": TEXT, "line": NUMBER}),
+                        "note": OrNull(TEXT),
+                        "allocated": NUMBER,
+                        "in_use": NUMBER,
+                    }
+                )
+            ),
+            "window": Omittable(OrNull(WINDOW)),
             "dropped": COUNT,
             "mean_bytes": COUNT,
         }

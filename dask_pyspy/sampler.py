@@ -133,6 +133,11 @@ class Sampler:
             return self._native.memory()
         return self._native.memory(self._bounds(start, stop))
 
+    def note_arrow_bytes(self, total: int) -> None:
+        """What arrow's memory pool holds now (`pyarrow.total_allocated_bytes()`): kept in
+        the series beside resident memory while memory is tracked."""
+        self._native.note_arrow_bytes(total)
+
     def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:
         """Mark thread `ident` as running task `key` (a repr) of task prefix `prefix`,
         in the dask span with id `span`."""

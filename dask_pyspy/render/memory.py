@@ -18,16 +18,17 @@ from dask_pyspy.memory import OUTSIDE, TOTALS, MemoryProfile
 MIB = 2**20
 MAX_PREFIXES = 20  # prefix rows, most in use first
 COLUMNS = (*TOTALS, "managed", "beyond")  # the prefix table's figures, in order
+NONE = "\u2014"  # a figure not known
 
 
 def _mib(n: float) -> int:
     return round(n / MIB)
 
 
-def _last_rss(stats: dict[str, Any]) -> float | None:
-    """The process's resident memory at the window's last step that read it."""
-    rss = [r for r in (stats.get("series") or {}).get("rss") or () if r is not None]
-    return rss[-1] if rss else None
+def _last(stats: dict[str, Any], series: str) -> float | None:
+    """The process's `series` ("rss", "arrow") at the window's last step that read it."""
+    values = [v for v in (stats.get("series") or {}).get(series) or () if v is not None]
+    return values[-1] if values else None
 
 
 def _by_prefix(stats: dict[str, Any]) -> dict[str | None, dict[str, float]]:
@@ -43,11 +44,19 @@ def _by_prefix(stats: dict[str, Any]) -> dict[str | None, dict[str, float]]:
 
 
 def _process_row(name: str, stats: dict[str, Any], beyond: float) -> list[Any]:
-    """One process's resident memory split into results, `beyond` them, and the rest."""
+    """One process's resident memory split into results, `beyond` them, and the rest;
+    and what arrow's pool held, which bypasses the allocators sampled."""
     held = sum((stats.get("managed") or {}).values())
-    rss = _last_rss(stats)
-    rest = "\u2014" if rss is None else _mib(max(rss - held - beyond, 0.0))
-    return [name, "\u2014" if rss is None else _mib(rss), _mib(held), _mib(beyond), rest]
+    rss, arrow = _last(stats, "rss"), _last(stats, "arrow")
+    rest = NONE if rss is None else _mib(max(rss - held - beyond, 0.0))
+    return [
+        name,
+        NONE if rss is None else _mib(rss),
+        _mib(held),
+        _mib(beyond),
+        rest,
+        NONE if arrow is None else _mib(arrow),
+    ]
 
 
 def section(processes: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ MOST_LINES = 8  # processes of a kind drawn a memory line each; more as min, med
 MOST_HELD = 8  # task prefixes stacked under resident memory; the rest as "other"
 SPREAD = (("most", "#e15759", max), ("median", "#4e79a7", statistics.median), ("least", "#59a14f", min))
 BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1))
+ARROW_LEAST = 2**20  # arrow's pool is drawn where it held this much at some step
 # Event-loop stalls: a row per process, the most stalled; past that, one row for the rest.
 STALL_ROWS = 8
 STALL_ROW = 24  # the row's height, in the SVG's units: the process's name, then its marks
@@ -184,16 +185,25 @@ def _held(processes: list[dict[str, Any]], steps: int, colours: dict[str, str]) 
     ]
 
 
+def _arrow(processes: list[dict[str, Any]], steps: int) -> list[float | None] | None:
+    """What arrow's pool held, summed over the processes per step; None where none noted
+    it, or it never held ARROW_LEAST (pyarrow imported, hardly used)."""
+    noted = [p["arrow"] for p in processes if p.get("arrow")]
+    seen = [[a[i] for a in noted if a[i] is not None] for i in range(steps)]
+    summed = [sum(v) if v else None for v in seen]
+    return summed if max((v for v in summed if v is not None), default=0.0) >= ARROW_LEAST else None
+
+
 def _memory(timeline: dict[str, Any], kind: str, colours: dict[str, str]) -> dict[str, Any] | None:
-    """The kind's resident memory over time, and the bytes task prefixes held stacked
-    under it where tracked; None where its processes kept none."""
+    """The kind's resident memory over time, the bytes task prefixes held stacked under
+    it where tracked, and arrow's pool where noted; None where its processes kept none."""
     mine = [p for p in timeline.get("processes", []) if p["kind"] == kind and any(v is not None for v in p["rss"])]
     if not mine:
         return None
     steps = timeline["steps"]
-    lines, held = _memory_lines(mine, steps), _held(mine, steps, colours)
+    lines, held, arrow = _memory_lines(mine, steps), _held(mine, steps, colours), _arrow(mine, steps)
     stacked = [sum(values[i] for _, _, values in held) for i in range(steps)]
-    top = max([v for _, _, values in lines for v in values if v is not None] + stacked)
+    top = max([v for _, _, values in lines for v in values if v is not None] + stacked + [v for v in arrow or () if v])
     unit, size = next((u, s) for u, s in BYTE_UNITS if top >= s or s == 1)
     ymax = _nice(top / size)
     drawn = [
@@ -221,7 +231,11 @@ def _memory(timeline: dict[str, Any], kind: str, colours: dict[str, str]) -> dic
     label = f"resident memory ({unit}){f': across {len(mine)} processes' if spread else ''}"
     if areas:
         label += "; bytes held by task prefix, stacked"
-    return {"label": label, "lines": drawn, "held": areas, "ticks": _value_ticks(ymax)}
+    pool = arrow and {
+        "path": _steps_line(arrow, HEIGHT / ymax / size),
+        "peak": f"{max(v for v in arrow if v is not None) / size:.3g} {unit}",
+    }
+    return {"label": label, "lines": drawn, "held": areas, "arrow": pool, "ticks": _value_ticks(ymax)}
 
 
 def _clip(records: Records, start: float, stop: float) -> Records:

@@ -13,6 +13,7 @@ from dask_pyspy._loop import off_loop
 from dask_pyspy.options import SamplerOptions
 from dask_pyspy.sampler import Sampler, process_sampler
 from dask_pyspy.server.activities import Hooks
+from dask_pyspy.server.arrow import ArrowPool
 from dask_pyspy.server.stalls import StallWatch
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class SamplerHold:
         self.error: str | None = None
         self.hooks: Hooks | None = None
         self.stalls: StallWatch | None = None
+        self.arrow: ArrowPool | None = None
         self._releasing: set[asyncio.Task[None]] = set()
         self._release_when_stopped()
 
@@ -68,6 +70,7 @@ class SamplerHold:
                 self.sampler = await off_loop(process_sampler.acquire, opts)
                 self.hooks = Hooks(self.server, self.sampler.native)
                 self.stalls = StallWatch(self.sampler)
+                self.arrow = ArrowPool(self.sampler)
             else:
                 await off_loop(process_sampler.configure, opts)
             self.error = None
@@ -81,7 +84,7 @@ class SamplerHold:
             await off_loop(process_sampler.release)
 
     def _let_go(self) -> bool:
-        """Removes the hooks and the stall watch and drops the sampler; true if this hold had one, whose
+        """Removes the hooks, the stall watch and arrow's notes and drops the sampler; true if this hold had one, whose
         process-wide hold the caller then releases."""
         if self.hooks is not None:
             self.hooks.remove()
@@ -89,6 +92,9 @@ class SamplerHold:
         if self.stalls is not None:
             self.stalls.remove()
             self.stalls = None
+        if self.arrow is not None:
+            self.arrow.remove()
+            self.arrow = None
         held, self.sampler = self.sampler is not None, None
         return held
 

@@ -73,6 +73,12 @@ impl PySampler {
         values::to_py(py, &counted.unwrap_or_else(|| heap::live::counted(0)))
     }
 
+    /// The total arrow's pool holds now (`pyarrow.total_allocated_bytes()`), for the
+    /// series beside resident memory.
+    fn note_arrow_bytes(&self, bytes: u64) {
+        heap::arrow::note(bytes);
+    }
+
     #[getter]
     fn is_running(&self) -> bool {
         self.inner.is_running()

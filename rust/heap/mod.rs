@@ -5,8 +5,10 @@
 //! `hooks` wraps the allocators, `countdown` picks the sampled allocations, `live`
 //! keeps the sampled blocks still held and the totals per prefix, `sites` the totals
 //! per prefix and Python stack, and `numpy` counts array buffers, which bypass
-//! Python's allocators before numpy 2.5.
+//! Python's allocators before numpy 2.5; `arrow` keeps the total of arrow's pool,
+//! which bypasses both.
 
+pub mod arrow;
 pub mod countdown;
 pub mod hooks;
 pub mod live;
@@ -21,6 +23,7 @@ use pyo3::prelude::*;
 /// (None: blocks get no stacks). With the GIL.
 pub fn start<'a>(running: impl IntoIterator<Item = (u64, &'a str)>, walker: Option<OwnFrames>) {
     live::start(countdown::MEAN_BYTES, running, walker);
+    arrow::forget();
     hooks::install();
 }
 

@@ -1,4 +1,5 @@
-//! Each process's CPU and resident memory over time, as its sampler kept them each
+//! Each process's CPU and resident memory over time (with, where memory per task was
+//! tracked, the bytes each prefix held and arrow's pool), as its sampler kept them each
 //! second (`stats["series"]`, see `sampling/series.rs`), resampled to a timeline's steps.
 
 use crate::profile::model::Process;
@@ -18,6 +19,9 @@ pub struct Resources {
     /// most bytes it held in the step.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub in_use: Vec<Held>,
+    /// Where noted, the most arrow's pool held in the step (empty: never noted).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub arrow: Vec<Option<f64>>,
 }
 
 #[derive(Serialize, Debug, PartialEq)]
@@ -33,6 +37,7 @@ struct Kept<'a> {
     cpu: &'a [Value],
     rss: &'a [Value],
     in_use: &'a [Value],
+    arrow: &'a [Value],
 }
 
 impl Kept<'_> {
@@ -44,6 +49,7 @@ impl Kept<'_> {
             cpu: series.get("cpu")?.as_array()?,
             rss: series.get("rss")?.as_array()?,
             in_use: series.get("in_use").and_then(Value::as_array).map_or(&[], Vec::as_slice),
+            arrow: series.get("arrow").and_then(Value::as_array).map_or(&[], Vec::as_slice),
         };
         (kept.cpu.len() == kept.rss.len()).then_some(kept)
     }
@@ -119,6 +125,7 @@ pub fn resources(
             cpu: kept.spread_cpu(timeline),
             rss: kept.most(kept.rss, timeline),
             in_use: kept.held(timeline),
+            arrow: if kept.arrow.is_empty() { Vec::new() } else { kept.most(kept.arrow, timeline) },
         })
     };
     processes.iter().filter_map(resources).collect()
@@ -147,15 +154,18 @@ mod tests {
         assert_eq!(fine.cpu[..4], [None, Some(1.0), Some(1.0), Some(0.5)], "2.5 s over 100-105: 1 s a 2 s step");
         assert_eq!(fine.rss[..6], [None, Some(10.0), Some(10.0), Some(10.0), None, None]);
         assert_eq!(fine.rss[6..], [Some(30.0), Some(30.0), Some(30.0)]);
-        assert!(fine.in_use.is_empty());
+        assert!(fine.in_use.is_empty() && fine.arrow.is_empty());
     }
 
     #[test]
     fn bytes_held_by_prefix_keep_the_most_of_each_step() {
         let in_use = json!([{"prefix": "load", "bytes": [1, 4, null]}, {"prefix": null, "bytes": [2, 0, null]}]);
-        let series = json!({"start": 100, "step": 5, "cpu": [1, 1, 1], "rss": [9, 9, 9], "in_use": in_use});
-        let got = &resources(&[process("w", series)], |_| "worker", 100.0, 10.0, 2)[0].in_use;
-        assert_eq!(got[0], Held { prefix: Some("load".into()), bytes: vec![Some(4.0), None] });
-        assert_eq!(got[1], Held { prefix: None, bytes: vec![Some(2.0), None] });
+        let arrow = json!([3, 5, null]);
+        let series =
+            json!({"start": 100, "step": 5, "cpu": [1, 1, 1], "rss": [9, 9, 9], "in_use": in_use, "arrow": arrow});
+        let got = &resources(&[process("w", series)], |_| "worker", 100.0, 10.0, 2)[0];
+        assert_eq!(got.in_use[0], Held { prefix: Some("load".into()), bytes: vec![Some(4.0), None] });
+        assert_eq!(got.in_use[1], Held { prefix: None, bytes: vec![Some(2.0), None] });
+        assert_eq!(got.arrow, [Some(5.0), None], "arrow's pool: the most of each step too");
     }
 }

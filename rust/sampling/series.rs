@@ -3,6 +3,7 @@
 //! per task is tracked, the bytes each task prefix holds; kept beside the samples and
 //! exported with each window, resampled to a bounded number of steps.
 
+use crate::heap::arrow;
 use crate::heap::live::{self, Change, SecondRead, Totals};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -31,6 +32,8 @@ struct Memory {
     rss: u64,
     /// Bytes in use by task prefix id and changed totals, where tracked.
     tracked: Option<SecondRead>,
+    /// arrow's pool, as last noted (`heap::arrow`).
+    arrow: Option<u64>,
 }
 
 /// A second's read of memory per task (`live::read_second`); kept apart from `Second`,
@@ -38,6 +41,7 @@ struct Memory {
 struct Held {
     second: u64,
     read: SecondRead,
+    arrow: Option<u64>,
 }
 
 #[derive(Default)]
@@ -63,7 +67,11 @@ fn resident_bytes() -> u64 {
 impl Series {
     /// Adds a tick's CPU to its second; the first tick of a second reads the memory.
     pub fn record(&mut self, time_ns: u64, process_ns: u64, native_ns: u64) {
-        self.add(time_ns, process_ns, native_ns, || Memory { rss: resident_bytes(), tracked: live::read_second() });
+        self.add(time_ns, process_ns, native_ns, || Memory {
+            rss: resident_bytes(),
+            tracked: live::read_second(),
+            arrow: arrow::noted(),
+        });
     }
 
     fn add(&mut self, time_ns: u64, process_ns: u64, native_ns: u64, memory: impl FnOnce() -> Memory) {
@@ -80,9 +88,9 @@ impl Series {
                         self.held.pop_front();
                     }
                 }
-                let Memory { rss, tracked } = memory();
+                let Memory { rss, tracked, arrow } = memory();
                 self.seconds.push_back(Second { second, process_ns, native_ns, rss });
-                self.held.extend(tracked.map(|read| Held { second, read }));
+                self.held.extend(tracked.map(|read| Held { second, read, arrow }));
             }
         }
     }
@@ -106,7 +114,8 @@ impl Series {
     /// seconds used (`cpu`) and the most resident memory seen (`rss`, bytes); null
     /// where no second of the step was seen. Where memory per task was tracked,
     /// `in_use`: per task prefix (named by `name`), the bytes it held at each step's
-    /// last tracked second, largest first. None if the window holds no second.
+    /// last tracked second, largest first; and `arrow`, the most arrow's pool held in
+    /// each step, where noted. None if the window holds no second.
     pub fn window(&self, start_ns: u64, stop_ns: u64, name: impl Fn(u32) -> Value) -> Option<Value> {
         let (first, last) = {
             let mut seen = self.within(start_ns, stop_ns);
@@ -116,7 +125,8 @@ impl Series {
         let step = STEPS.into_iter().find(|s| (last - first) / s < MOST_STEPS).unwrap_or(STEPS[STEPS.len() - 1]);
         let start = first - first % step;
         let steps = ((last - start) / step + 1) as usize;
-        let (mut cpu, mut rss, mut held) = (vec![None; steps], vec![None; steps], vec![None; steps]);
+        let (mut cpu, mut rss, mut held, mut arrow) =
+            (vec![None; steps], vec![None; steps], vec![None; steps], vec![None; steps]);
         for s in self.within(start_ns, stop_ns) {
             let at = ((s.second - start) / step) as usize;
             *cpu[at].get_or_insert(0.0) += s.process_ns as f64 / 1e9;
@@ -124,11 +134,16 @@ impl Series {
         }
         let kept = self.held.partition_point(|h| h.second < first);
         for h in self.held.range(kept..).take_while(|h| h.second <= last) {
-            held[((h.second - start) / step) as usize] = Some(&*h.read.in_use);
+            let at = ((h.second - start) / step) as usize;
+            held[at] = Some(&*h.read.in_use);
+            arrow[at] = arrow[at].max(h.arrow);
         }
         let mut out = json!({"start": start, "step": step, "cpu": cpu, "rss": rss});
         if held.iter().any(Option::is_some) {
             out["in_use"] = in_use_by_prefix(&held, name);
+        }
+        if arrow.iter().any(Option::is_some) {
+            out["arrow"] = json!(arrow);
         }
         Some(out)
     }
@@ -200,7 +215,7 @@ mod tests {
     use super::*;
 
     fn only_rss(rss: u64) -> Memory {
-        Memory { rss, tracked: None }
+        Memory { rss, tracked: None, arrow: None }
     }
 
     fn no_name(id: u32) -> Value {
@@ -252,6 +267,7 @@ mod tests {
         let held = |h: &[(u32, f32)]| Memory {
             rss: 1,
             tracked: Some(SecondRead { in_use: h.into(), start: 1, changes: [].into() }),
+            arrow: Some(h.len() as u64),
         };
         s.add(NS, NS, 0, || held(&[(1, 10.0)]));
         s.add(2 * NS, NS, 0, || held(&[(2, 30.0), (1, 20.0)]));
@@ -261,6 +277,7 @@ mod tests {
             w["in_use"],
             json!([{"prefix": 2, "bytes": [0.0, 30.0, null]}, {"prefix": 1, "bytes": [10.0, 20.0, null]}])
         );
+        assert_eq!(w["arrow"], json!([1, 2, null]), "arrow's pool where tracked");
         let mut untracked = Series::default();
         untracked.add(NS, NS, 0, || only_rss(1));
         assert!(untracked.window(0, u64::MAX, no_name).unwrap().get("in_use").is_none());
@@ -272,7 +289,7 @@ mod tests {
         let change = |prefix, allocated, in_use, peak| Change { prefix, allocated, in_use, peak };
         let read = |start, changes: &[Change]| {
             let changes = changes.into();
-            move || Memory { rss: 1, tracked: Some(SecondRead { in_use: [].into(), start, changes }) }
+            move || Memory { rss: 1, tracked: Some(SecondRead { in_use: [].into(), start, changes }), arrow: None }
         };
         s.add(NS, NS, 0, read(1, &[change(1, 50.0, 40.0, 40.0)])); // a start before this one
         s.add(10 * NS, NS, 0, read(2, &[change(1, 100.0, 80.0, 90.0)]));

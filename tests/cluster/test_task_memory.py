@@ -41,6 +41,20 @@ def leak(mib: int) -> int:
     return len(LEAKED)
 
 
+ARROW: list[object] = []
+
+
+def keep_arrow(mib: int) -> int:
+    """Keeps `mib` MiB in arrow's own pool (a computed array: arrow allocates its buffer),
+    which the sampled allocators never see."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ARROW.append(pc.add(pa.array(np.ones(mib * MIB // 8)), 1.0))
+    return len(ARROW)
+
+
 def churn(mib: int) -> int:
     for _ in range(mib):
         block = bytearray(MIB)
@@ -136,6 +150,7 @@ def memory_tables(path) -> tuple[dict[str, list[str]], dict[str, list[str]], lis
             "return out;"
         )
         stacked = driver.execute_script("return [...document.querySelectorAll('.tl-held')].map(e => e.dataset.name);")
+        assert driver.find_elements("css selector", ".tl-arrow"), "arrow's pool drawn beside resident memory"
         driver.switch_to.frame(driver.find_element("css selector", "iframe[title='Bytes in use']"))
         wait_for_flame_graph(driver)
         graph = [tooltip for _, tooltip in flame_labels(driver)]
@@ -161,6 +176,12 @@ def last_held(profile: dask_pyspy.Profile, prefix: str) -> float:
     return next((v for v in reversed(held_series(profile).get(prefix, [])) if v is not None), 0.0)
 
 
+def last_arrow(profile: dask_pyspy.Profile) -> float:
+    """What arrow's pool held at the last step of the worker's series that noted it."""
+    workers = [p["stats"]["series"] for p in profile.processes if not p["name"].startswith("scheduler")]
+    return next((v for s in workers for v in reversed(s.get("arrow") or []) if v is not None), 0.0)
+
+
 def mib(cell: str) -> float:
     return float(cell.replace(",", ""))
 
@@ -169,17 +190,19 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
     path = tmp_path / "report.html"
     with dask_pyspy.pyspy_report(path, client=client) as rec:
         kept = client.submit(make_array, 150, pure=False)
-        wait([kept, client.submit(leak, 100, pure=False)])
-        deadline = time.monotonic() + 60
-        # An earlier test's array may be in the seconds before: this window's own.
-        while not near(last_held(client.pyspy_profile(start=rec.start, scheduler=False), "make_array"), 150 * MIB):
-            assert time.monotonic() < deadline, "the series never read the array (once a second)"
-            time.sleep(0.2)
+        wait([kept, client.submit(leak, 100, pure=False), client.submit(keep_arrow, 64, pure=False)])
+
+        def read() -> bool:
+            # An earlier test's array may be in the seconds before: this window's own.
+            profile = client.pyspy_profile(start=rec.start, scheduler=False)
+            return near(last_held(profile, "make_array"), 150 * MIB) and last_arrow(profile) >= 64 * MIB
+
+        wait_for(read, "the series' reads of the array and of arrow's pool (once a second)")
     leaked = held(client, "leak")["in_use"]
     processes, prefixes, stacked, graph = memory_tables(path)
     worker = next(name for name in processes if not name.startswith("scheduler"))
-    resident, results, beyond, _ = (mib(c) for c in processes[worker])
-    assert near(results, 150) and beyond >= 0.9 * leaked / MIB, processes
+    resident, results, beyond, _, arrow = (mib(c) for c in processes[worker])
+    assert near(results, 150) and beyond >= 0.9 * leaked / MIB and arrow >= 64, processes
     allocated, in_use, _, results, beyond = (mib(c) for c in prefixes["make_array"])
     assert near(in_use, 150) and near(results, 150) and beyond < 15, prefixes
     assert near(mib(prefixes["leak"][4]), leaked / MIB) and mib(prefixes["leak"][3]) == 0, prefixes

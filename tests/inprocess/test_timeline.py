@@ -218,6 +218,7 @@ def test_bytes_held_stack_by_prefix_over_processes_under_resident_memory():
         {"name": f"tcp://w:{i}", "kind": "worker", "cpu": [0.5] * steps, "rss": [60 * mib] * steps, "in_use": held}
         for i in range(2)
     ]
+    processes[0]["arrow"] = [30 * mib, None]
     totals = {"processes": 2, "wall": [1.0] * steps, "cpu": [0.5] * steps}
     series = [{"name": "p10", "kind": "worker", "group": "prefix", "seconds": 1.0, "wall": [1.0] * 2, "cpu": [0.5] * 2}]
     timeline = {"start": 1e9, "step": 1.0, "steps": steps, "kinds": {"worker": totals}, "series": series}
@@ -230,6 +231,7 @@ def test_bytes_held_stack_by_prefix_over_processes_under_resident_memory():
     assert areas[names.index("p10")]["colour"] == kind["legend"][0]["colour"], "a prefix keeps its CPU colour"
     assert len({a["colour"] for a in areas}) == len(areas)
     assert kind["memory"]["ticks"][-1]["label"] == "200", "the stack, 110 MiB, and RSS fit the axis"
+    assert kind["memory"]["arrow"]["peak"] == "30 MiB" and kind["memory"]["arrow"]["path"].count("M") == 1
 
 
 def test_a_day_of_stalls_is_marked_a_row_per_process_merged_per_pixel():
