@@ -30,6 +30,8 @@ static TRACKING: AtomicBool = AtomicBool::new(false);
 /// Counts starts: a thread's `TASK` set under an earlier one is not this one's.
 static STARTS: AtomicU32 = AtomicU32::new(0);
 static HELD: Shared = Shared { locked: AtomicBool::new(false), held: UnsafeCell::new(None) };
+/// Set as a site waits to be named: the sampling thread takes the lock only then.
+static TO_NAME: AtomicBool = AtomicBool::new(false);
 /// Set in a forked child: what the parent counted may have been torn by the fork.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
@@ -77,7 +79,7 @@ pub struct Totals {
     pub peak: f64,
     /// The most in use since the last `read_second`.
     #[serde(skip)]
-    pub recent_peak: f64,
+    recent_peak: f64,
     /// Changed since the last `read_second`.
     #[serde(skip)]
     changed: bool,
@@ -264,6 +266,9 @@ fn sampled(addr: usize, size: usize, counted: u64) {
             return;
         }
         let site = held.sites.here(prefix);
+        if held.sites.waiting() {
+            TO_NAME.store(true, Ordering::Relaxed);
+        }
         let block = Block { held_bytes, objects: held_bytes / size.max(1) as f64, prefix, site };
         held.add(addr, block, counted as f64);
     })
@@ -314,6 +319,9 @@ pub fn count_numpy_failure() {
 /// The sites whose stacks wait to be named, each with its stack (taken out), and the
 /// start of tracking they belong to.
 pub fn unnamed() -> (u32, Vec<(u32, RawStack)>) {
+    if !TO_NAME.swap(false, Ordering::Relaxed) {
+        return (STARTS.load(Ordering::Relaxed), Vec::new()); // the lock untaken, tick after tick
+    }
     with_held(|held| {
         let starts = STARTS.load(Ordering::Relaxed);
         let Some(held) = held.as_mut() else { return (starts, Vec::new()) };

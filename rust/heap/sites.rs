@@ -114,6 +114,11 @@ impl Sites {
         }
     }
 
+    /// Whether a site waits to be named.
+    pub fn waiting(&self) -> bool {
+        !self.unnamed.is_empty()
+    }
+
     /// The sites whose stacks wait to be named, each with its stack (taken out).
     pub fn take_unnamed(&mut self) -> Vec<(u32, RawStack)> {
         let ids = std::mem::take(&mut self.unnamed);
