@@ -135,7 +135,8 @@ class Sampler:
 
     def note_arrow_bytes(self, total: int) -> None:
         """What arrow's memory pool holds now (`pyarrow.total_allocated_bytes()`): kept in
-        the series beside resident memory while memory is tracked."""
+        the series beside resident memory while memory is tracked, its growth since the
+        last reading charged to the tasks running (it is read as tasks start and end too)."""
         self._native.note_arrow_bytes(total)
 
     def set_thread_tag(self, ident: int, key: str, prefix: str, span: str | None = None) -> None:

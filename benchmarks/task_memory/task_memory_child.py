@@ -35,20 +35,27 @@ def numpy_temporaries() -> None:
 WORK: dict[str, Callable[[], None]] = {"python": python_objects, "numpy": numpy_temporaries}
 
 
-def cost(work: str, memory: bool) -> dict[str, Any]:
-    """The best of 5 runs of `work`, with the sampler at 100 Hz and memory tracking or not."""
+def timed(work: str, memory: bool) -> float:
+    """Seconds of one run of `work`, with the sampler at 100 Hz and memory tracking or not."""
     s = Sampler(memory=memory)
     s.start()
     try:
-        WORK[work]()  # warm
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            WORK[work]()
-            times.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        WORK[work]()
+        return time.perf_counter() - began
     finally:
         s.stop()
-    return {"seconds": min(times)}
+
+
+def cost(work: str, pairs: int) -> dict[str, Any]:
+    """Runs of `work` with tracking off and on in pairs, in turn first: a neighbour's load
+    on a shared machine comes and goes over seconds, and falls on both runs of a pair."""
+    WORK[work]()  # warm
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(pairs):
+        for memory in (False, True) if i % 2 == 0 else (True, False):
+            out["on" if memory else "off"].append(timed(work, memory))
+    return out
 
 
 def objects() -> list[Any]:

@@ -48,6 +48,7 @@ impl PySampler {
             if config.memory {
                 let tags = self.inner.tags().snapshot();
                 heap::start(
+                    py,
                     tags.iter().filter_map(|(&ident, t)| Some((ident, t.marks.task.as_ref()?.prefix.as_str()))),
                     walker,
                 );
@@ -74,9 +75,9 @@ impl PySampler {
     }
 
     /// The total arrow's pool holds now (`pyarrow.total_allocated_bytes()`), for the
-    /// series beside resident memory.
+    /// series beside resident memory and for the tasks running.
     fn note_arrow_bytes(&self, bytes: u64) {
-        heap::arrow::note(bytes);
+        heap::arrow_read(bytes);
     }
 
     #[getter]

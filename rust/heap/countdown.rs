@@ -12,18 +12,14 @@ pub const MEAN_BYTES: u64 = 512 * 1024;
 
 static MEAN: AtomicU64 = AtomicU64::new(MEAN_BYTES);
 
-/// A thread's count: bytes left to the next sample, bytes counted since the last, and
-/// its generator's state. Const-initialised and without a destructor, so a hook called
-/// while the thread exits still finds it.
-#[derive(Clone, Copy)]
-struct Count {
-    left: i64,
-    counted: u64,
-    rng: u64,
-}
-
 thread_local! {
-    static COUNT: Cell<Count> = const { Cell::new(Count { left: 0, counted: 0, rng: 0 }) };
+    /// Bytes this thread may allocate before its next sample: the only state most
+    /// allocations touch. 0 until its first allocation, which draws its first distance.
+    /// Const-initialised and without destructors, so a hook called while the thread
+    /// exits still finds them.
+    static LEFT: Cell<i64> = const { Cell::new(0) };
+    /// The distance last drawn, and the generator's state (0: not seeded yet).
+    static DRAWN: Cell<(i64, u64)> = const { Cell::new((0, 0)) };
 }
 
 pub fn set_mean(bytes: u64) {
@@ -36,26 +32,38 @@ pub fn mean() -> u64 {
 
 /// Counts `size` bytes allocated by this thread; the bytes the allocation stands for
 /// if it is sampled.
-#[inline]
+#[inline(always)]
 pub fn take(size: usize) -> Option<u64> {
-    COUNT
-        .try_with(|cell| {
-            let mut c = cell.get();
-            if c.rng == 0 {
-                c.left = draw(&mut c.rng); // the thread's first count
-            }
-            c.left -= size as i64;
-            c.counted += size as u64;
-            let sampled = (c.left <= 0).then(|| {
-                let counted = std::mem::take(&mut c.counted);
-                c.left = draw(&mut c.rng);
-                counted
-            });
-            cell.set(c);
-            sampled
-        })
-        .ok()
-        .flatten()
+    let left = LEFT.try_with(|l| {
+        let left = l.get() - size as i64;
+        l.set(left);
+        left
+    });
+    match left {
+        Ok(left) if left <= 0 => due(left),
+        _ => None,
+    }
+}
+
+/// The count reached 0 (`left` past it): the bytes counted since the last draw, and a
+/// new distance. A thread's first allocation draws its first distance and counts on.
+#[cold]
+#[inline(never)]
+fn due(mut left: i64) -> Option<u64> {
+    let (mut drawn, mut rng) = DRAWN.try_with(Cell::get).ok()?;
+    if rng == 0 {
+        drawn = draw(&mut rng);
+        left += drawn;
+    }
+    let counted = (left <= 0).then(|| {
+        let counted = (drawn - left) as u64;
+        drawn = draw(&mut rng);
+        left = drawn;
+        counted
+    });
+    _ = DRAWN.try_with(|d| d.set((drawn, rng)));
+    _ = LEFT.try_with(|l| l.set(left));
+    counted
 }
 
 /// A distance from the exponential distribution of mean `MEAN`. The generator is
@@ -91,7 +99,7 @@ mod tests {
                     samples += 1;
                 }
             }
-            let left = COUNT.with(|c| c.get().counted);
+            let left = (DRAWN.with(Cell::get).0 - LEFT.with(Cell::get)) as u64;
             assert_eq!(sampled + left, allocated, "each byte counted once");
             let mean = allocated as f64 / samples as f64;
             assert!((mean / MEAN_BYTES as f64 - 1.0).abs() < 0.1, "{samples} samples, mean distance {mean}");

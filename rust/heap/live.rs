@@ -6,11 +6,14 @@
 //! Each sampled block is also charged to its site (`sites.rs`): its task prefix and
 //! the Python stack that allocated it.
 //!
-//! Frees are nearly all of blocks never sampled: `FILTER` counts, per hash of an
-//! address, the sampled blocks that may have it, so such a free reads one byte and
-//! returns; only the rest take the lock.
+//! arrow's pool has no hooks: its growth between two readings of its total is charged
+//! to the tasks running in between, split evenly by thread (outside tasks where none
+//! ran); a fall shrinks each prefix's share in proportion, since who freed is unknown.
+//!
+//! A free reads `filter` first: nearly all are of blocks never sampled.
 
 use super::countdown;
+use super::filter;
 use super::sites::{SiteRow, Sites};
 use crate::profile::model::Frame;
 use crate::reader::{OwnFrames, RawStack};
@@ -18,11 +21,9 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::cell::{Cell, UnsafeCell};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Once};
 
-const FILTER_BITS: u32 = 16;
-static FILTER: [AtomicU8; 1 << FILTER_BITS] = [const { AtomicU8::new(0) }; 1 << FILTER_BITS];
 /// Sampled blocks kept at most; past it, samples are dropped and counted.
 const MAX_BLOCKS: usize = 1 << 16;
 
@@ -61,7 +62,7 @@ fn with_held<T>(f: impl FnOnce(&mut Option<Held>) -> T) -> T {
 extern "C" fn in_child() {
     TRACKING.store(false, Ordering::Relaxed);
     FORKED.store(true, Ordering::Relaxed);
-    FILTER.iter().for_each(|s| s.store(0, Ordering::Relaxed));
+    filter::clear();
     HELD.locked.store(false, Ordering::Release);
 }
 
@@ -80,6 +81,11 @@ pub struct Totals {
     /// The most in use since the last `read_second`.
     #[serde(skip)]
     recent_peak: f64,
+    /// Of `allocated` and `in_use`, what arrow's pool grew by while the prefix ran.
+    #[serde(skip)]
+    pub arrow_allocated: f64,
+    #[serde(skip)]
+    pub arrow_in_use: f64,
     /// Changed since the last `read_second`.
     #[serde(skip)]
     changed: bool,
@@ -88,6 +94,14 @@ pub struct Totals {
 impl Totals {
     pub fn new(allocated: f64, in_use: f64, peak: f64) -> Totals {
         Totals { allocated, in_use, peak, ..Totals::default() }
+    }
+
+    /// `allocated` bytes more were allocated, and what is in use changed by `held`.
+    fn hold(&mut self, allocated: f64, held: f64) {
+        self.allocated += allocated;
+        self.in_use = (self.in_use + held).max(0.0);
+        self.peak = self.peak.max(self.in_use);
+        self.recent_peak = self.recent_peak.max(self.in_use);
     }
 }
 
@@ -129,10 +143,13 @@ struct Held {
     dropped: u64,
     /// Tasks whose numpy handler could not be set.
     numpy_failures: u64,
-    /// The prefix ids of the tasks running when tracking started, by thread
-    /// (`pthread_self`): their threads set no task since.
+    /// The prefix ids of the tasks running, by thread (`pthread_self`): those running
+    /// when tracking started, then as threads set their tasks.
     running: FxHashMap<u64, u32>,
+    /// arrow's total at its last reading.
+    arrow_read: Option<f64>,
     sites: Sites,
+    may_hold: filter::Counts,
     /// Prefix ids whose totals changed since the last `read_second`.
     changed: Vec<u32>,
 }
@@ -150,7 +167,8 @@ impl Held {
         id
     }
 
-    /// The prefix id of the task the calling thread was running when tracking started.
+    /// The prefix id of the task the calling thread runs: one whose task was set under
+    /// an earlier start runs what `running` says.
     fn running_task(&self) -> u32 {
         // SAFETY: no preconditions.
         let ident = unsafe { nix::libc::pthread_self() } as u64;
@@ -176,35 +194,59 @@ impl Held {
     }
 
     fn add(&mut self, addr: usize, block: Block, allocated: f64) {
-        let t = self.changing(block.prefix);
-        t.allocated += allocated;
-        t.in_use += block.held_bytes;
-        t.peak = t.peak.max(t.in_use);
-        t.recent_peak = t.recent_peak.max(t.in_use);
+        self.changing(block.prefix).hold(allocated, block.held_bytes);
         self.sites.add(block.site, allocated, block.held_bytes, block.objects);
-        slot(addr).fetch_add(1, Ordering::Relaxed);
+        self.may_hold.add(addr);
         self.blocks.insert(addr, block);
+    }
+
+    /// arrow's pool holds `total` bytes now (see the module's notes).
+    fn read_arrow(&mut self, total: f64) {
+        let Some(last) = self.arrow_read.replace(total) else { return };
+        if total > last {
+            let mut running: Vec<u32> = self.running.values().copied().collect();
+            if running.is_empty() {
+                running.push(0);
+            }
+            let share = (total - last) / running.len() as f64;
+            for prefix in running {
+                let t = self.changing(prefix);
+                t.hold(share, share);
+                (t.arrow_allocated, t.arrow_in_use) = (t.arrow_allocated + share, t.arrow_in_use + share);
+            }
+        } else if total < last {
+            let held: f64 = self.totals.iter().map(|t| t.arrow_in_use).sum();
+            let kept = (1.0 - (last - total) / held).max(0.0);
+            for prefix in 0..self.totals.len() as u32 {
+                let fall = self.totals[prefix as usize].arrow_in_use * (1.0 - kept);
+                if fall > 0.0 {
+                    let t = self.changing(prefix);
+                    t.hold(0.0, -fall);
+                    t.arrow_in_use -= fall;
+                }
+            }
+        }
     }
 
     fn remove(&mut self, addr: usize) -> Option<Block> {
         let block = self.blocks.remove(&addr)?;
-        slot(addr).fetch_sub(1, Ordering::Relaxed);
-        let t = self.changing(block.prefix);
-        t.in_use = (t.in_use - block.held_bytes).max(0.0);
+        self.may_hold.remove(addr);
+        self.changing(block.prefix).hold(0.0, -block.held_bytes);
         self.sites.remove(block.site, block.held_bytes, block.objects);
         Some(block)
     }
 }
 
-fn slot(addr: usize) -> &'static AtomicU8 {
-    let h = (addr as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - FILTER_BITS);
-    &FILTER[h as usize]
-}
-
 /// Starts tracking from nothing: blocks sampled before are forgotten. `running`: the
 /// tasks running now (thread ident, prefix), whose allocations are theirs until their
-/// threads start or end a task; `walker`: walks an allocating thread's stack.
-pub fn start<'a>(mean_bytes: u64, running: impl IntoIterator<Item = (u64, &'a str)>, walker: Option<OwnFrames>) {
+/// threads start or end a task; `walker`: walks an allocating thread's stack; `arrow`:
+/// arrow's total now, from which its growth is charged.
+pub fn start<'a>(
+    mean_bytes: u64,
+    running: impl IntoIterator<Item = (u64, &'a str)>,
+    walker: Option<OwnFrames>,
+    arrow: Option<u64>,
+) {
     static AT_FORK: Once = Once::new();
     // SAFETY: registers a handler that only stores atomics.
     AT_FORK.call_once(|| _ = unsafe { nix::libc::pthread_atfork(None, None, Some(in_child)) });
@@ -212,8 +254,9 @@ pub fn start<'a>(mean_bytes: u64, running: impl IntoIterator<Item = (u64, &'a st
     let mut fresh = Held::default();
     fresh.running = running.into_iter().map(|(ident, prefix)| (ident, fresh.id(prefix))).collect();
     fresh.sites = Sites::new(walker);
+    fresh.arrow_read = arrow.map(|total| total as f64);
     with_held(|held| {
-        FILTER.iter().for_each(|s| s.store(0, Ordering::Relaxed));
+        filter::clear();
         let before = held.replace(fresh);
         if FORKED.swap(false, Ordering::Relaxed) {
             std::mem::forget(before); // perhaps torn by the fork
@@ -232,10 +275,28 @@ pub fn tracking() -> bool {
     TRACKING.load(Ordering::Relaxed)
 }
 
-/// The calling thread runs a task of `prefix` from now (None: no task).
-pub fn set_task(prefix: Option<&str>) {
-    let id = prefix.map_or(0, |p| with_held(|held| held.as_mut().map_or(0, |held| held.id(p))));
+/// The calling thread runs a task of `prefix` from now (None: no task); `arrow`:
+/// arrow's total now, where pyarrow is imported.
+pub fn set_task(prefix: Option<&str>, arrow: Option<u64>) {
+    // SAFETY: no preconditions.
+    let me = unsafe { nix::libc::pthread_self() } as u64;
+    let id = with_held(|held| {
+        let Some(held) = held.as_mut() else { return 0 };
+        if let Some(total) = arrow {
+            held.read_arrow(total as f64); // the tasks running until now grew it
+        }
+        let id = prefix.map_or(0, |p| held.id(p));
+        _ = if id == 0 { held.running.remove(&me) } else { held.running.insert(me, id) };
+        id
+    });
     _ = TASK.try_with(|t| t.set((STARTS.load(Ordering::Relaxed), id)));
+}
+
+/// arrow's pool holds `total` bytes now.
+pub fn read_arrow(total: u64) {
+    if tracking() {
+        with_held(|held| held.as_mut().map(|held| held.read_arrow(total as f64)));
+    }
 }
 
 /// `size` bytes were allocated at `addr` by this thread.
@@ -250,6 +311,7 @@ pub fn allocated(addr: usize, size: usize) {
 }
 
 #[cold]
+#[inline(never)]
 fn sampled(addr: usize, size: usize, counted: u64) {
     let (set_under, task) = TASK.try_with(Cell::get).unwrap_or_default();
     let mean = countdown::mean() as f64;
@@ -278,7 +340,7 @@ fn sampled(addr: usize, size: usize, counted: u64) {
 /// allocator's own free, so that no other thread can have been given `addr` yet.
 #[inline]
 pub fn freeing(addr: usize) -> Option<Taken> {
-    if slot(addr).load(Ordering::Relaxed) == 0 {
+    if !filter::may_hold(addr) {
         return None;
     }
     take(addr)
@@ -291,6 +353,7 @@ pub struct Taken {
 }
 
 #[cold]
+#[inline(never)]
 fn take(addr: usize) -> Option<Taken> {
     let block = with_held(|held| held.as_mut()?.remove(addr))?;
     Some(Taken { addr, block })
@@ -450,12 +513,12 @@ mod tests {
             let me = unsafe { nix::libc::pthread_self() } as u64;
             // Blocks of 128 times the mean: every one is sampled, and stands for itself.
             const SIZE: usize = 64 << 20;
-            start(countdown::MEAN_BYTES, [(me, "early"), (me + 1, "elsewhere")], None);
+            start(countdown::MEAN_BYTES, [(me, "early"), (me + 1, "elsewhere")], None, None);
             allocated(1 << 20, SIZE); // a task running since before the start
-            set_task(Some("load"));
+            set_task(Some("load"), None);
             let blocks: Vec<usize> = (1..=100).map(|i| i << 32).collect();
             blocks.iter().for_each(|&b| allocated(b, SIZE));
-            set_task(None);
+            set_task(None, None);
             blocks[..60].iter().for_each(|&b| assert!(freeing(b).is_some()));
             assert!(freeing(blocks[0]).is_none(), "a block is freed once");
             assert!(freeing(12345 << 32).is_none(), "never sampled");
@@ -473,5 +536,28 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn arrow_growth_is_charged_to_the_tasks_running_and_falls_in_proportion() {
+        let mut held = Held::default();
+        let (load, join) = (held.id("load"), held.id("join"));
+        held.read_arrow(100.0); // what the pool held before: no one's
+        held.running.insert(1, load);
+        held.read_arrow(160.0);
+        held.running.insert(2, join);
+        held.read_arrow(200.0); // two threads ran: half each
+        held.running.clear();
+        held.read_arrow(230.0); // outside tasks
+        let arrow =
+            |held: &Held, p: u32| (held.totals[p as usize].arrow_allocated, held.totals[p as usize].arrow_in_use);
+        assert_eq!(arrow(&held, load), (80.0, 80.0));
+        assert_eq!(arrow(&held, join), (20.0, 20.0));
+        assert_eq!(arrow(&held, 0), (30.0, 30.0));
+        held.read_arrow(165.0); // half of what was charged is freed, by whoever
+        assert_eq!(arrow(&held, load), (80.0, 40.0));
+        assert_eq!(held.totals[load as usize].in_use, 40.0);
+        assert_eq!(held.totals[load as usize].peak, 80.0);
+        assert_eq!(arrow(&held, 0), (30.0, 15.0));
     }
 }

@@ -3,13 +3,15 @@
 //! matched, so that what a process holds gets the names of the tasks that allocated it.
 //!
 //! `hooks` wraps the allocators, `countdown` picks the sampled allocations, `live`
-//! keeps the sampled blocks still held and the totals per prefix, `sites` the totals
+//! keeps the sampled blocks still held and the totals per prefix (`filter` spares
+//! frees of the others the lock), `sites` the totals
 //! per prefix and Python stack, and `numpy` counts array buffers, which bypass
 //! Python's allocators before numpy 2.5; `arrow` keeps the total of arrow's pool,
 //! which bypasses both.
 
 pub mod arrow;
 pub mod countdown;
+pub mod filter;
 pub mod hooks;
 pub mod live;
 pub mod numpy;
@@ -20,9 +22,9 @@ use pyo3::prelude::*;
 
 /// Counts allocations from now, afresh, for the whole process; `running`: the tasks
 /// running now (thread ident, prefix); `walker`: walks an allocating thread's stack
-/// (None: blocks get no stacks). With the GIL.
-pub fn start<'a>(running: impl IntoIterator<Item = (u64, &'a str)>, walker: Option<OwnFrames>) {
-    live::start(countdown::MEAN_BYTES, running, walker);
+/// (None: blocks get no stacks).
+pub fn start<'a>(py: Python<'_>, running: impl IntoIterator<Item = (u64, &'a str)>, walker: Option<OwnFrames>) {
+    live::start(countdown::MEAN_BYTES, running, walker, arrow::read(py));
     arrow::forget();
     hooks::install();
 }
@@ -42,8 +44,15 @@ pub fn task(py: Python<'_>, ident: u64, prefix: Option<&str>) {
     if !live::tracking() || ident != unsafe { nix::libc::pthread_self() } as u64 {
         return;
     }
-    live::set_task(prefix);
+    live::set_task(prefix, arrow::read(py));
     if prefix.is_some() && numpy::set_in_context(py).is_err() {
         live::count_numpy_failure();
     }
+}
+
+/// arrow's pool holds `total` bytes now: the series notes it, and its growth since the
+/// last reading is charged to the tasks running.
+pub fn arrow_read(total: u64) {
+    arrow::note(total);
+    live::read_arrow(total);
 }

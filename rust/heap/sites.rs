@@ -19,6 +19,7 @@ pub const NOT_NAMED_YET: &str = "stack not named yet";
 pub const UNREADABLE: &str = "stack unreadable";
 pub const SMALLER: &str = "smaller stacks";
 pub const NO_STACK: &str = "no stack kept";
+pub const ARROW: &str = "arrow's pool";
 
 /// A site's estimates: bytes and objects allocated, and in use now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -136,8 +137,9 @@ impl Sites {
 
     /// The sites as rows, most in use first (then most allocated); sites whose stacks
     /// read alike (they differ in instructions of one line) are one row. Past `most`
-    /// rows, a prefix's others are summed as one, and so is what its sites do not hold
-    /// of its `totals` (by prefix id). `name`: a prefix id's name.
+    /// rows, a prefix's others are summed as one; so are what arrow's pool grew by while
+    /// it ran, and what its sites do not hold of its `totals` (by prefix id). `name`: a
+    /// prefix id's name.
     pub fn rows(&self, most: usize, totals: &[Totals], name: impl Fn(u32) -> Option<Arc<str>>) -> Vec<SiteRow> {
         let mut alike: FxHashMap<(u32, Option<&[Frame]>), SiteTotals> = FxHashMap::default();
         for site in self.sites.iter().filter(|s| s.totals.allocated > 0.0) {
@@ -162,12 +164,13 @@ impl Sites {
             rows.push(SiteRow { prefix: name(prefix), frames, note, totals: sum });
         }
         for (prefix, ((smaller, all), t)) in rest.into_iter().zip(totals).enumerate() {
+            let arrow = SiteTotals { allocated: t.arrow_allocated, in_use: t.arrow_in_use, ..Default::default() };
             let untracked = SiteTotals {
-                allocated: t.allocated - all.allocated,
-                in_use: t.in_use - all.in_use,
+                allocated: t.allocated - all.allocated - arrow.allocated,
+                in_use: t.in_use - all.in_use - arrow.in_use,
                 ..Default::default()
             };
-            for (totals, note) in [(smaller, SMALLER), (untracked, NO_STACK)] {
+            for (totals, note) in [(smaller, SMALLER), (arrow, ARROW), (untracked, NO_STACK)] {
                 if totals.allocated > 1.0 || totals.in_use > 1.0 {
                     rows.push(SiteRow { prefix: name(prefix as u32), frames: Vec::new(), note: Some(note), totals });
                 }

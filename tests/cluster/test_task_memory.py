@@ -89,6 +89,12 @@ def held(client: Client, prefix: str) -> dict[str, float]:
     )
 
 
+def arrow_charged(client: Client, prefix: str) -> float:
+    """What arrow's pool grew by while `prefix` ran, and still holds."""
+    sites = [site for p in client.pyspy_memory(scheduler=False).processes.values() for site in p["sites"]]
+    return sum(s["in_use"] for s in sites if s["prefix"] == prefix and s["note"] == "arrow's pool")
+
+
 def near(value: float, expected: float) -> bool:
     return abs(value - expected) <= CLOSE * expected
 
@@ -190,7 +196,8 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
     path = tmp_path / "report.html"
     with dask_pyspy.pyspy_report(path, client=client) as rec:
         kept = client.submit(make_array, 150, pure=False)
-        wait([kept, client.submit(leak, 100, pure=False), client.submit(keep_arrow, 64, pure=False)])
+        wait([kept, client.submit(leak, 100, pure=False)])
+        wait(client.submit(keep_arrow, 64, pure=False))  # alone: the pool's growth is all its own
 
         def read() -> bool:
             # An earlier test's array may be in the seconds before: this window's own.
@@ -199,6 +206,7 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
 
         wait_for(read, "the series' reads of the array and of arrow's pool (once a second)")
     leaked = held(client, "leak")["in_use"]
+    assert near(arrow_charged(client, "keep_arrow"), 64 * MIB), "arrow's growth charged to the task"
     processes, prefixes, stacked, graph = memory_tables(path)
     worker = next(name for name in processes if not name.startswith("scheduler"))
     resident, results, beyond, _, arrow = (mib(c) for c in processes[worker])
@@ -212,6 +220,7 @@ def test_the_report_splits_a_workers_memory_into_results_held_and_rest(client, t
     # The bytes in use by stack: each task's own function under its prefix.
     assert any(t.startswith("leak (test_task_memory.py:") for t in graph), graph
     assert any(t.startswith("make_array (test_task_memory.py:") for t in graph), graph
+    assert any(t.startswith("(arrow's pool)") for t in graph), graph
     del kept
 
 
