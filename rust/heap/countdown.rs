@@ -5,7 +5,7 @@
 //! unbiased whatever the sizes. Most allocations cost a thread-local subtraction.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 /// The mean distance between samples, in bytes.
 pub const MEAN_BYTES: u64 = 512 * 1024;
@@ -22,6 +22,14 @@ thread_local! {
     static DRAWN: Cell<(i64, u64)> = const { Cell::new((0, 0)) };
 }
 
+/// The same, for allocations made under the GIL (MEM and OBJ on a GIL build): one
+/// count, as the GIL serialises them, and a static is cheaper to reach than a shared
+/// library's thread-local (a call to `__tls_get_addr`). Interpreters with GILs of
+/// their own may race on it (a lost subtraction, never a fault).
+static GIL_LEFT: AtomicI64 = AtomicI64::new(0);
+static GIL_DRAWN: AtomicI64 = AtomicI64::new(0);
+static GIL_RNG: AtomicU64 = AtomicU64::new(0);
+
 pub fn set_mean(bytes: u64) {
     MEAN.store(bytes.max(1), Ordering::Relaxed);
 }
@@ -30,27 +38,37 @@ pub fn mean() -> u64 {
     MEAN.load(Ordering::Relaxed)
 }
 
-/// Counts `size` bytes allocated by this thread; the bytes the allocation stands for
-/// if it is sampled.
+/// Counts `size` bytes allocated by this thread (`UNDER_GIL`: under the GIL, on the
+/// GIL's count); the bytes the allocation stands for if it is sampled.
 #[inline(always)]
-pub fn take(size: usize) -> Option<u64> {
-    let left = LEFT.try_with(|l| {
-        let left = l.get() - size as i64;
-        l.set(left);
-        left
-    });
+pub fn take<const UNDER_GIL: bool>(size: usize) -> Option<u64> {
+    let left = if UNDER_GIL {
+        let left = GIL_LEFT.load(Ordering::Relaxed) - size as i64;
+        GIL_LEFT.store(left, Ordering::Relaxed);
+        Ok(left)
+    } else {
+        LEFT.try_with(|l| {
+            let left = l.get() - size as i64;
+            l.set(left);
+            left
+        })
+    };
     match left {
-        Ok(left) if left <= 0 => due(left),
+        Ok(left) if left <= 0 => due::<UNDER_GIL>(left),
         _ => None,
     }
 }
 
 /// The count reached 0 (`left` past it): the bytes counted since the last draw, and a
-/// new distance. A thread's first allocation draws its first distance and counts on.
+/// new distance. A count's first allocation draws its first distance and counts on.
 #[cold]
 #[inline(never)]
-fn due(mut left: i64) -> Option<u64> {
-    let (mut drawn, mut rng) = DRAWN.try_with(Cell::get).ok()?;
+fn due<const UNDER_GIL: bool>(mut left: i64) -> Option<u64> {
+    let (mut drawn, mut rng) = if UNDER_GIL {
+        (GIL_DRAWN.load(Ordering::Relaxed), GIL_RNG.load(Ordering::Relaxed))
+    } else {
+        DRAWN.try_with(Cell::get).ok()?
+    };
     if rng == 0 {
         drawn = draw(&mut rng);
         left += drawn;
@@ -61,8 +79,14 @@ fn due(mut left: i64) -> Option<u64> {
         left = drawn;
         counted
     });
-    _ = DRAWN.try_with(|d| d.set((drawn, rng)));
-    _ = LEFT.try_with(|l| l.set(left));
+    if UNDER_GIL {
+        GIL_DRAWN.store(drawn, Ordering::Relaxed);
+        GIL_RNG.store(rng, Ordering::Relaxed);
+        GIL_LEFT.store(left, Ordering::Relaxed);
+    } else {
+        _ = DRAWN.try_with(|d| d.set((drawn, rng)));
+        _ = LEFT.try_with(|l| l.set(left));
+    }
     counted
 }
 
@@ -86,25 +110,37 @@ fn draw(state: &mut u64) -> i64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn samples_stand_for_every_byte_counted() {
-        // One thread's count, so this test owns it.
-        std::thread::spawn(|| {
-            let (mut allocated, mut sampled, mut samples) = (0u64, 0u64, 0u64);
-            for i in 0..2_000_000u64 {
-                let size = 16 + (i % 7) as usize * 100;
-                allocated += size as u64;
-                if let Some(stands_for) = take(size) {
+    /// Counts `sizes` on one count from a thread of its own; the bytes sampled, the
+    /// samples, and the bytes counted since the last sample.
+    fn count<const UNDER_GIL: bool>(sizes: impl Iterator<Item = usize> + Send + 'static) -> (u64, u64, u64) {
+        std::thread::spawn(move || {
+            let (mut sampled, mut samples) = (0u64, 0u64);
+            for size in sizes {
+                if let Some(stands_for) = take::<UNDER_GIL>(size) {
                     sampled += stands_for;
                     samples += 1;
                 }
             }
-            let left = (DRAWN.with(Cell::get).0 - LEFT.with(Cell::get)) as u64;
+            let left = if UNDER_GIL {
+                GIL_DRAWN.load(Ordering::Relaxed) - GIL_LEFT.load(Ordering::Relaxed)
+            } else {
+                DRAWN.with(Cell::get).0 - LEFT.with(Cell::get)
+            };
+            (sampled, samples, left as u64)
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[test]
+    fn samples_stand_for_every_byte_counted() {
+        let sizes = || (0..2_000_000u64).map(|i| 16 + (i % 7) as usize * 100);
+        let allocated: u64 = sizes().map(|s| s as u64).sum();
+        // The GIL's count is this test's alone: no other test allocates through it.
+        for (sampled, samples, left) in [count::<false>(sizes()), count::<true>(sizes())] {
             assert_eq!(sampled + left, allocated, "each byte counted once");
             let mean = allocated as f64 / samples as f64;
             assert!((mean / MEAN_BYTES as f64 - 1.0).abs() < 0.1, "{samples} samples, mean distance {mean}");
-        })
-        .join()
-        .unwrap();
+        }
     }
 }

@@ -9,12 +9,13 @@
 //! before an uninstall still finds them.
 //!
 //! On a GIL build pymalloc passes requests over 512 bytes to the RAW domain: a RAW call
-//! made inside a MEM or OBJ call is that call's own block and is not counted again.
+//! made inside a MEM or OBJ call is that call's own block and is not counted again. There
+//! MEM and OBJ calls are made under the GIL, and count on the GIL's count (`countdown`).
 
 use super::live;
 use nix::libc::{c_int, c_void};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 pub type Malloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
 pub type Calloc = unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void;
@@ -45,8 +46,8 @@ const SMALL_REQUEST: usize = 512;
 const DOMAINS: usize = 3;
 
 static WRAPPED: [AtomicPtr<Allocator>; DOMAINS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; DOMAINS];
-/// Whether ours is in the domain's chain of allocators.
-static INSTALLED: [AtomicBool; DOMAINS] = [const { AtomicBool::new(false) }; DOMAINS];
+/// Our `malloc` in the domain's chain of allocators (0: none).
+static INSTALLED: [AtomicUsize; DOMAINS] = [const { AtomicUsize::new(0) }; DOMAINS];
 
 thread_local! {
     /// Inside a MEM or OBJ call: a RAW call now is part of it.
@@ -81,20 +82,24 @@ fn call<const D: usize, T>(size: usize, f: impl FnOnce() -> T) -> (T, bool) {
     (if size > SMALL_REQUEST { inside(f) } else { f() }, true)
 }
 
-unsafe extern "C" fn malloc<const D: usize>(_: *mut c_void, size: usize) -> *mut c_void {
+unsafe extern "C" fn malloc<const D: usize, const UNDER_GIL: bool>(_: *mut c_void, size: usize) -> *mut c_void {
     let a = wrapped::<D>();
     let (p, counts) = call::<D, _>(size, || unsafe { a.malloc.unwrap()(a.ctx, size) });
     if counts && !p.is_null() {
-        live::allocated(p as usize, size);
+        live::allocated::<UNDER_GIL>(p as usize, size);
     }
     p
 }
 
-unsafe extern "C" fn calloc<const D: usize>(_: *mut c_void, n: usize, size: usize) -> *mut c_void {
+unsafe extern "C" fn calloc<const D: usize, const UNDER_GIL: bool>(
+    _: *mut c_void,
+    n: usize,
+    size: usize,
+) -> *mut c_void {
     let a = wrapped::<D>();
     let (p, counts) = call::<D, _>(n.saturating_mul(size), || unsafe { a.calloc.unwrap()(a.ctx, n, size) });
     if counts && !p.is_null() {
-        live::allocated(p as usize, n.saturating_mul(size));
+        live::allocated::<UNDER_GIL>(p as usize, n.saturating_mul(size));
     }
     p
 }
@@ -114,11 +119,11 @@ unsafe extern "C" fn free<const D: usize>(_: *mut c_void, ptr: *mut c_void) {
 
 /// Ours for domain `D`, with the `ctx` of the allocator it wraps: a thread that reads
 /// the new functions with the old `ctx`, or the old with the new, calls them as it should.
-fn ours<const D: usize>(wrapping: &Allocator) -> Allocator {
+fn ours<const D: usize, const UNDER_GIL: bool>(wrapping: &Allocator) -> Allocator {
     Allocator {
         ctx: wrapping.ctx,
-        malloc: Some(malloc::<D>),
-        calloc: Some(calloc::<D>),
+        malloc: Some(malloc::<D, UNDER_GIL>),
+        calloc: Some(calloc::<D, UNDER_GIL>),
         realloc: Some(realloc::<D>),
         free: Some(free::<D>),
     }
@@ -133,26 +138,32 @@ fn current(domain: usize) -> Allocator {
 
 /// Whether ours is the allocator installed on top for domain `D`.
 fn on_top<const D: usize>() -> bool {
-    current(D).malloc.map(|f| f as usize) == Some(malloc::<D> as *const () as usize)
+    current(D).malloc.map(|f| f as usize) == Some(INSTALLED[D].load(Ordering::Acquire))
 }
 
-/// Wraps every domain's allocator, unless ours is already in its chain. With the GIL.
-pub fn install() {
-    install_one::<0>();
-    install_one::<1>();
-    install_one::<2>();
+/// Wraps every domain's allocator, unless ours is already in its chain; `gil`: whether
+/// MEM and OBJ calls are made under a GIL (not on a free-threaded build). With the GIL.
+pub fn install(gil: bool) {
+    install_one::<0, false>();
+    if gil {
+        install_one::<1, true>();
+        install_one::<2, true>();
+    } else {
+        install_one::<1, false>();
+        install_one::<2, false>();
+    }
 }
 
-fn install_one<const D: usize>() {
-    if INSTALLED[D].load(Ordering::Acquire) {
+fn install_one<const D: usize, const UNDER_GIL: bool>() {
+    if INSTALLED[D].load(Ordering::Acquire) != 0 {
         return; // on top, or below one wrapped since: it counts again as tracking starts
     }
     let wrapping = Box::leak(Box::new(current(D)));
     WRAPPED[D].store(wrapping, Ordering::Release);
-    let mut mine = ours::<D>(wrapping);
+    let mut mine = ours::<D, UNDER_GIL>(wrapping);
     // SAFETY: `mine` is a complete allocator wrapping the one installed.
     unsafe { PyMem_SetAllocator(D as c_int, &mut mine) };
-    INSTALLED[D].store(true, Ordering::Release);
+    INSTALLED[D].store(malloc::<D, UNDER_GIL> as *const () as usize, Ordering::Release);
 }
 
 /// Puts back each domain's allocator where ours is still on top; one wrapped since
@@ -165,11 +176,11 @@ pub fn uninstall() {
 }
 
 fn uninstall_one<const D: usize>() {
-    if !INSTALLED[D].load(Ordering::Acquire) || !on_top::<D>() {
+    if INSTALLED[D].load(Ordering::Acquire) == 0 || !on_top::<D>() {
         return;
     }
     let mut before = *wrapped::<D>();
     // SAFETY: the allocator ours wrapped, never freed.
     unsafe { PyMem_SetAllocator(D as c_int, &mut before) };
-    INSTALLED[D].store(false, Ordering::Release);
+    INSTALLED[D].store(0, Ordering::Release);
 }

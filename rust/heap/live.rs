@@ -299,13 +299,13 @@ pub fn read_arrow(total: u64) {
     }
 }
 
-/// `size` bytes were allocated at `addr` by this thread.
-#[inline]
-pub fn allocated(addr: usize, size: usize) {
+/// `size` bytes were allocated at `addr` by this thread (`UNDER_GIL`: see `countdown`).
+#[inline(always)]
+pub fn allocated<const UNDER_GIL: bool>(addr: usize, size: usize) {
     if !tracking() {
         return;
     }
-    if let Some(counted) = countdown::take(size) {
+    if let Some(counted) = countdown::take::<UNDER_GIL>(size) {
         sampled(addr, size, counted);
     }
 }
@@ -370,7 +370,7 @@ pub fn reallocated(addr: *mut c_void, size: usize, call: impl FnOnce() -> (*mut 
             with_held(|held| held.as_mut().map(|held| held.add(taken.addr, taken.block, 0.0)));
         }
     } else if counts {
-        allocated(moved as usize, size);
+        allocated::<false>(moved as usize, size);
     }
     moved
 }
@@ -514,10 +514,10 @@ mod tests {
             // Blocks of 128 times the mean: every one is sampled, and stands for itself.
             const SIZE: usize = 64 << 20;
             start(countdown::MEAN_BYTES, [(me, "early"), (me + 1, "elsewhere")], None, None);
-            allocated(1 << 20, SIZE); // a task running since before the start
+            allocated::<false>(1 << 20, SIZE); // a task running since before the start
             set_task(Some("load"), None);
             let blocks: Vec<usize> = (1..=100).map(|i| i << 32).collect();
-            blocks.iter().for_each(|&b| allocated(b, SIZE));
+            blocks.iter().for_each(|&b| allocated::<false>(b, SIZE));
             set_task(None, None);
             blocks[..60].iter().for_each(|&b| assert!(freeing(b).is_some()));
             assert!(freeing(blocks[0]).is_none(), "a block is freed once");

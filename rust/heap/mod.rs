@@ -26,7 +26,7 @@ use pyo3::prelude::*;
 pub fn start<'a>(py: Python<'_>, running: impl IntoIterator<Item = (u64, &'a str)>, walker: Option<OwnFrames>) {
     live::start(countdown::MEAN_BYTES, running, walker, arrow::read(py));
     arrow::forget();
-    hooks::install();
+    hooks::install(!crate::reader::free_threaded(py));
 }
 
 /// Stops counting; the totals stay readable. With the GIL.

@@ -61,7 +61,7 @@ unsafe extern "C" fn malloc(_: *mut c_void, size: usize) -> *mut c_void {
     let a = WRAPPED.get().unwrap();
     let p = hooks::inside(|| unsafe { a.malloc.unwrap()(a.ctx, size) });
     if !p.is_null() {
-        live::allocated(p as usize, size);
+        live::allocated::<false>(p as usize, size);
     }
     p
 }
@@ -70,7 +70,7 @@ unsafe extern "C" fn calloc(_: *mut c_void, n: usize, size: usize) -> *mut c_voi
     let a = WRAPPED.get().unwrap();
     let p = hooks::inside(|| unsafe { a.calloc.unwrap()(a.ctx, n, size) });
     if !p.is_null() {
-        live::allocated(p as usize, n.saturating_mul(size));
+        live::allocated::<false>(p as usize, n.saturating_mul(size));
     }
     p
 }

@@ -242,7 +242,7 @@ pub fn choose(py: pyo3::Python<'_>, choice: ReaderChoice, mode: LineMode) -> Res
 }
 
 /// Whether this interpreter is a free-threaded build (whether or not its GIL is on).
-fn free_threaded(py: pyo3::Python<'_>) -> bool {
+pub fn free_threaded(py: pyo3::Python<'_>) -> bool {
     use pyo3::types::PyAnyMethods;
     let flag = py.import("sysconfig").and_then(|s| s.call_method1("get_config_var", ("Py_GIL_DISABLED",)));
     flag.and_then(|f| f.is_truthy()).unwrap_or(false)
