@@ -14,8 +14,7 @@ static NOTED: AtomicU64 = AtomicU64::new(NONE);
 /// arrow's total now (None: unreadable). A process that has not imported pyarrow holds
 /// nothing in its pool (and it is not ours to import).
 pub fn read(py: Python<'_>) -> Option<u64> {
-    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
-    let Ok(pyarrow) = modules.get_item("pyarrow") else { return Some(0) };
+    let Some(pyarrow) = super::imported(py, "pyarrow") else { return Some(0) };
     pyarrow.call_method0("total_allocated_bytes").ok()?.extract().ok()
 }
 

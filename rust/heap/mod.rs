@@ -19,6 +19,8 @@ pub mod sites;
 
 use crate::reader::OwnFrames;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyDict;
 
 /// Counts allocations from now, afresh, for the whole process; `running`: the tasks
 /// running now (thread ident, prefix); `walker`: walks an allocating thread's stack
@@ -55,4 +57,16 @@ pub fn task(py: Python<'_>, ident: u64, prefix: Option<&str>) {
 pub fn arrow_read(total: u64) {
     arrow::note(total);
     live::read_arrow(total);
+}
+
+/// The module `name`, where it is imported (numpy and pyarrow are not ours to import).
+/// Asked as each task starts and ends: `sys.modules` is kept, and a missing name raises
+/// nothing.
+fn imported<'py>(py: Python<'py>, name: &str) -> Option<Bound<'py, PyAny>> {
+    static MODULES: PyOnceLock<Option<Py<PyDict>>> = PyOnceLock::new();
+    let modules = MODULES.get_or_init(py, || {
+        let modules = py.import("sys").and_then(|sys| sys.getattr("modules")).ok()?;
+        Some(modules.cast_into::<PyDict>().ok()?.unbind())
+    });
+    modules.as_ref()?.bind(py).get_item(name).ok().flatten()
 }

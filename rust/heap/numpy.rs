@@ -52,6 +52,7 @@ struct Numpy {
 unsafe impl Send for Numpy {}
 unsafe impl Sync for Numpy {}
 
+/// Found once numpy is imported (None: it has no handler API).
 static NUMPY: OnceLock<Option<Numpy>> = OnceLock::new();
 /// The allocator of the handler ours wraps.
 static WRAPPED: OnceLock<Allocator> = OnceLock::new();
@@ -91,7 +92,11 @@ unsafe extern "C" fn free(_: *mut c_void, ptr: *mut c_void, size: usize) {
 /// Sets our handler in the calling thread's current context, where numpy is imported
 /// and the handler there is the one ours wraps. With the GIL.
 pub fn set_in_context(py: Python<'_>) -> PyResult<()> {
-    let Some(numpy) = NUMPY.get_or_init(|| find(py).ok().flatten()) else { return Ok(()) };
+    if NUMPY.get().is_none() {
+        let Some(numpy) = super::imported(py, "numpy") else { return Ok(()) }; // perhaps by a later task
+        _ = NUMPY.set(find(py, &numpy).ok().flatten());
+    }
+    let Some(numpy) = NUMPY.get().and_then(Option::as_ref) else { return Ok(()) };
     // SAFETY: numpy's own functions, with the GIL; each returns a new reference.
     unsafe {
         let now = (numpy.get)();
@@ -112,13 +117,9 @@ pub fn set_in_context(py: Python<'_>) -> PyResult<()> {
 }
 
 /// numpy's handler functions, and our handler wrapping the one current now; None where
-/// numpy is not imported (it is not ours to import) or has no handler API (< 1.22).
-fn find(py: Python<'_>) -> PyResult<Option<Numpy>> {
-    let modules = py.import("sys")?.getattr("modules")?;
-    if !modules.contains("numpy")? {
-        return Ok(None);
-    }
-    let version: String = modules.get_item("numpy")?.getattr("__version__")?.extract()?;
+/// numpy has no handler API (< 1.22).
+fn find(py: Python<'_>, numpy: &Bound<'_, PyAny>) -> PyResult<Option<Numpy>> {
+    let version: String = numpy.getattr("__version__")?.extract()?;
     let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
     if (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) < (1, 22) {
         return Ok(None); // before the handler API: its slots are other functions
