@@ -308,7 +308,7 @@ def get_memory(
     timeout: float | None = None,
 ) -> MemoryProfile:
     """What each task prefix allocated, holds and held at most, in every process whose
-    sampler runs with `memory=True` (``PySpyPlugin(memory=True)``): since it started, or
+    sampler tracks memory (option `memory`, on by default): since it started, or
     in a window (to the second): bytes allocated in it, in use at its end and the most
     in use in it. Stacks (`MemoryProfile.processes[name]["sites"]`) are always since
     the sampler started. Workers that cannot answer are logged and listed in

@@ -95,7 +95,7 @@ class MemoryProfile:
         if not any(site["allocated"] > 0 for c in self._sites().values() for site in c["sites"]):
             raise ValueError(
                 f"cannot save {os.fspath(path)!r}: no sampled allocation was counted "
-                "(is the plugin running with memory=True, and did tasks allocate since it started?)"
+                "(does the plugin run with memory on, its default, and did tasks allocate since it started?)"
             )
         data = self.to_pprof() if kind == "pprof" else self.to_bytes(compress=kind == "speedscope.gz")
         write_atomic(path, data)

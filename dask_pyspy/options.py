@@ -164,7 +164,8 @@ class SamplerOptions:
             one every ~512 KiB allocated on average), each charged to the task prefix
             running on the allocating thread, and match the frees of those sampled:
             ``Sampler.memory()``, ``client.pyspy_memory()``. One count per process,
-            afresh each time the sampler starts.
+            afresh each time the sampler starts. On by default (about 1% of CPU where
+            allocations abound); off, the allocators are left alone.
     """
 
     rate: float = _checked_by(number)
