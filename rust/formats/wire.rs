@@ -1,8 +1,10 @@
 //! The wire format between the processes of a cluster: a JSON head the scheduler
 //! reads without touching the samples, then the tables and sample columns as gzip'd
-//! protobuf (packed varints: a sample is a few bytes before compression).
+//! protobuf (packed varints: a sample is a few bytes before compression). The head is
+//! gzip'd too: its stats hold memory per task's stacks, ~170 KB of JSON a process.
 //!
-//! Layout: `MAGIC`, the head's length (u32, little-endian), the head, the body.
+//! Layout: `MAGIC`, the head's length as sent and as read (u32s, little-endian), the
+//! head, the body.
 
 use crate::error::Error;
 use crate::formats::compress;
@@ -19,7 +21,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 /// The name and version of the format: a part from another version is refused.
-const MAGIC: &[u8; 8] = b"DPSPY\0w3";
+const MAGIC: &[u8; 8] = b"DPSPY\0w4";
+/// The version before, whose head was not gzip'd: files saved with it still load.
+const MAGIC_W3: &[u8; 8] = b"DPSPY\0w3";
+/// The most a head may say it decompresses to.
+const MAX_HEAD: usize = 256 << 20;
 
 /// What a part holds, readable without decompressing it.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -158,31 +164,44 @@ fn head(data: &ProfileData, body_bytes: usize) -> Head {
 pub fn encode(data: &ProfileData) -> Vec<u8> {
     let body = body(data).encode_to_vec();
     let head = serde_json::to_vec(&head(data, body.len())).expect("heads serialise");
-    let mut out = Vec::with_capacity(MAGIC.len() + 4 + head.len() + body.len() / 4);
+    let packed = compress::gzip(&head, Compression::fast());
+    let mut out = Vec::with_capacity(MAGIC.len() + 8 + packed.len() + body.len() / 4);
     out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(packed.len() as u32).to_le_bytes());
     out.extend_from_slice(&(head.len() as u32).to_le_bytes());
-    out.extend_from_slice(&head);
+    out.extend_from_slice(&packed);
     out.extend_from_slice(&compress::gzip(&body, Compression::fast()));
     out
 }
 
-/// The head's JSON and the compressed body.
-fn split(bytes: &[u8]) -> Result<(&[u8], &[u8]), String> {
+/// The head, read, and the compressed body.
+fn open(bytes: &[u8]) -> Result<(Head, &[u8]), String> {
+    if let Some(rest) = bytes.strip_prefix(MAGIC_W3) {
+        let (len, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
+        let len = u32::from_le_bytes(*len) as usize;
+        let (head, body) = rest.split_at_checked(len).ok_or("cut short in its header")?;
+        return Ok((serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))?, body));
+    }
     let rest = bytes.strip_prefix(MAGIC).ok_or("not a dask-pyspy profile of this version (no wire header)")?;
-    let (len, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
-    let len = u32::from_le_bytes(*len) as usize;
-    if rest.len() < len {
+    let (sent, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
+    let (read, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
+    let (sent, read) = (u32::from_le_bytes(*sent) as usize, u32::from_le_bytes(*read) as usize);
+    if rest.len() < sent {
         return Err("cut short in its header".into());
     }
-    Ok(rest.split_at(len))
-}
-
-fn parse_head(head: &[u8]) -> Result<Head, String> {
-    serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))
+    if read > MAX_HEAD {
+        return Err(format!("a header of {read} bytes, more than the {MAX_HEAD} allowed"));
+    }
+    let (packed, body) = rest.split_at(sent);
+    let head = compress::gunzip_at_most(packed, read)
+        .map_err(|e| format!("a damaged header ({e})"))?
+        .ok_or_else(|| format!("a header that decompresses to more than the {read} bytes it says"))?;
+    let head = serde_json::from_slice(&head).map_err(|e| format!("a damaged header ({e})"))?;
+    Ok((head, body))
 }
 
 pub fn read_head(bytes: &[u8]) -> Result<Head, Error> {
-    split(bytes).and_then(|(head, _)| parse_head(head)).map_err(Error::NotAProfile)
+    open(bytes).map(|(head, _)| head).map_err(Error::NotAProfile)
 }
 
 /// One profile of the named parts, with `metadata` and `spans`. A part that does not
@@ -205,8 +224,7 @@ pub fn merge(parts: &[(String, &[u8])], mut metadata: Metadata, spans: BTreeMap<
 /// Named parts merged as they are decoded, the decoding spread over a few threads
 /// and kept in the parts' order; a part that does not decode is returned with why.
 fn merge_parts(parts: &[(String, &[u8])], merger: &mut Merger) -> Vec<(String, String)> {
-    let rows: u64 =
-        parts.iter().filter_map(|(_, b)| split(b).and_then(|(head, _)| parse_head(head)).ok()).map(|h| h.entries).sum();
+    let rows: u64 = parts.iter().filter_map(|(_, b)| open(b).ok()).map(|(head, _)| head.entries).sum();
     merger.reserve(rows as usize);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().clamp(2, 5) - 1);
     let next = AtomicUsize::new(0);
@@ -245,8 +263,7 @@ pub fn decode(bytes: &[u8]) -> Result<ProfileData, Error> {
 }
 
 fn unpack(bytes: &[u8]) -> Result<ProfileData, String> {
-    let (head, body) = split(bytes)?;
-    let head = parse_head(head)?;
+    let (head, body) = open(bytes)?;
     decode_body(body, head).map_err(|e| format!("a damaged body ({e})"))
 }
 
@@ -382,11 +399,26 @@ mod tests {
         h.body_bytes = 3;
         let body = body(&data).encode_to_vec();
         let head = serde_json::to_vec(&h).unwrap();
+        let packed = compress::gzip(&head, Compression::fast());
         let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&(packed.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&(head.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&packed);
+        bytes.extend_from_slice(&compress::gzip(&body, Compression::fast()));
+        assert!(unpack(&bytes).unwrap_err().contains("more than the 3 bytes"));
+    }
+
+    #[test]
+    fn a_part_of_the_version_before_still_reads() {
+        let data = rich();
+        let body = body(&data).encode_to_vec();
+        let head = serde_json::to_vec(&head(&data, body.len())).unwrap();
+        let mut bytes = MAGIC_W3.to_vec();
         bytes.extend_from_slice(&(head.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&head);
         bytes.extend_from_slice(&compress::gzip(&body, Compression::fast()));
-        assert!(unpack(&bytes).unwrap_err().contains("more than the 3 bytes"));
+        assert_eq!(decode(&bytes).unwrap(), data);
+        assert!(encode(&data).len() < bytes.len(), "the head is gzip'd now");
     }
 
     proptest! {

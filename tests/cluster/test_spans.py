@@ -11,6 +11,7 @@ import uuid
 import pytest
 from distributed import span
 
+from dask_pyspy import _native
 from dask_pyspy.client import _call
 from tests.cluster.test_cli import DASK, one_line_error, run
 from tests.cluster.workload import spin_for
@@ -94,8 +95,10 @@ def test_nested_spans_and_their_filters(client):
 
 
 def reply_bytes(client, **request) -> int:
-    """Bytes of the processes' parts in the scheduler's reply: what moved to it."""
-    return sum(map(len, client.sync(_call, client, "pyspy_profile", **request)["parts"].values()))
+    """Bytes of samples in the processes' parts of the scheduler's reply: what moved to
+    it, but each process's stats (the same whatever the span)."""
+    parts = client.sync(_call, client, "pyspy_profile", **request)["parts"].values()
+    return sum(_native.Profile.wire_head(part)["body_bytes"] for part in parts)
 
 
 def test_workers_send_only_the_samples_of_the_span_asked_for(client):
