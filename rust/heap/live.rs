@@ -269,6 +269,8 @@ pub fn start<'a>(
 /// Stops counting; the totals stay readable until the next start.
 pub fn stop() {
     TRACKING.store(false, Ordering::Release);
+    // The walker holds the fast reader's fault handler, which goes with the sampler.
+    with_held(|held| held.as_mut().map(|held| held.sites.stop_walking()));
 }
 
 pub fn tracking() -> bool {

@@ -77,6 +77,11 @@ impl Sites {
         Sites { walker, ..Sites::default() }
     }
 
+    /// Walks no more stacks: blocks from now on get no site.
+    pub fn stop_walking(&mut self) {
+        self.walker = None;
+    }
+
     /// The site of an allocation the calling thread makes now for prefix id `prefix`.
     pub fn here(&mut self, prefix: u32) -> u32 {
         let Some(stack) = self.walker.as_mut().and_then(OwnFrames::walk) else { return NO_SITE };
