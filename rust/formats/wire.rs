@@ -177,27 +177,31 @@ pub fn encode(data: &ProfileData) -> Vec<u8> {
 /// The head, read, and the compressed body.
 fn open(bytes: &[u8]) -> Result<(Head, &[u8]), String> {
     if let Some(rest) = bytes.strip_prefix(MAGIC_W3) {
-        let (len, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
-        let len = u32::from_le_bytes(*len) as usize;
+        let (len, rest) = length(rest)?;
         let (head, body) = rest.split_at_checked(len).ok_or("cut short in its header")?;
-        return Ok((serde_json::from_slice(head).map_err(|e| format!("a damaged header ({e})"))?, body));
+        return Ok((parse_head(head)?, body));
     }
     let rest = bytes.strip_prefix(MAGIC).ok_or("not a dask-pyspy profile of this version (no wire header)")?;
-    let (sent, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
-    let (read, rest) = rest.split_first_chunk::<4>().ok_or("cut short in its header")?;
-    let (sent, read) = (u32::from_le_bytes(*sent) as usize, u32::from_le_bytes(*read) as usize);
-    if rest.len() < sent {
-        return Err("cut short in its header".into());
-    }
+    let (sent, rest) = length(rest)?;
+    let (read, rest) = length(rest)?;
     if read > MAX_HEAD {
         return Err(format!("a header of {read} bytes, more than the {MAX_HEAD} allowed"));
     }
-    let (packed, body) = rest.split_at(sent);
+    let (packed, body) = rest.split_at_checked(sent).ok_or("cut short in its header")?;
     let head = compress::gunzip_at_most(packed, read)
         .map_err(|e| format!("a damaged header ({e})"))?
         .ok_or_else(|| format!("a header that decompresses to more than the {read} bytes it says"))?;
-    let head = serde_json::from_slice(&head).map_err(|e| format!("a damaged header ({e})"))?;
-    Ok((head, body))
+    Ok((parse_head(&head)?, body))
+}
+
+/// A length of the header (u32, little-endian), and what follows it.
+fn length(bytes: &[u8]) -> Result<(usize, &[u8]), String> {
+    let (len, rest) = bytes.split_first_chunk::<4>().ok_or("cut short in its header")?;
+    Ok((u32::from_le_bytes(*len) as usize, rest))
+}
+
+fn parse_head(json: &[u8]) -> Result<Head, String> {
+    serde_json::from_slice(json).map_err(|e| format!("a damaged header ({e})"))
 }
 
 pub fn read_head(bytes: &[u8]) -> Result<Head, Error> {

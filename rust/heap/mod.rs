@@ -4,10 +4,9 @@
 //!
 //! `hooks` wraps the allocators, `countdown` picks the sampled allocations, `live`
 //! keeps the sampled blocks still held and the totals per prefix (`filter` spares
-//! frees of the others the lock), `sites` the totals
-//! per prefix and Python stack, and `numpy` counts array buffers, which bypass
-//! Python's allocators before numpy 2.5; `arrow` keeps the total of arrow's pool,
-//! which bypasses both.
+//! frees of the others the lock), `sites` the totals per prefix and Python stack, and
+//! `numpy` counts array buffers, which bypass Python's allocators before numpy 2.5;
+//! `arrow` reads the total of arrow's pool, which bypasses both.
 
 pub mod arrow;
 pub mod countdown;
