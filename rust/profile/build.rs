@@ -36,16 +36,36 @@ pub struct Aggregator {
     pub keys: bool,
     /// By process index in the source; empty when none is.
     pub celled: Vec<bool>,
+    /// The history's bucket step, where the samples come from a store (see `cell_of`).
+    pub folded_step_ns: u64,
     index: FxHashMap<Kept, usize>,
     cells: FxHashMap<Cell, usize>,
     empty_stack: Option<u32>,
 }
 
-/// Thread, stack, tag, activity and flags: what an aggregated sample keeps apart.
-type Kept = (u32, u32, Option<u32>, Option<u32>, u8);
+/// Thread and stack, tag and activity (see `ids`), flags: what an aggregated sample
+/// keeps apart.
+pub type Kept = (u64, u64, u8);
 
-/// Thread, tag, activity and step start: what a timeline cell keeps apart.
-type Cell = (u32, Option<u32>, Option<u32>, u64);
+/// Thread and tag, activity and whether it holds folded rows' parts, step start: what
+/// a timeline cell keeps apart.
+pub type Cell = (u64, u64, u64);
+
+/// Two ids in a word (None: u32::MAX, which no table's index reaches): aggregating a day
+/// hashes millions of samples, and two words hash in a third of the time of the fields.
+fn ids(a: Option<u32>, b: Option<u32>) -> u64 {
+    u64::from(a.unwrap_or(u32::MAX)) << 32 | u64::from(b.unwrap_or(u32::MAX))
+}
+
+/// The timeline cell `s` goes to: a raw sample to the `CELL_NS` step it fell in; a
+/// folded row's part (or a cell of them) to the bucket of `folded_step_ns` it lies in,
+/// so a bucket's rows make one cell per thread, tag and activity, reaching from the
+/// first's start to the last's end, not one per 10 s their starts fall in.
+fn cell_of(s: &Sample, folded_step_ns: u64) -> (u64, bool) {
+    let folded = s.extent().is_some();
+    let step = if folded { folded_step_ns.max(CELL_NS) } else { CELL_NS };
+    (s.time_ns - s.time_ns % step, folded)
+}
 
 /// The step of an aggregated profile's timeline cells: a 24 h timeline's default step
 /// is 5 minutes, a 10-minute one's 2 s, so 10 s keeps both readable while a worker's
@@ -53,6 +73,17 @@ type Cell = (u32, Option<u32>, Option<u32>, u64);
 pub const CELL_NS: u64 = 10_000_000_000;
 
 impl Aggregator {
+    /// The aggregated sample `s` goes to.
+    pub fn kept(s: &Sample) -> Kept {
+        (ids(Some(s.thread), Some(s.stack)), ids(s.tag, s.activity), s.flags)
+    }
+
+    /// The timeline cell `s` goes to (see `cell_of`).
+    pub fn cell(s: &Sample, folded_step_ns: u64) -> Cell {
+        let (start, folded) = cell_of(s, folded_step_ns);
+        (ids(Some(s.thread), s.tag), ids(s.activity, Some(folded.into())), start)
+    }
+
     fn tag(tag: &Tag, keys: bool) -> Tag {
         match keys {
             true => tag.clone(),
@@ -75,9 +106,17 @@ impl Summed for Sample {
         [&mut self.weight_us, &mut self.cpu_us, &mut self.count]
     }
 
-    /// Samples summed share their time (a cell's step): the cover of both is the longer.
+    /// Samples summed share their time (a cell's step), and cover the longer of theirs;
+    /// folded rows' parts summed cover from the first's start to the last's end.
     fn widen(&mut self, other: &Sample) {
-        self.cover = self.cover.max(other.cover);
+        match (self.extent(), other.extent()) {
+            (Some((a, b)), Some((c, d))) => {
+                let (from, to) = (a.min(c), b.max(d));
+                self.time_ns = from;
+                self.cover = (to - from).div_ceil(COVER_NS).min(u16::MAX.into()) as u16;
+            }
+            _ => self.cover = self.cover.max(other.cover),
+        }
     }
 }
 
@@ -170,16 +209,14 @@ impl Builder {
         // raw samples show, where capping the sum would let one sample's excess fill
         // another's gap.
         s.cpu_us = s.cpu_us.min(s.weight_us);
-        let slot = aggregator.index.entry((s.thread, s.stack, s.tag, s.activity, s.flags)).or_insert(usize::MAX);
+        let slot = aggregator.index.entry(Aggregator::kept(&s)).or_insert(usize::MAX);
         sum_into(&mut self.samples, slot, Sample { cover: 0, ..s }); // its time says little once summed
         if aggregator.celled.get(src.thread(sample.thread).process as usize).copied().unwrap_or(false) {
             return;
         }
-        let cell = s.time_ns - s.time_ns % CELL_NS;
-        // A folded row's part keeps where it went: its cell reaches to the part's end, and
-        // the rows summed into one cell (a bucket's, mostly) to the last one's.
-        let cover = s.extent().map_or(0, |(_, to)| (to - cell).div_ceil(COVER_NS).min(u16::MAX.into()) as u16);
-        self.sum_cell(Sample { time_ns: cell, cover, ..s }, aggregator);
+        // A raw sample's cell starts at its step; a folded row's part keeps where it went.
+        let time_ns = if s.extent().is_some() { s.time_ns } else { cell_of(&s, 0).0 };
+        self.sum_cell(Sample { time_ns, ..s }, aggregator);
     }
 
     /// Adds timeline cell `cell` from `src` into the cell of `aggregator` with the same
@@ -193,7 +230,7 @@ impl Builder {
     /// Sums `s` into its timeline cell; cells have no stack and no state.
     fn sum_cell(&mut self, s: Sample, aggregator: &mut Aggregator) {
         let stack = *aggregator.empty_stack.get_or_insert_with(|| self.stacks.intern(Vec::new()));
-        let slot = aggregator.cells.entry((s.thread, s.tag, s.activity, s.time_ns)).or_insert(usize::MAX);
+        let slot = aggregator.cells.entry(Aggregator::cell(&s, aggregator.folded_step_ns)).or_insert(usize::MAX);
         sum_into(&mut self.timeline, slot, Sample { stack, flags: 0, ..s });
     }
 

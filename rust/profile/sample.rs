@@ -124,6 +124,11 @@ impl Sample {
         if lo >= hi {
             return None;
         }
+        let cover = ((hi - lo) / COVER_NS).min(u64::from(u16::MAX)) as u16;
+        if (lo, hi) == (from, to) {
+            // Whole (most rows of a long window): no division.
+            return (self.weight_us > 0 || self.count > 0).then_some(Sample { time_ns: lo, cover, ..*self });
+        }
         let len = to - from;
         let cut = |v: u32| (scaled(v, hi - from, len) - scaled(v, lo - from, len)) as u32;
         let part = Sample {
@@ -131,7 +136,7 @@ impl Sample {
             weight_us: cut(self.weight_us),
             cpu_us: cut(self.cpu_us),
             count: cut(self.count),
-            cover: ((hi - lo) / COVER_NS).min(u64::from(u16::MAX)) as u16,
+            cover,
             ..*self
         };
         (part.weight_us > 0 || part.count > 0).then_some(part)

@@ -63,7 +63,7 @@ pub struct Store {
     /// Raw samples of the recent window.
     pub(super) ring: VecDeque<Sample>,
     pub(super) history: History,
-    retention: Retention,
+    pub(super) retention: Retention,
     /// Calls per activity and second, kept as long as samples of their seconds, and
     /// coarsened with them.
     pub(super) calls: Buckets,

@@ -2,14 +2,14 @@
 //! folded rows that lie in it, then raw samples), narrowed to spans, with just the
 //! tables they use; and what such an export would hold, before any is made.
 
-use crate::profile::build::{Aggregator, Builder, Remap, CELL_NS};
+use crate::profile::build::{Aggregator, Builder, Remap};
 use crate::profile::model::{Metadata, Process, ProfileData};
 use crate::profile::sample::{Sample, FLAG_BLOCKS_LOOP, FLAG_STALL};
 use crate::profile::stalls::{explain, Explained, Stall};
 use crate::sampling::history::Resolution;
 use crate::sampling::stalls::MOST_LOOPS;
 use crate::sampling::store::{Store, SAMPLE_BYTES};
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 use serde_json::json;
 
@@ -41,6 +41,7 @@ impl Store {
         let mut out = Builder::default();
         let mut map = Remap::for_source(&self.tables);
         let mut aggregator = Aggregator::default();
+        aggregator.folded_step_ns = self.retention.step_ns;
         process.stats["resolution"] = json!(self.resolution(window));
         for mut s in self.samples(window) {
             if self.in_stall(&s, window.stalls) {
@@ -105,15 +106,16 @@ impl Store {
     /// the tables; and the samples it stands for.
     pub fn window_size(&self, window: Window<'_>) -> WindowSize {
         // One pass: each folded row's part is cut once, not once per count.
-        let prefix = |t: Option<u32>| t.map(|t| self.tables.tags.get(t)).map(|t| (&t.prefix, &t.span));
+        let prefix = self.prefix_ids();
         let (mut taken, mut rows) = (0, 0);
         let (mut keys, mut cells) = (FxHashSet::default(), FxHashSet::default());
         for s in self.samples(window) {
             taken += u64::from(s.count);
             if window.aggregate {
                 // Its samples, and its timeline cells (`Builder::aggregate_sample`).
-                keys.insert((s.thread, s.stack, prefix(s.tag), s.activity, s.flags));
-                cells.insert((s.thread, prefix(s.tag), s.activity, s.time_ns / CELL_NS));
+                let s = Sample { tag: s.tag.map(|t| prefix[t as usize]), ..s };
+                keys.insert(Aggregator::kept(&s));
+                cells.insert(Aggregator::cell(&s, self.retention.step_ns));
             } else {
                 rows += 1;
             }
@@ -121,6 +123,18 @@ impl Store {
         let kept = rows + keys.len() + cells.len();
         // Interners hold each item twice; a profile's tables once.
         WindowSize { samples: taken, bytes: (kept * SAMPLE_BYTES + self.tables_bytes() / 2) as u64 }
+    }
+
+    /// Per tag, the id of the first tag of its prefix and span: what aggregating keeps apart.
+    fn prefix_ids(&self) -> Vec<u32> {
+        let tags = &self.tables.tags;
+        let mut first = FxHashMap::default();
+        (0..tags.len() as u32)
+            .map(|t| {
+                let tag = tags.get(t);
+                *first.entry((&tag.prefix, &tag.span)).or_insert(t)
+            })
+            .collect()
     }
 
     /// The samples `window` takes: folded where the history holds them, raw after,
@@ -310,11 +324,30 @@ mod tests {
         let announced = s.window_size(window).bytes as usize;
         let data = s.window(window, proc(), Metadata::default());
         assert!(data.memory_bytes() <= announced, "{} > {announced}", data.memory_bytes());
-        assert!(
-            data.timeline.len() <= 2 * 60 * 4 * 6,
-            "about a cell per thread, prefix and bucket: {}",
-            data.timeline.len()
-        );
+        // A cell per thread, prefix and bucket, and one per thread for the newest samples, still raw.
+        assert!(data.timeline.len() <= 60 * 4 * 6 + 4, "{} cells", data.timeline.len());
+    }
+
+    #[test]
+    fn a_buckets_rows_make_one_cell_from_the_first_start_to_the_last_end() {
+        // One thread runs prefix "a" in seconds 12-20 and 41-50 of a folded minute, under
+        // two stacks: one timeline cell, over 12-50 s, not one per 10 s a row began in.
+        let mut s = Store::new(1 << 20);
+        s.set_retention(Retention { recent_ns: 0, step_ns: 60 * NS_PER_S });
+        let minute = 1_000 * 60 * NS_PER_S;
+        let tag = Tag { key: "a-1".into(), prefix: "a".into(), span: None };
+        for ms in (12_000..20_000).chain(41_000..50_000).step_by(10) {
+            let leaf = if ms % 20 == 0 { "f" } else { "g" };
+            s.record(minute + ms * 1_000_000, 1, ["main", leaf].iter().map(|n| frame(n)), Some(&tag), 10_000, 1);
+        }
+        push(&mut s, minute + 61 * NS_PER_S, &["main"], None); // closes the minute's bucket
+        let data =
+            s.window(Window { aggregate: true, ..all(0, minute + 60 * NS_PER_S - 1) }, proc(), Metadata::default());
+        assert_eq!(data.timeline.len(), 1, "{:?}", data.timeline);
+        let (from, to) = data.timeline[0].extent().expect("a folded cell has an extent");
+        let near = |ns: u64, s: u64| ns.abs_diff(minute + s * NS_PER_S) < NS_PER_S / 2;
+        assert!(near(from, 12) && near(to, 50), "{:?}", ((from - minute) as f64 / 1e9, (to - minute) as f64 / 1e9));
+        assert_eq!(data.timeline[0].weight_us, 1_700 * 10_000);
     }
 
     #[test]
