@@ -62,6 +62,14 @@ def record_source(seconds: float) -> Profile:
     return profile
 
 
+def distinct_rows_a_minute(source: Profile) -> float:
+    """What a one-minute bucket of the replayed day holds: the source's distinct threads,
+    stacks, prefixes, activities and states, per minute of it (a minute of the day
+    replays about a minute of the source)."""
+    entries: int = _native.Profile.wire_head(source.aggregated().to_wire())["entries"]
+    return entries / (source.sampled_seconds / 4 / 60)
+
+
 def prefix_seconds(profile: Profile) -> dict[str, float]:
     return {p["prefix"]: p["seconds"] for p in profile.summary()["prefixes"]}
 
@@ -167,8 +175,11 @@ def run(quick: bool) -> Section:
     kept = prefix_seconds(day)
     errors = {p: abs(kept.get(p, 0.0) - s) / s for p, s in recorded.items() if p and s > 0}
     hour_share = first_hour_share(day, start)
+    rows_a_minute = distinct_rows_a_minute(source)
+    folded_minutes = (DAY - 600) / 60
     rows = [
         ["samples replayed per worker", f"{stats['samples_recorded']:,}"],
+        ["the source's distinct rows a minute (a one-minute bucket's)", f"{rows_a_minute:,.0f}"],
         ["store bytes / cap (fullest worker)", f"{stats['bytes'] / MIB:.1f} / {stats['max_bytes'] / MIB:.0f} MiB"],
         ["raw samples held (recent window)", f"{stats['samples_held']:,}"],
         ["folded samples held / standing for", f"{stats['folded_held']:,} / {stats['samples_folded']:,}"],
@@ -194,6 +205,9 @@ def run(quick: bool) -> Section:
         f"{verdict(stats['bytes'] <= 64 * MIB and stats['samples_evicted'] == 0)}.",
         f"Target: the first hour is still there at 1-minute resolution: "
         f"{verdict(bool(first_hour) and all(r['step'] == 60 for r in first_hour))}.",
+        f"One-minute steps for the whole day need {rows_a_minute * folded_minutes / 1e6:.2f} M folded rows of "
+        f"this source; the full store holds {stats['folded_held'] / 1e6:.2f} M beside its raw window, so "
+        f"{'they fit' if rows_a_minute * folded_minutes <= stats['folded_held'] else 'its oldest buckets merged'}.",
         f"Target: the last 10 minutes raw: {verdict(bool(raw) and raw[0]['to'] - raw[0]['from'] >= 599)}.",
         f"Target: totals per prefix over the day, {WORKERS} workers, within 1% of the raw samples' totals: worst "
         f"{100 * worst:.4f}%: {verdict(worst <= 0.01)}.",
