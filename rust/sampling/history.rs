@@ -8,10 +8,11 @@
 //! memory is tight, the oldest pairs of buckets merge into buckets twice as long
 //! before anything is dropped.
 
-use crate::profile::build::{sum_into, Summed};
+use crate::profile::build::{sum_into, Aggregator, Summed};
 use crate::profile::sample::{Sample, FLAG_BLOCKS_LOOP};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
+use std::cell::Cell;
 use std::collections::VecDeque;
 
 /// The longest a bucket gets by merging: its samples' weights (u32 microseconds)
@@ -22,6 +23,7 @@ pub const MAX_STEP_NS: u64 = 3_600 * 1_000_000_000;
 type Key = (u32, u32, Option<u32>, Option<u32>, u8);
 
 const INDEX_ENTRY_BYTES: usize = std::mem::size_of::<(Key, usize)>() + 8;
+const KEY_ROWS_BYTES: usize = std::mem::size_of::<(Key, u32)>() + 8;
 pub const FOLDED_BYTES: usize = std::mem::size_of::<Folded>();
 
 const NONE: u32 = u32::MAX;
@@ -107,16 +109,43 @@ pub struct Bucket {
     pub start_ns: u64,
     pub step_ns: u64,
     samples: Vec<Folded>,
+    /// The raw samples its rows stand for.
+    count: u64,
+    /// Its rows' timeline cells, once counted, and the step they were counted at.
+    cells: Cell<Option<(u64, usize)>>,
 }
 
 impl Bucket {
+    fn new(start_ns: u64, step_ns: u64) -> Bucket {
+        Bucket { start_ns, step_ns, samples: Vec::new(), count: 0, cells: Cell::new(None) }
+    }
+
     fn end_ns(&self) -> u64 {
         self.start_ns + self.step_ns
     }
 
-    /// Sums `s` into the sample of its key, or a new one when that one is full.
-    fn add(&mut self, index: &mut FxHashMap<Key, usize>, s: Folded) {
+    /// Sums `s` into the sample of its key, or a new one when that one is full; true
+    /// when it took a new row.
+    fn add(&mut self, index: &mut FxHashMap<Key, usize>, s: Folded) -> bool {
+        let before = self.samples.len();
+        self.count += u64::from(s.count);
+        self.cells.set(None);
         sum_into(&mut self.samples, index.entry(s.key()).or_insert(usize::MAX), s);
+        self.samples.len() > before
+    }
+
+    /// Its rows' timeline cells in an aggregated window (`Aggregator::cell`), counted
+    /// once per step.
+    fn cells(&self, folded_step_ns: u64) -> usize {
+        match self.cells.get() {
+            Some((step, n)) if step == folded_step_ns => n,
+            _ => {
+                let parts = self.parts(self.start_ns, self.end_ns());
+                let n = parts.map(|s| Aggregator::cell(&s, folded_step_ns)).collect::<FxHashSet<_>>().len();
+                self.cells.set(Some((folded_step_ns, n)));
+                n
+            }
+        }
     }
 
     /// The time `units` into the bucket.
@@ -152,11 +181,27 @@ pub struct Resolution {
     pub step_ns: u64,
 }
 
+/// What the buckets a window overlaps would add to its export (see `History::size`).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct FoldedSize {
+    /// The samples their parts in the window stand for.
+    pub taken: u64,
+    /// Their parts in the window.
+    pub rows: usize,
+    /// Aggregated: at most this many samples and this many timeline cells.
+    pub keys: usize,
+    pub cells: usize,
+}
+
 #[derive(Default)]
 pub struct History {
     buckets: VecDeque<Bucket>,
     /// Where the newest bucket keeps each key's sample (the only one still filling).
     open: FxHashMap<Key, usize>,
+    /// How many rows hold each key, in all buckets: a bound on an aggregated window's samples.
+    keys: FxHashMap<Key, u32>,
+    /// The step buckets open at (the store's), which their rows' timeline cells take too.
+    step_ns: u64,
     held: usize,
     /// The raw samples the held ones stand for.
     pub standing: u64,
@@ -177,17 +222,33 @@ impl History {
         let mut closed = None;
         // A sample older than the newest bucket (a clock step back) joins it.
         if self.buckets.back().is_none_or(|b| start >= b.end_ns()) {
-            closed = self.buckets.back().map(|b| (b.start_ns, b.end_ns()));
+            // Its cells counted as it closes, so that no window's size has to.
+            closed = self.buckets.back().map(|b| {
+                b.cells(step_ns);
+                (b.start_ns, b.end_ns())
+            });
+            self.step_ns = step_ns;
             self.open.clear();
-            self.buckets.push_back(Bucket { start_ns: start, step_ns, samples: Vec::new() });
+            self.buckets.push_back(Bucket::new(start, step_ns));
         }
         let newest = self.buckets.back_mut().expect("just made");
-        let before = newest.samples.len();
         self.standing += u64::from(s.count);
-        let units = newest.units_of(s.time_ns, s.weight_us);
-        newest.add(&mut self.open, Folded::of(&s, units));
-        self.held += newest.samples.len() - before;
+        let folded = Folded::of(&s, newest.units_of(s.time_ns, s.weight_us));
+        if newest.add(&mut self.open, folded) {
+            self.held += 1;
+            *self.keys.entry(folded.key()).or_default() += 1;
+        }
         closed
+    }
+
+    /// One row fewer holds `key`.
+    fn forget(&mut self, key: Key) {
+        if let Some(rows) = self.keys.get_mut(&key) {
+            *rows -= 1;
+            if *rows == 0 {
+                self.keys.remove(&key);
+            }
+        }
     }
 
     pub fn samples_held(&self) -> usize {
@@ -195,7 +256,7 @@ impl History {
     }
 
     pub fn bytes(&self) -> usize {
-        self.held * FOLDED_BYTES + self.open.len() * INDEX_ENTRY_BYTES
+        self.held * FOLDED_BYTES + self.open.len() * INDEX_ENTRY_BYTES + self.keys.len() * KEY_ROWS_BYTES
     }
 
     pub fn oldest_ns(&self) -> Option<u64> {
@@ -214,16 +275,22 @@ impl History {
         let second = self.buckets.remove(i + 1).expect("found");
         let first = &mut self.buckets[i];
         first.step_ns *= 2;
+        first.count = 0;
         let mut index = FxHashMap::default();
         let samples = std::mem::take(&mut first.samples);
-        let held = samples.len() + second.samples.len();
         let halves = samples.into_iter().map(|s| s.coarsened(0));
+        let mut summed = Vec::new(); // rows summed into another: one fewer holds their key
         for s in halves.chain(second.samples.into_iter().map(|s| s.coarsened(1))) {
-            first.add(&mut index, s);
+            if !first.add(&mut index, s) {
+                summed.push(s.key());
+            }
         }
-        self.held = self.held - held + first.samples.len();
+        first.cells(self.step_ns);
+        let span = (first.start_ns, first.end_ns());
+        self.held -= summed.len();
+        summed.into_iter().for_each(|key| self.forget(key));
         self.merges += 1;
-        Some((first.start_ns, first.end_ns()))
+        Some(span)
     }
 
     /// Drops the oldest bucket; returns its end, or None if there was none.
@@ -233,9 +300,9 @@ impl History {
             self.open.clear();
         }
         self.held -= oldest.samples.len();
-        let dropped = oldest.samples.iter().map(|s| u64::from(s.count)).sum::<u64>();
-        self.standing -= dropped;
-        self.dropped_samples += dropped;
+        oldest.samples.iter().for_each(|s| self.forget(s.key()));
+        self.standing -= oldest.count;
+        self.dropped_samples += oldest.count;
         Some(oldest.end_ns())
     }
 
@@ -244,6 +311,27 @@ impl History {
     pub fn range(&self, start_ns: u64, stop_ns: u64) -> impl Iterator<Item = Sample> + Clone + '_ {
         let (lo, hi) = half_open(start_ns, stop_ns);
         self.in_range(start_ns, stop_ns).flat_map(move |b| b.parts(lo, hi))
+    }
+
+    /// What the buckets overlapping `[start_ns, stop_ns]` would add to a window's export,
+    /// without cutting the rows of those it holds whole: samples and rows exact; an
+    /// aggregated window's samples at most the keys of all buckets, and its cells at most
+    /// those of each bucket whole (`folded_step_ns`: `Aggregator::folded_step_ns`).
+    pub fn size(&self, start_ns: u64, stop_ns: u64, folded_step_ns: u64) -> FoldedSize {
+        let (lo, hi) = half_open(start_ns, stop_ns);
+        let mut size = FoldedSize::default();
+        for b in self.in_range(start_ns, stop_ns) {
+            if lo <= b.start_ns && b.end_ns() <= hi {
+                (size.taken, size.rows) = (size.taken + b.count, size.rows + b.samples.len());
+            } else {
+                for s in b.parts(lo, hi) {
+                    (size.taken, size.rows) = (size.taken + u64::from(s.count), size.rows + 1);
+                }
+            }
+            size.cells += b.cells(folded_step_ns);
+        }
+        size.keys = self.keys.len().min(size.rows);
+        size
     }
 
     /// The buckets that overlap `[start_ns, stop_ns]`.
@@ -269,9 +357,11 @@ impl History {
     /// Every sample through `renumber`, after the store compacts its tables.
     pub fn renumber(&mut self, mut renumber: impl FnMut(Sample) -> Sample) {
         self.open.clear(); // keys change: the newest bucket starts a fresh index
+        self.keys.clear();
         for b in &mut self.buckets {
             for f in &mut b.samples {
                 *f = Folded::of(&renumber(f.at(b.start_ns)), (f.first, f.last));
+                *self.keys.entry(f.key()).or_default() += 1;
             }
         }
     }
@@ -400,6 +490,29 @@ mod tests {
         assert_eq!((back.activity, back.flags), (s.activity, s.flags));
         s.activity = Some(NO_ACTIVITY.into());
         assert_eq!(Folded::of(&s, (0, 0)).at(0).activity, None, "past the ids a row holds");
+    }
+
+    #[test]
+    fn the_rows_of_each_key_are_counted_through_merges_drops_and_renumbering() {
+        let mut h = History::default();
+        for minute in 0..9 {
+            (0..minute % 4 + 1).for_each(|stack| _ = h.fold(sample(minute * MIN + stack, stack as u32), MIN));
+        }
+        let counted = |h: &History| {
+            let mut rows: FxHashMap<Key, u32> = FxHashMap::default();
+            h.buckets.iter().flat_map(|b| &b.samples).for_each(|f| *rows.entry(f.key()).or_default() += 1);
+            rows
+        };
+        assert_eq!(h.keys, counted(&h));
+        while h.merge_oldest().is_some() {
+            assert_eq!(h.keys, counted(&h));
+        }
+        h.drop_oldest();
+        assert_eq!(h.keys, counted(&h));
+        h.renumber(|s| Sample { stack: s.stack + 10, ..s });
+        assert_eq!(h.keys, counted(&h));
+        let size = h.size(0, u64::MAX, MIN);
+        assert_eq!((size.taken, size.rows, size.keys), (h.standing, h.held, counted(&h).len()));
     }
 
     #[test]

@@ -102,17 +102,32 @@ impl Store {
             .collect()
     }
 
-    /// Roughly the memory an export of `window` would take: its samples and at most
-    /// the tables; and the samples it stands for.
+    /// Roughly the memory an export of `window` would take, at most: its samples and at
+    /// most the tables; and the samples it stands for. Buckets the window holds whole are
+    /// counted as they are (a day's window would cut millions of rows for its size, then
+    /// again for its export); a window of spans looks at each row for its tag.
     pub fn window_size(&self, window: Window<'_>) -> WindowSize {
-        // One pass: each folded row's part is cut once, not once per count.
+        let (taken, kept) = if window.spans.is_some() {
+            self.counted(self.samples(window), window.aggregate)
+        } else {
+            let folded = self.history.size(window.start_ns, window.stop_ns, self.retention.step_ns);
+            let (taken, kept) = self.counted(self.range(window).copied(), window.aggregate);
+            let folded_kept = if window.aggregate { folded.keys + folded.cells } else { folded.rows };
+            (folded.taken + taken, folded_kept + kept)
+        };
+        // Interners hold each item twice; a profile's tables once.
+        WindowSize { samples: taken, bytes: (kept * SAMPLE_BYTES + self.tables_bytes() / 2) as u64 }
+    }
+
+    /// The samples `samples` stand for, and how many an export keeps: each, or
+    /// aggregated, its samples and timeline cells (`Builder::aggregate_sample`).
+    fn counted(&self, samples: impl Iterator<Item = Sample>, aggregate: bool) -> (u64, usize) {
         let prefix = self.prefix_ids();
         let (mut taken, mut rows) = (0, 0);
         let (mut keys, mut cells) = (FxHashSet::default(), FxHashSet::default());
-        for s in self.samples(window) {
+        for s in samples {
             taken += u64::from(s.count);
-            if window.aggregate {
-                // Its samples, and its timeline cells (`Builder::aggregate_sample`).
+            if aggregate {
                 let s = Sample { tag: s.tag.map(|t| prefix[t as usize]), ..s };
                 keys.insert(Aggregator::kept(&s));
                 cells.insert(Aggregator::cell(&s, self.retention.step_ns));
@@ -120,9 +135,7 @@ impl Store {
                 rows += 1;
             }
         }
-        let kept = rows + keys.len() + cells.len();
-        // Interners hold each item twice; a profile's tables once.
-        WindowSize { samples: taken, bytes: (kept * SAMPLE_BYTES + self.tables_bytes() / 2) as u64 }
+        (taken, rows + keys.len() + cells.len())
     }
 
     /// Per tag, the id of the first tag of its prefix and span: what aggregating keeps apart.
@@ -326,6 +339,37 @@ mod tests {
         assert!(data.memory_bytes() <= announced, "{} > {announced}", data.memory_bytes());
         // A cell per thread, prefix and bucket, and one per thread for the newest samples, still raw.
         assert!(data.timeline.len() <= 60 * 4 * 6 + 4, "{} cells", data.timeline.len());
+    }
+
+    #[test]
+    fn a_windows_size_counts_its_samples_and_bounds_its_export() {
+        // 3 threads, 4 prefixes, 30 stacks, new task keys every second, 10 Hz for 2 hours,
+        // in a store small enough that buckets merge, tables compact and the oldest go.
+        let mut s = Store::new(64 * 1024);
+        s.set_retention(Retention { recent_ns: 60 * NS_PER_S, step_ns: 10 * NS_PER_S });
+        let end = 7_200 * NS_PER_S;
+        for tick in 0..end / (NS_PER_S / 10) {
+            for thread in 0..3 {
+                let (prefix, leaf) =
+                    (format!("p{}", (tick / 70 + thread) % 4), format!("f{}", (tick * 7 + thread) % 30));
+                let tag = Tag { key: format!("{prefix}-{}", tick / 10), prefix, span: None };
+                let t = tick * NS_PER_S / 10;
+                s.record(t, thread, ["main", &leaf].iter().map(|n| frame(n)), Some(&tag), 100_000, 1);
+            }
+        }
+        let st = s.stats();
+        assert!(st.bucket_merges > 0 && st.compactions > 0 && st.samples_evicted > 0, "{st:?}");
+        let oldest = st.oldest_ns.unwrap();
+        let cuts = [0, oldest + 3 * NS_PER_S, oldest + 3_600 * NS_PER_S + 7, end - 90 * NS_PER_S, end - NS_PER_S, end];
+        for (start, stop) in cuts.iter().flat_map(|&a| cuts.iter().filter(move |&&b| b > a).map(move |&b| (a, b))) {
+            for aggregate in [false, true] {
+                let window = Window { aggregate, ..all(start, stop) };
+                let size = s.window_size(window);
+                let data = s.window(window, proc(), Metadata::default());
+                assert_eq!(size.samples, data.n_samples(), "{start}..{stop} aggregate={aggregate}");
+                assert!(data.memory_bytes() as u64 <= size.bytes, "{start}..{stop} aggregate={aggregate}");
+            }
+        }
     }
 
     #[test]
