@@ -34,6 +34,7 @@ from dask_pyspy.sampler import process_sampler
 DAY = 86_400.0
 RATE = 100.0
 WORKERS = 16
+THREADS = 4  # busy task threads per worker
 MIB = 2**20
 
 
@@ -53,7 +54,7 @@ def record_source(seconds: float) -> Profile:
                 sampler.clear_thread_tag(threading.get_ident())
             n += 1
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(THREADS)]
     began = time.time()
     sampler.start()
     run_for(threads, stop, seconds)
@@ -67,7 +68,7 @@ def distinct_rows_a_minute(source: Profile) -> float:
     stacks, prefixes, activities and states, per minute of it (a minute of the day
     replays about a minute of the source)."""
     entries: int = _native.Profile.wire_head(source.aggregated().to_wire())["entries"]
-    return entries / (source.sampled_seconds / 4 / 60)
+    return entries / (source.sampled_seconds / THREADS / 60)
 
 
 def prefix_seconds(profile: Profile) -> dict[str, float]:
@@ -146,7 +147,7 @@ def first_hour_share(day: Profile, start: float) -> float:
     timeline = day.timeline(step=60)
     t0, wall = timeline["start"], timeline["kinds"]["worker"]["wall"]
     minutes = [i for i in range(len(wall)) if start <= t0 + 60 * i and t0 + 60 * (i + 1) <= start + 3600]
-    return sum(wall[i] for i in minutes) / (len(minutes) * 60 * 4 * WORKERS)
+    return sum(wall[i] for i in minutes) / (len(minutes) * 60 * THREADS * WORKERS)
 
 
 def run(quick: bool) -> Section:

@@ -215,7 +215,7 @@ impl Builder {
             return;
         }
         // A raw sample's cell starts at its step; a folded row's part keeps where it went.
-        let time_ns = if s.extent().is_some() { s.time_ns } else { cell_of(&s, 0).0 };
+        let time_ns = if s.extent().is_some() { s.time_ns } else { s.time_ns - s.time_ns % CELL_NS };
         self.sum_cell(Sample { time_ns, ..s }, aggregator);
     }
 

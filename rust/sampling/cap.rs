@@ -19,7 +19,7 @@ impl Store {
                     self.shed_oldest_half();
                     self.compact();
                 }
-            } else if let Some((from, to)) = self.history.merge_oldest() {
+            } else if let Some((from, to)) = self.history.merge_oldest(self.retention.step_ns) {
                 self.calls.coarsen(from, to);
             } else if !self.ring.is_empty() {
                 // In batches, so the cost amortises over many pushes.

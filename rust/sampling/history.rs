@@ -200,8 +200,6 @@ pub struct History {
     open: FxHashMap<Key, usize>,
     /// How many rows hold each key, in all buckets: a bound on an aggregated window's samples.
     keys: FxHashMap<Key, u32>,
-    /// The step buckets open at (the store's), which their rows' timeline cells take too.
-    step_ns: u64,
     held: usize,
     /// The raw samples the held ones stand for.
     pub standing: u64,
@@ -227,7 +225,6 @@ impl History {
                 b.cells(step_ns);
                 (b.start_ns, b.end_ns())
             });
-            self.step_ns = step_ns;
             self.open.clear();
             self.buckets.push_back(Bucket::new(start, step_ns));
         }
@@ -264,8 +261,9 @@ impl History {
     }
 
     /// Merges the oldest two neighbouring buckets of one step that make an aligned
-    /// bucket twice as long; returns its span, or None if no pair can merge.
-    pub fn merge_oldest(&mut self) -> Option<(u64, u64)> {
+    /// bucket twice as long, and counts its timeline cells at `cell_step_ns` (the step
+    /// buckets open at); returns its span, or None if no pair can merge.
+    pub fn merge_oldest(&mut self, cell_step_ns: u64) -> Option<(u64, u64)> {
         let closed = self.buckets.len().saturating_sub(1); // the newest is still filling
         let i = (0..closed.saturating_sub(1)).find(|&i| {
             let (a, b) = (&self.buckets[i], &self.buckets[i + 1]);
@@ -285,7 +283,7 @@ impl History {
                 summed.push(s.key());
             }
         }
-        first.cells(self.step_ns);
+        first.cells(cell_step_ns);
         let span = (first.start_ns, first.end_ns());
         self.held -= summed.len();
         summed.into_iter().for_each(|key| self.forget(key));
@@ -325,7 +323,8 @@ impl History {
                 (size.taken, size.rows) = (size.taken + b.count, size.rows + b.samples.len());
             } else {
                 for s in b.parts(lo, hi) {
-                    (size.taken, size.rows) = (size.taken + u64::from(s.count), size.rows + 1);
+                    size.taken += u64::from(s.count);
+                    size.rows += 1;
                 }
             }
             size.cells += b.cells(folded_step_ns);
@@ -418,10 +417,10 @@ mod tests {
             h.fold(sample(minute * MIN, minute as u32 % 2), MIN);
             h.fold(sample(minute * MIN + 1, 7), MIN);
         }
-        assert_eq!(h.merge_oldest(), Some((0, 2 * MIN)));
-        assert_eq!(h.merge_oldest(), Some((2 * MIN, 4 * MIN)));
-        assert_eq!(h.merge_oldest(), Some((0, 4 * MIN)), "then the merged ones, oldest first");
-        assert_eq!(h.merge_oldest(), None, "the newest bucket is still filling");
+        assert_eq!(h.merge_oldest(MIN), Some((0, 2 * MIN)));
+        assert_eq!(h.merge_oldest(MIN), Some((2 * MIN, 4 * MIN)));
+        assert_eq!(h.merge_oldest(MIN), Some((0, 4 * MIN)), "then the merged ones, oldest first");
+        assert_eq!(h.merge_oldest(MIN), None, "the newest bucket is still filling");
         assert_eq!(weight(&h), 100_000);
         assert_eq!(h.samples_held(), 3 + 2, "stacks 0, 1 and 7 in the first four minutes, 0 and 7 in the fifth");
         let res = h.resolution(0, u64::MAX);
@@ -473,7 +472,7 @@ mod tests {
         let mut h = History::default();
         (0..1000).for_each(|i| _ = h.fold(sample(2 * MIN + 50 * SEC + i * SEC / 100, 1), MIN));
         (3..5).for_each(|m| _ = h.fold(sample(m * MIN, 2), MIN));
-        assert_eq!(h.merge_oldest(), Some((2 * MIN, 4 * MIN)));
+        assert_eq!(h.merge_oldest(MIN), Some((2 * MIN, 4 * MIN)));
         let before = seconds_of(&h, 1, 2 * MIN, 2 * MIN + 50 * SEC - 1);
         assert!(before < 0.5, "not smeared over the merged bucket: {before} s (at most a unit of it)");
         assert!((seconds_of(&h, 1, 2 * MIN + 55 * SEC, 4 * MIN) - 5.0).abs() < 0.3);
@@ -504,7 +503,7 @@ mod tests {
             rows
         };
         assert_eq!(h.keys, counted(&h));
-        while h.merge_oldest().is_some() {
+        while h.merge_oldest(MIN).is_some() {
             assert_eq!(h.keys, counted(&h));
         }
         h.drop_oldest();
