@@ -33,8 +33,8 @@ use unwind::{return_addresses, unwind, unwind_from, word_at, End, NativeFrame};
 
 /// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
 const FIRST_COPY: usize = 32 << 10;
-/// How long a thread's capture stands for it, while its innermost Python frame is the
-/// one it was captured under, in intervals of the thread's CPU time: its timer fires at
+/// How long a thread's capture stands for it, in intervals of the thread's CPU time,
+/// while its task and activity are the ones it was captured under: its timer fires at
 /// the kernel's first tick after each interval of it (sooner where the thread's clock
 /// is not known: in ticks of the sampler). A thread sharing a core is sampled each tick
 /// but captured only every few.
@@ -100,9 +100,12 @@ pub struct NativeStats {
     /// Signals that found their thread's slot still being read or written.
     pub busy: u64,
     /// Samples merged with their native frames (`reused`: with those of a capture
-    /// taken at an earlier tick, under the same innermost Python frame).
+    /// taken at an earlier tick, under the same innermost Python frame; `held`: given
+    /// such a capture whole, Python frames too, as the thread's Python frame moved
+    /// since but not its task).
     pub merged: u64,
     pub reused: u64,
+    pub held: u64,
     /// Captures whose halves disagreed, with native frames that their samples lost
     /// (those kept their Python frames only).
     pub mismatched: u64,
@@ -132,11 +135,16 @@ impl NativeStats {
 /// A thread's last capture that merged, kept to stand for it until its next.
 struct Latest {
     tick: u64,
-    /// The thread's CPU clock at the tick that took it.
+    /// The thread's CPU clock when it was taken (else at the tick that took it).
     clock_ns: Option<u64>,
-    epoch: u64,
+    /// When it was taken, on the monotonic clock.
+    time_ns: u64,
+    /// The resolver's epoch and the reader's, for the native and the Python ids.
+    epochs: (u64, u64),
     pointer: Option<u64>,
     named: Vec<Named>,
+    /// The stack it merged into, Python frames and native.
+    merged: Vec<u64>,
     end: End,
     copy_end: u64,
 }
@@ -287,9 +295,8 @@ impl Native {
         }
     }
 
-    /// Merges the capture waiting in `slot` into `w`'s frames, or else its last one
-    /// while it stands for the thread (never where the reader gives no frame pointer
-    /// to tell that the thread is still in the frame it was captured in).
+    /// Merges the capture waiting in `slot` into `w`'s frames, or else gives them its
+    /// last one while it stands for the thread.
     fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>, reader: &mut dyn StackReader) {
         if let Some(capture) = slot.capture() {
             let merged = self.take(&capture, w, reader);
@@ -298,20 +305,33 @@ impl Native {
                 return;
             }
         }
-        let standing = self.latest.get(&w.tid).filter(|l| {
-            let fresh = match (w.clock_ns, l.clock_ns) {
-                (Some(now), Some(then)) => self.still_stands(now, then),
-                _ => self.tick - l.tick <= STANDS_FOR,
-            };
-            fresh && l.epoch == self.resolver.epoch && w.pointer.is_some_and(|p| l.pointer == Some(p.seen))
-        });
-        match standing.map(|l| merge(w.frames, w.evals, &l.named, l.end, l.copy_end, &mut self.merged)) {
-            Some(Ok(())) => {
-                std::mem::swap(w.frames, &mut self.merged);
-                self.stats.merged += 1;
-                self.stats.reused += 1;
-            }
-            _ => self.stats.no_capture += 1,
+        let epochs = (self.resolver.epoch, reader.epoch());
+        let Some(l) = self.latest.get(&w.tid).filter(|l| l.epochs == epochs && self.stands(l, w)) else {
+            self.stats.no_capture += 1;
+            return;
+        };
+        // Under the same innermost Python frame: its native frames, under the frames
+        // just read. Else the capture whole, if its thread's task and activity have
+        // not changed since: a Python-only sample would show no native frame at all.
+        let under_same = w.pointer.is_some_and(|p| l.pointer == Some(p.seen));
+        if under_same && merge(w.frames, w.evals, &l.named, l.end, l.copy_end, &mut self.merged).is_ok() {
+            std::mem::swap(w.frames, &mut self.merged);
+            self.stats.reused += 1;
+        } else if w.marks_since_ns.is_some_and(|since| since <= l.time_ns) {
+            w.frames.clone_from(&l.merged);
+            self.stats.held += 1;
+        } else {
+            self.stats.no_capture += 1;
+            return;
+        }
+        self.stats.merged += 1;
+    }
+
+    /// Whether the thread's last capture `l` still stands for it: it used little CPU since.
+    fn stands(&self, l: &Latest, w: &Wanted<'_>) -> bool {
+        match (w.clock_ns, l.clock_ns) {
+            (Some(now), Some(then)) => self.still_stands(now, then),
+            _ => self.tick - l.tick <= STANDS_FOR,
         }
     }
 
@@ -357,7 +377,7 @@ impl Native {
         self.after_unwind(w.tid, end, c.stack.len(), !merged && !moved);
         if merged {
             std::mem::swap(w.frames, &mut self.merged);
-            self.keep_latest(w, c.pointer, end, copy_end);
+            self.keep_latest(w, c, reader.epoch(), (end, copy_end));
         }
         self.stats.merged += u64::from(merged);
         // Captured in the interpreter's own code, the native half had nothing to add.
@@ -367,21 +387,28 @@ impl Native {
         merged
     }
 
-    /// Keeps the capture just merged to stand for `w`'s thread, in the place of its last.
-    fn keep_latest(&mut self, w: &Wanted<'_>, pointer: Option<u64>, end: End, copy_end: u64) {
-        let (tick, clock_ns, epoch) = (self.tick, w.clock_ns, self.resolver.epoch);
+    /// Keeps the capture `c` just merged (into `w`'s frames) to stand for its thread,
+    /// in the place of its last.
+    fn keep_latest(&mut self, w: &Wanted<'_>, c: &Capture, reader_epoch: u64, (end, copy_end): (End, u64)) {
+        let tick = self.tick;
+        let clock_ns = if c.cpu_ns != 0 { Some(c.cpu_ns) } else { w.clock_ns };
+        let epochs = (self.resolver.epoch, reader_epoch);
         let latest = self.latest.entry(w.tid).or_insert_with(|| Latest {
             tick,
             clock_ns,
-            epoch,
-            pointer,
+            time_ns: c.time_ns,
+            epochs,
+            pointer: c.pointer,
             named: Vec::new(),
+            merged: Vec::new(),
             end,
             copy_end,
         });
-        latest.named.clone_from(&self.named); // in the Vec the thread's last one used
-        (latest.tick, latest.clock_ns, latest.epoch, latest.pointer) = (tick, clock_ns, epoch, pointer);
-        (latest.end, latest.copy_end) = (end, copy_end);
+        // Into the Vecs the thread's last one used.
+        latest.named.clone_from(&self.named);
+        latest.merged.clone_from(w.frames);
+        (latest.tick, latest.clock_ns, latest.time_ns, latest.epochs) = (tick, clock_ns, c.time_ns, epochs);
+        (latest.pointer, latest.end, latest.copy_end) = (c.pointer, end, copy_end);
     }
 
     /// The Python frames and eval runs `c` copied, walked by `reader`; None where it
