@@ -4,6 +4,7 @@ use crate::bind::profile::PyProfile;
 use crate::bind::sampler::PySampler;
 use crate::bind::{detached, no_panic};
 use crate::profile::model::{ProfileData, Tag};
+use crate::profile::sample::State;
 use crate::sampling::store::{Recorded, Store};
 use pyo3::prelude::*;
 use std::collections::HashMap;
@@ -40,6 +41,14 @@ fn digest(py: Python<'_>, profile: PyRef<'_, PyProfile>) -> PyResult<String> {
 fn as_process(py: Python<'_>, profile: PyRef<'_, PyProfile>, name: &str, key_suffix: &str) -> PyResult<PyProfile> {
     let data = profile.data.clone();
     Ok(PyProfile::new(detached(py, || data.as_process(name, key_suffix))?))
+}
+
+/// The samples of threads in one of `states` (`State::name`: "cpu", "gil-wait", ...):
+/// the running ones, to compare with a profiler that leaves waiting threads out.
+#[pyfunction]
+fn only_states(py: Python<'_>, profile: PyRef<'_, PyProfile>, states: Vec<String>) -> PyResult<PyProfile> {
+    let data = profile.data.clone();
+    Ok(PyProfile::new(detached(py, || data.filtered(|s| states.iter().any(|n| n == State::of(s.flags).name())))?))
 }
 
 /// Empties `sampler`'s store, which must not be sampling, and records `profile`'s
@@ -154,6 +163,7 @@ pub fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(hold_store, &m)?)?;
     m.add_function(wrap_pyfunction!(digest, &m)?)?;
     m.add_function(wrap_pyfunction!(as_process, &m)?)?;
+    m.add_function(wrap_pyfunction!(only_states, &m)?)?;
     m.add_function(wrap_pyfunction!(replay, &m)?)?;
     m.add_function(wrap_pyfunction!(native_caller, &m)?)?;
     Ok(m)

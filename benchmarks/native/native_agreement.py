@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 from benchmarks.common import Section, table, verdict
-from benchmarks.native.native_runs import PYSPY, PYSPY_RATE, Doc, Fidelity, Recording, record, signals
+from benchmarks.native.native_runs import PYSPY, PYSPY_RATE, Doc, Fidelity, Recording, pyspy_alone, record, signals
 
 CLASSES = (
     "numpy core (umath, multiarray)",
@@ -28,7 +28,16 @@ CLASSES = (
 #: libpython frames py-spy keeps (src/native_stack_trace.rs); it drops every other one.
 PYSPY_KEEPS = {"time_sleep", "_time_sleep", "PyGILState_Ensure", "_PyGILState_Ensure"}
 AGREEMENT = 3.0  # points
+#: Running samples against running samples (issue 44): the share of native leaves and
+#: of each of py-spy's top libraries, within this many points.
+RUNNING_AGREEMENT = 5.0
+TOP_LIBRARIES = 5
 ORDER = 95.0  # % of the comparator's samples
+#: Frames of dask-pyspy's signal handler: py-spy, recording at once, pauses a thread inside
+#: it at times; its own unwinder stops there.
+HANDLER = "dask_pyspy_native::reader::native::signal::"
+#: A native frame that waits (a condition, a futex, the GIL's wait): its thread is not running.
+WAITING = re.compile(r"pthread_cond_(timed)?wait|futex_(abstimed_)?wait|take_gil|sem_(timed)?wait")
 RECORDING = (
     f"dask-pyspy native=True at 100 Hz (budget 0.2) inside the process, `py-spy record --native --rate {PYSPY_RATE}` "
     "from outside; shares of the work threads' sampled time by the library of the leaf frame, stacks as py-spy "
@@ -142,6 +151,27 @@ def work_samples(doc: Doc) -> list[tuple[list[int], float]]:
     ]
 
 
+def pyspy_running(doc: Doc) -> tuple[Doc, float, float]:
+    """py-spy's samples of running threads: those waiting in a native wait (`WAITING`) and
+    those paused inside dask-pyspy's signal handler left out; with the seconds of each."""
+    frames = doc["shared"]["frames"]
+    waiting = in_handler = 0.0
+    profiles = []
+    for p in doc["profiles"]:
+        kept: tuple[list[list[int]], list[float]] = ([], [])
+        for stack, weight in zip(p["samples"], p["weights"]):
+            names = [frames[i]["name"] for i in stack]
+            if any(HANDLER in n for n in names):
+                in_handler += weight if "work-" in p["name"] else 0.0
+            elif any(WAITING.search(n) for n in names):
+                waiting += weight if "work-" in p["name"] else 0.0
+            else:
+                kept[0].append(stack)
+                kept[1].append(weight)
+        profiles.append({**p, "samples": kept[0], "weights": kept[1]})
+    return {**doc, "profiles": profiles}, waiting, in_handler
+
+
 def percent(seconds: dict[str, float]) -> dict[str, float]:
     total = sum(seconds.values()) or 1.0
     return {k: 100 * v / total for k, v in seconds.items()}
@@ -234,11 +264,14 @@ def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> Non
                 order[f"{layout}, {label}"] = comparator_order(r.doc, examples)
                 fidelity.append(Fidelity.of(f"agreement, {layout}, {label}", r.stats))
             agreement_table(section, classifier, layout, what, runs)
+            print(f"  agreement: {layout}, py-spy alone", flush=True)
+            running_table(section, classifier, layout, runs, pyspy_alone(layout, seconds, tmp))
     section.notes.append(
         "Why the shares can differ: dask-pyspy (idle=False) keeps a thread's sample when it ran at least half the "
         "interval or holds the GIL, and merges native frames into the samples of threads on a CPU, from a timer on "
-        "each thread's own CPU clock; py-spy keeps every thread in state R (running or waiting for a CPU). A "
-        "sample without a capture (none in the last ticks, or mismatched halves) keeps its Python frames only: its "
+        "each thread's own CPU clock; py-spy keeps the threads it does not take for idle, threads waiting on a "
+        "condition or the GIL among them (left out of the running tables). A sample without a capture (none in "
+        "the last ticks, or mismatched halves) keeps its Python frames only: its "
         "leaf counts as Python code. py-spy stops the process with ptrace for each of its samples: the alone "
         "columns are dask-pyspy without py-spy (another run of the same workload)."
     )
@@ -290,6 +323,58 @@ def agreement_table(
         f"Target: each library's share within ±{AGREEMENT:g} points of py-spy's ({layout}, recorded at once). "
         f"Worst {worst:.1f} points: {verdict(worst <= AGREEMENT)}. Among native leaves only (what capture "
         f"failures, which keep Python leaves, leave out): worst {worst_native:.1f} points."
+    )
+
+
+def running_table(
+    section: Section, classifier: Classifier, layout: str, runs: dict[str, Recording], alone: tuple[Doc | None, str]
+) -> None:
+    """Running samples against running samples: the share of native leaves and of py-spy's
+    top libraries, each tool recording alone (another run of the same workload), and both
+    at once, where each perturbs the other."""
+    spy_alone, complaint = alone
+    beside = runs["beside py-spy"]
+    if spy_alone is None or beside.pyspy is None:
+        section.notes.append(f"Running samples ({layout}): py-spy recorded nothing: {complaint or beside.complaint}")
+        return
+    theirs_alone, waiting, in_handler = pyspy_running(spy_alone)
+    theirs_beside, waiting_beside, in_handler_beside = pyspy_running(beside.pyspy)
+    docs = (runs["alone"].running, theirs_alone, beside.running, theirs_beside)
+    ours, theirs, ours_b, theirs_b = (percent(classifier.leaves(d)[0]) for d in docs)
+    libraries = [c for c in CLASSES if c not in ("Python code", "other")]
+    top = sorted(libraries, key=lambda c: -theirs[c])[:TOP_LIBRARIES]
+    a, b, x, y = (100 - d["Python code"] for d in (ours, theirs, ours_b, theirs_b))
+    shares = [("all native leaves", a, b, x, y)]
+    shares += [(c, ours[c], theirs[c], ours_b[c], theirs_b[c]) for c in top]
+    rows = [
+        [c, f"{a:.1f}", f"{b:.1f}", f"{a - b:+.1f}", f"{x:.1f} / {y:.1f}", f"{x - y:+.1f}"] for c, a, b, x, y in shares
+    ]
+    section.tables.append(
+        f"Running samples, {layout}: dask-pyspy's samples of threads on a CPU or waiting for one (states cpu, "
+        f"cpu-gil, cpu-wait); py-spy's without those in a native wait (a condition, a futex, the GIL: "
+        f"{waiting:.1f} thread-s alone, {waiting_beside:.1f} beside) or paused inside dask-pyspy's signal handler "
+        f"({in_handler_beside:.1f} thread-s beside, where py-spy's unwinder stops: its pauses stop threads inside "
+        f"the handler's reads; {in_handler:.1f} alone). Each tool alone (two runs of the workload), and both at "
+        f"once, where each perturbs the other. The share of native leaves and of py-spy's top {TOP_LIBRARIES} "
+        f"libraries:\n\n"
+        + table(
+            [
+                "leaves",
+                "dask-pyspy alone %",
+                "py-spy alone %",
+                "difference (points)",
+                "at once: dask-pyspy / py-spy %",
+                "difference",
+            ],
+            rows,
+        )
+    )
+    worst = max(abs(a - b) for _, a, b, _, _ in shares)
+    worst_beside = max(abs(x - y) for _, _, _, x, y in shares)
+    section.notes.append(
+        f"Target: running samples against running samples, the share of native leaves and of each of py-spy's top "
+        f"{TOP_LIBRARIES} libraries within {RUNNING_AGREEMENT:g} points, each tool alone ({layout}). Worst "
+        f"{worst:.1f} points: {verdict(worst <= RUNNING_AGREEMENT)}. Recorded at once: worst {worst_beside:.1f}."
     )
 
 

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from dask_pyspy import Sampler
+from dask_pyspy import Sampler, _native
+from dask_pyspy.model import Profile
 
 Step = Callable[[], object]
 
@@ -119,10 +120,15 @@ def stop_threads(threads: list[threading.Thread], stop: threading.Event) -> None
         t.join()
 
 
-def agreement(layout: str, out: str) -> dict[str, Any]:
+#: The thread states of samples on a CPU or waiting for one, as py-spy keeps threads.
+RUNNING = ("cpu", "cpu-gil", "cpu-wait")
+
+
+def agreement(layout: str, out: str = "", running: str = "") -> dict[str, Any]:
     """The workload in 4 threads ("together") or one thread ("in turn"), sampled from
     "ready" until a line on stdin (the parent runs py-spy in between); the profile goes
-    to `out` as speedscope JSON."""
+    to `out` as speedscope JSON, and its samples of threads in `RUNNING` to `running`.
+    Without `out`, not sampled: py-spy's alone."""
     j = jobs()
     if layout == "together":
         targets: dict[str, Callable[[threading.Event], None]] = {
@@ -136,13 +142,19 @@ def agreement(layout: str, out: str) -> dict[str, Any]:
     threads, stop = start_threads(targets)
     time.sleep(1.0)  # past the threads' start
     s = Sampler(native=True, rate=100, cpu_budget=0.2)
-    s.start()
+    if out:
+        s.start()
     print("ready", flush=True)
     sys.stdin.readline()
-    s.stop()
     stop_threads(threads, stop)
+    if not out:
+        return {"stats": {}}
+    s.stop()
+    profile = s.profile()
     with open(out, "w") as f:
-        json.dump(s.profile().speedscope(), f)
+        json.dump(profile.speedscope(), f)
+    with open(running, "w") as f:
+        json.dump(Profile(_native._testing.only_states(profile._native, list(RUNNING))).speedscope(), f)
     return {"stats": s.stats()}
 
 

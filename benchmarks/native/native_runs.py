@@ -36,6 +36,8 @@ class Recording:
 
     doc: Doc
     stats: dict[str, Any]
+    #: dask-pyspy's samples of threads on a CPU or waiting for one.
+    running: Doc
     pyspy: Doc | None = None
     complaint: str = ""
 
@@ -49,23 +51,53 @@ def record(layout: str, seconds: float, tmp: str, with_pyspy: bool) -> Recording
     """The workload recorded by dask-pyspy inside it for about `seconds`, and by py-spy
     --native from outside at the same time if `with_pyspy`."""
     ours = os.path.join(tmp, f"{layout}-{with_pyspy}-ours.json")
-    theirs = os.path.join(tmp, f"{layout}-pyspy.json")
-    args = json.dumps({"mode": "agreement", "layout": layout, "out": ours})
+    running = os.path.join(tmp, f"{layout}-{with_pyspy}-ours-running.json")
+    theirs = os.path.join(tmp, f"{layout}-pyspy.json") if with_pyspy else None
+    out, complaint = recorded({"layout": layout, "out": ours, "running": running}, seconds, theirs)
+    with open(ours) as f, open(running) as g:
+        got = Recording(json.load(f), json.loads(out.splitlines()[-1])["stats"], json.load(g))
+    got.pyspy, got.complaint = None if complaint else pyspy_doc(theirs), complaint
+    return got
+
+
+def pyspy_alone(layout: str, seconds: float, tmp: str) -> tuple[Doc | None, str]:
+    """The workload recorded by py-spy --native alone (dask-pyspy not sampling), and why not."""
+    theirs = os.path.join(tmp, f"{layout}-pyspy-alone.json")
+    _, complaint = recorded({"layout": layout}, seconds, theirs)
+    return None if complaint else pyspy_doc(theirs), complaint
+
+
+def pyspy_doc(path: str | None) -> Doc | None:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        doc: Doc = json.load(f)
+    return doc
+
+
+def recorded(args: dict[str, Any], seconds: float, pyspy_out: str | None) -> tuple[str, str]:
+    """Runs the agreement child with `args` for about `seconds`, with py-spy recording it
+    into `pyspy_out` if given: the child's stdout, and py-spy's complaint if it failed."""
     child = subprocess.Popen(
-        [sys.executable, CHILD, args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+        [sys.executable, CHILD, json.dumps({"mode": "agreement", **args})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
     )
     assert child.stdin is not None and child.stdout is not None
-    spy = None
+    complaint = ""
     try:
         assert child.stdout.readline().strip() == "ready", "the agreement child did not start"
-        if with_pyspy:
+        if pyspy_out is not None:
             spy = subprocess.run(
                 [PYSPY, "record", "--native", "--rate", str(PYSPY_RATE), "--pid", str(child.pid)]
-                + ["--duration", str(round(seconds)), "--format", "speedscope", "--output", theirs],
+                + ["--duration", str(round(seconds)), "--format", "speedscope", "--output", pyspy_out],
                 capture_output=True,
                 text=True,
                 timeout=seconds + 120,
             )
+            complaint = spy.stderr.strip()[-300:] if spy.returncode != 0 else ""
         else:
             time.sleep(seconds)
         child.stdin.write("stop\n")
@@ -75,15 +107,8 @@ def record(layout: str, seconds: float, tmp: str, with_pyspy: bool) -> Recording
         if child.poll() is None:
             child.kill()
     if child.returncode != 0:
-        raise RuntimeError(f"agreement child ({layout}) exited with {child.returncode}")
-    with open(ours) as f:
-        got = Recording(json.load(f), json.loads(out.splitlines()[-1])["stats"])
-    if spy is not None and spy.returncode == 0 and os.path.exists(theirs):
-        with open(theirs) as f:
-            got.pyspy = json.load(f)
-    elif spy is not None:
-        got.complaint = spy.stderr.strip()[-300:]
-    return got
+        raise RuntimeError(f"agreement child ({args['layout']}) exited with {child.returncode}")
+    return out, complaint
 
 
 def cost_run(native: bool, seconds: float, budget: float | None = None) -> dict[str, float]:
