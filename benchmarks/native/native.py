@@ -16,6 +16,7 @@ from typing import Callable
 from benchmarks.common import Section, interleave, spread, table, verdict
 from benchmarks.fidelity import bias
 from benchmarks.native.native_agreement import agreement
+from benchmarks.native.native_coverage import coverage
 from benchmarks.native.native_runs import Fidelity, cost_run, run_child, signals
 
 COST_RATE, COST_CPU = 0.02, 0.015
@@ -29,7 +30,8 @@ def run(quick: bool) -> Section:
     section = Section("Native frames", __doc__.split("\n\n")[0].replace("\n", " "))
     before = built()
     fidelity: list[Fidelity] = []
-    agreement(section, seconds, fidelity)
+    together = agreement(section, seconds, fidelity)
+    coverage(section, together, seconds)
     cost(section, seconds, 2 if quick else 3, fidelity)
     memory(section, 4.0 if quick else 8.0)
     bias_with_native(section, seconds, quick, fidelity)

@@ -243,12 +243,13 @@ def comparator_order(doc: Doc, examples: list[str]) -> dict[str, float]:
 # --- the tables -------------------------------------------------------------------------------
 
 
-def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> None:
-    """Sections 1 and 2: each layout recorded by both tools at once, and by dask-pyspy
-    alone (py-spy's pauses change what dask-pyspy sees); the comparator's order per run."""
+def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> Recording | None:
+    """Sections 1 and 2: each layout recorded by both tools at once, and by each alone
+    (py-spy's pauses change what dask-pyspy sees); the comparator's order per run. Gives
+    dask-pyspy's recording of the 4 threads together, alone."""
     if not os.path.exists(PYSPY):
         section.notes.append(f"py-spy is not installed at {PYSPY} (`pip install py-spy`): no agreement figures.")
-        return
+        return None
     classifier = Classifier()
     order: dict[str, dict[str, float]] = {}
     examples: list[str] = []
@@ -283,6 +284,7 @@ def agreement(section: Section, seconds: float, fidelity: list[Fidelity]) -> Non
     if classifier.ambiguous:
         section.notes.append(f"Leaf libraries dask-pyspy's file names could not place: {dict(classifier.ambiguous)}.")
     order_table(section, order, examples)
+    return runs["alone"]  # of the last layout: together
 
 
 def agreement_table(

@@ -158,6 +158,45 @@ def agreement(layout: str, out: str = "", running: str = "") -> dict[str, Any]:
     return {"stats": s.stats()}
 
 
+def matmul_task(seed: int) -> float:
+    import numpy as np
+
+    a = np.random.default_rng(seed).random((500, 500))
+    for _ in range(20):
+        a = a @ a
+        a /= a.max()
+    return float(a.sum())
+
+
+def cluster(seconds: float) -> dict[str, Any]:
+    """A LocalCluster of 1 worker x 2 threads running numpy matmul tasks for about
+    `seconds`, native=True: the seconds of task samples, and of those with a gemm frame."""
+    from distributed import Client, LocalCluster
+
+    import dask_pyspy
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0") as c,
+        Client(c) as client,
+    ):
+        client.register_plugin(dask_pyspy.PySpyPlugin(native=True))
+        client.gather(client.map(matmul_task, range(4), key=[f"warm-{i}" for i in range(4)]))
+        start, seed = time.time(), 0
+        while time.time() - start < seconds:
+            client.gather(client.map(matmul_task, range(seed, seed + 20)))
+            seed += 20
+        doc = client.pyspy_profile(last=time.time() - start).speedscope()
+    frames = doc["shared"]["frames"]
+    out = {"task_s": 0.0, "gemm_s": 0.0}
+    for p in doc["profiles"]:
+        for stack, weight in zip(p["samples"], p["weights"]):
+            names = [frames[i]["name"] for i in stack]
+            if "matmul_task" in names:
+                out["task_s"] += weight
+                out["gemm_s"] += weight * any("gemm" in n for n in names)
+    return out
+
+
 def cost(native: bool, seconds: float, budget: float | None) -> dict[str, Any]:
     """4 busy numpy/pandas threads sampled at 100 Hz, with the default CPU budget unless given."""
     j = jobs(rows=1_000_000)
@@ -250,6 +289,7 @@ def sleeper_samples(doc: dict[str, Any]) -> dict[str, float]:
 
 MODES: dict[str, Callable[..., dict[str, Any]]] = {
     "agreement": agreement,
+    "cluster": cluster,
     "cost": cost,
     "memory": memory,
     "eintr": eintr,
