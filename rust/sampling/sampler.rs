@@ -13,6 +13,7 @@ use crate::sampling::loops::LoopWatch;
 use crate::sampling::series::Series;
 use crate::sampling::store::Store;
 use crate::sampling::thread::{now_ns, run, RunStats, Shared};
+use crate::sampling::watching::KEEP_NS;
 use crate::sampling::window::{Window, WindowSize};
 use crate::sync::{Condvar, Mutex};
 use serde_json::{json, Value};
@@ -257,7 +258,12 @@ impl Sampler {
 
     pub fn unwatch_loop(&self, watch: &Arc<LoopWatch>) {
         self.shared.loops.lock().retain(|w| !Arc::ptr_eq(w, watch));
-        self.shared.stalls.lock().lost += watch.lost.load(Ordering::Relaxed);
+        // Off the list, no tick drains its ring again: the stalls it still holds are kept
+        // here (without the system call a tick would have seen).
+        let mut stalls = self.shared.stalls.lock();
+        let ident = watch.ident;
+        watch.drain(|start_ns, end_ns| stalls.add(Stall { start_ns, end_ns, ident, call: None }, KEEP_NS));
+        stalls.lost += watch.lost.load(Ordering::Relaxed);
     }
 
     /// The stalls in `[start_ns, stop_ns]` of at least `min_ns`, the `most` longest

@@ -220,12 +220,34 @@ async def many_short_stalls(sampler: Sampler, n: int) -> None:
         for i in range(n):
             spin(0.002)
             await asyncio.sleep(0)
-            if i % 48 == 47 or i == n - 1:  # unwatching drops what the ring still holds
+            if i % 48 == 47:
                 # Waited for off the loop, which then polls with no deadline: no stall.
                 await asyncio.get_running_loop().run_in_executor(None, drained, sampler)
     finally:
         del selector.select
         sampler.native.unwatch_loop(watch)
+
+
+def test_unwatching_keeps_the_stalls_the_ring_still_holds():
+    """A loop unwatched before a tick took its last stalls from the ring (here: a sampler
+    that never ticks) keeps them; they were dropped, uncounted."""
+    sampler = Sampler(rate=100)
+
+    async def stalls_twice() -> None:
+        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        selector.select = watch = sampler.native.watch_loop(selector.select, 0.01)
+        try:
+            for _ in range(3):  # the first iteration began before the loop was watched
+                spin(0.05)
+                await asyncio.sleep(0)
+        finally:
+            del selector.select
+            sampler.native.unwatch_loop(watch)
+
+    asyncio.run(stalls_twice())
+    found = sampler.stalls()
+    assert found["count"] == 2 and found["lost"] == 0, found
+    assert all(duration >= 0.05 for _, duration in found["records"]), found["records"]
 
 
 def test_a_window_carries_the_longest_records_and_counts_them_all():
