@@ -158,13 +158,14 @@ def pyspy_running(doc: Doc) -> tuple[Doc, float, float]:
     waiting = in_handler = 0.0
     profiles = []
     for p in doc["profiles"]:
+        work = "work-" in p["name"]  # the seconds left out are counted as `work_samples` counts
         kept: tuple[list[list[int]], list[float]] = ([], [])
         for stack, weight in zip(p["samples"], p["weights"]):
             names = [frames[i]["name"] for i in stack]
             if any(HANDLER in n for n in names):
-                in_handler += weight if "work-" in p["name"] else 0.0
+                in_handler += weight * work
             elif any(WAITING.search(n) for n in names):
-                waiting += weight if "work-" in p["name"] else 0.0
+                waiting += weight * work
             else:
                 kept[0].append(stack)
                 kept[1].append(weight)

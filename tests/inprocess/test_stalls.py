@@ -4,10 +4,12 @@ native watch: what each stall reads on this interpreter and reader."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,12 +32,21 @@ def hold_gil() -> int:
     return sum(range(60_000_000))
 
 
+@contextlib.contextmanager
+def watched(sampler: Sampler, threshold: float) -> Iterator[None]:
+    """The running loop's selector timed by `sampler`'s watch, for stalls of `threshold` s."""
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    selector.select = watch = sampler.native.watch_loop(selector.select, threshold)
+    try:
+        yield
+    finally:
+        del selector.select
+        sampler.native.unwatch_loop(watch)
+
+
 async def stalled_loop(sampler: Sampler) -> list[float]:
     """Stalls the running loop three ways; returns when each began, roughly."""
-    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
-    watch = sampler.native.watch_loop(selector.select, THRESHOLD)
-    selector.select = watch
-    try:
+    with watched(sampler, THRESHOLD):
         began = []
         await asyncio.sleep(0.3)
         began.append(time.time())
@@ -51,9 +62,6 @@ async def stalled_loop(sampler: Sampler) -> list[float]:
         holder.join()
         await asyncio.sleep(0.5)
         return began
-    finally:
-        del selector.select
-        sampler.native.unwatch_loop(watch)
 
 
 @pytest.fixture(scope="module")
@@ -214,18 +222,13 @@ async def many_short_stalls(sampler: Sampler, n: int) -> None:
     """`n` loop iterations of 2 ms, stalls at a 1 ms threshold, at most 48 (of a ring's
     64) between two reads of the loop: a slow reader's ticks, spaced out by its CPU budget
     or a loaded machine, would let the ring fill and lose the rest (counted, not kept)."""
-    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
-    selector.select = watch = sampler.native.watch_loop(selector.select, 0.001)
-    try:
+    with watched(sampler, 0.001):
         for i in range(n):
             spin(0.002)
             await asyncio.sleep(0)
             if i % 48 == 47:
                 # Waited for off the loop, which then polls with no deadline: no stall.
                 await asyncio.get_running_loop().run_in_executor(None, drained, sampler)
-    finally:
-        del selector.select
-        sampler.native.unwatch_loop(watch)
 
 
 def test_unwatching_keeps_the_stalls_the_ring_still_holds():
@@ -234,15 +237,10 @@ def test_unwatching_keeps_the_stalls_the_ring_still_holds():
     sampler = Sampler(rate=100)
 
     async def stalls_twice() -> None:
-        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
-        selector.select = watch = sampler.native.watch_loop(selector.select, 0.01)
-        try:
+        with watched(sampler, 0.01):
             for _ in range(3):  # the first iteration began before the loop was watched
                 spin(0.05)
                 await asyncio.sleep(0)
-        finally:
-            del selector.select
-            sampler.native.unwatch_loop(watch)
 
     asyncio.run(stalls_twice())
     found = sampler.stalls()
