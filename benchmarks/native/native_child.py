@@ -141,15 +141,16 @@ def agreement(layout: str, out: str = "", running: str = "") -> dict[str, Any]:
         targets = {"work-0": functools.partial(in_turn, list(j.values()))}
     threads, stop = start_threads(targets)
     time.sleep(1.0)  # past the threads' start
-    s = Sampler(native=True, rate=100, cpu_budget=0.2)
-    if out:
+    s = Sampler(native=True, rate=100, cpu_budget=0.2) if out else None
+    if s is not None:
         s.start()
     print("ready", flush=True)
     sys.stdin.readline()
+    if s is not None:
+        s.stop()
     stop_threads(threads, stop)
-    if not out:
+    if s is None:
         return {"stats": {}}
-    s.stop()
     profile = s.profile()
     with open(out, "w") as f:
         json.dump(profile.speedscope(), f)
