@@ -183,10 +183,10 @@ def test_captures_merge_with_the_python_frames_they_copied():
     assert native["mismatched"] <= max(5, native["captures"] // 40), native
 
 
-def held_and_merged(held: int, merged: int) -> Callable[[Sampler], bool]:
+def lent_and_merged(lent: int, merged: int) -> Callable[[Sampler], bool]:
     def done(s: Sampler) -> bool:
         native = s.stats()["native"]
-        return native["held"] >= held and native["merged"] >= merged
+        return native["lent"] >= lent and native["merged"] >= merged
 
     return done
 
@@ -194,15 +194,15 @@ def held_and_merged(held: int, merged: int) -> Callable[[Sampler], bool]:
 def test_a_thread_short_of_cpu_keeps_native_frames_between_its_captures():
     """Beside 3 BLAS threads on 2 cores, the thread calling Python from native code is
     captured at fewer ticks than it is sampled on a CPU, often in the other phase than the
-    tick reads it in. Such a sample is given its thread's last capture whole (`held`):
-    before, it kept its Python frames only, a sixth of them here (a Python callback with
-    no native caller)."""
+    tick reads it in. Such a sample is lent the native frames its Python lines last ran
+    in (`lent`): before held captures, it kept its Python frames only, a sixth of them
+    here (a Python callback with no native caller)."""
     stop = threading.Event()
     blas = [threading.Thread(target=matmul_loop, args=(stop,), daemon=True) for _ in range(3)]
     for t in blas:
         t.start()
     try:
-        s, prof = record(calls_native, "caller", held_and_merged(20, 300))
+        s, prof = record(calls_native, "caller", lent_and_merged(20, 300))
     finally:
         stop.set()
         for t in blas:

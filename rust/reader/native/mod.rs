@@ -2,10 +2,12 @@
 //! on each busy thread's CPU clock (`timers`) sends it a real-time signal whose
 //! handler copies its registers and the top of its stack (`signal`); at its next
 //! tick the sampling thread unwinds the copy (`unwind`, over the modules' tables in
-//! `modules`), names the addresses (`symbols`, `resolve`) and merges them with the
-//! thread's Python frames (`merge`).
+//! `modules`), names the addresses (`symbols`, `resolve`), merges them with the
+//! thread's Python frames (`merge`) and lends them to the Python frames the tick read
+//! (`lend`).
 
 mod elf;
+mod lend;
 mod merge;
 mod modules;
 mod resolve;
@@ -19,6 +21,7 @@ pub use merge::NATIVE;
 use crate::profile::model::Frame;
 use crate::reader::{Copied, FramePointer, Run, StackReader};
 use framehop::x86_64::CacheX86_64;
+use lend::{lend, NativeCalls};
 use merge::{merge, Mismatch, Named};
 use modules::Modules;
 use resolve::{Kind, Resolver};
@@ -33,11 +36,9 @@ use unwind::{return_addresses, unwind, unwind_from, word_at, End, NativeFrame};
 
 /// Stack copied from a thread at first; doubled for a thread whose stack went on past it.
 const FIRST_COPY: usize = 32 << 10;
-/// How long a thread's capture stands for it, in intervals of the thread's CPU time,
-/// while its task and activity are the ones it was captured under: its timer fires at
-/// the kernel's first tick after each interval of it (sooner where the thread's clock
-/// is not known: in ticks of the sampler). A thread sharing a core is sampled each tick
-/// but captured only every few.
+/// How long a capture's copy of its thread's Python frames is walked after it, in
+/// intervals of the thread's CPU time: its timer fires at the kernel's first tick
+/// after each interval of it. A thread sharing a core is captured only every few ticks.
 const STANDS_FOR: u64 = 2;
 /// Timer periods per sampling interval of a thread's CPU: the kernel fires a timer
 /// at its first scheduler tick after the period (every 4 ms at HZ=250), so a period of
@@ -86,7 +87,8 @@ pub struct NativeStats {
     pub captures: u64,
     /// Captures merged with the Python frames their signal copied, of the same
     /// instant; the others (a task or activity begun since, a frame the reader could
-    /// not walk) with the frames the tick read.
+    /// not walk) with the frames the tick read. Either way a sample shows the
+    /// Python frames the tick read (`merge::graft`).
     pub exact: u64,
     /// Samples of threads on a CPU with no capture to merge: none since their last
     /// one, or one older than a few ticks (a thread that blocks the signal, or that
@@ -99,13 +101,11 @@ pub struct NativeStats {
     pub not_signalled: u64,
     /// Signals that found their thread's slot still being read or written.
     pub busy: u64,
-    /// Samples merged with their native frames (`reused`: with those of a capture
-    /// taken at an earlier tick, under the same innermost Python frame; `held`: given
-    /// such a capture whole, Python frames too, as the thread's Python frame moved
-    /// since but not its task).
+    /// Samples of threads on a CPU given native frames (`lent`: with no capture of
+    /// their own at that tick), those that their Python frames' lines last ran in
+    /// (see `lend`).
     pub merged: u64,
-    pub reused: u64,
-    pub held: u64,
+    pub lent: u64,
     /// Captures whose halves disagreed, with native frames that their samples lost
     /// (those kept their Python frames only).
     pub mismatched: u64,
@@ -132,23 +132,6 @@ impl NativeStats {
     }
 }
 
-/// A thread's last capture that merged, kept to stand for it until its next.
-struct Latest {
-    tick: u64,
-    /// The thread's CPU clock when it was taken (else at the tick that took it).
-    clock_ns: Option<u64>,
-    /// When it was taken, on the monotonic clock.
-    time_ns: u64,
-    /// The resolver's epoch and the reader's, for the native and the Python ids.
-    epochs: (u64, u64),
-    pointer: Option<u64>,
-    named: Vec<Named>,
-    /// The stack it merged into, Python frames and native.
-    merged: Vec<u64>,
-    end: End,
-    copy_end: u64,
-}
-
 pub struct Native {
     signal: i32,
     interval: Duration,
@@ -162,7 +145,7 @@ pub struct Native {
     /// Per thread, where its last scan past assembly found the return address that
     /// merged, above the frame it stopped at.
     scanned_at: FxHashMap<u64, u64>,
-    latest: FxHashMap<u64, Latest>,
+    calls: NativeCalls,
     costs: VecDeque<[u32; 2]>,
     stats: NativeStats,
     unwound: Vec<NativeFrame>,
@@ -226,7 +209,7 @@ impl Native {
             resolver: Resolver::new(),
             copy: FxHashMap::default(),
             scanned_at: FxHashMap::default(),
-            latest: FxHashMap::default(),
+            calls: NativeCalls::default(),
             costs: VecDeque::new(),
             stats: NativeStats { signal: sig, ..Default::default() },
             unwound: Vec::new(),
@@ -295,8 +278,8 @@ impl Native {
         }
     }
 
-    /// Merges the capture waiting in `slot` into `w`'s frames, or else gives them its
-    /// last one while it stands for the thread.
+    /// Merges the capture waiting in `slot` into `w`'s frames, or else lends them the
+    /// native frames earlier captures showed under their Python frames.
     fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>, reader: &mut dyn StackReader) {
         if let Some(capture) = slot.capture() {
             let merged = self.take(&capture, w, reader);
@@ -305,34 +288,22 @@ impl Native {
                 return;
             }
         }
-        let epochs = (self.resolver.epoch, reader.epoch());
-        let Some(l) = self.latest.get(&w.tid).filter(|l| l.epochs == epochs && self.stands(l, w)) else {
-            self.stats.no_capture += 1;
-            return;
-        };
-        // Under the same innermost Python frame: its native frames, under the frames
-        // just read. Else the capture whole, if its thread's task and activity have
-        // not changed since: a Python-only sample would show no native frame at all.
-        let under_same = w.pointer.is_some_and(|p| l.pointer == Some(p.seen));
-        if under_same && merge(w.frames, w.evals, &l.named, l.end, l.copy_end, &mut self.merged).is_ok() {
-            std::mem::swap(w.frames, &mut self.merged);
-            self.stats.reused += 1;
-        } else if w.marks_since_ns.is_some_and(|since| since <= l.time_ns) {
-            w.frames.clone_from(&l.merged);
-            self.stats.held += 1;
+        if self.lend_to(w, (self.resolver.epoch, reader.epoch())) {
+            self.stats.lent += 1;
+            self.stats.merged += 1;
         } else {
             self.stats.no_capture += 1;
-            return;
         }
-        self.stats.merged += 1;
     }
 
-    /// Whether the thread's last capture `l` still stands for it: it used little CPU since.
-    fn stands(&self, l: &Latest, w: &Wanted<'_>) -> bool {
-        match (w.clock_ns, l.clock_ns) {
-            (Some(now), Some(then)) => self.still_stands(now, then),
-            _ => self.tick - l.tick <= STANDS_FOR,
+    /// Gives the Python frames just read the native frames their lines last ran in;
+    /// false if none.
+    fn lend_to(&mut self, w: &mut Wanted<'_>, epochs: (u64, u64)) -> bool {
+        if lend(w.frames, &self.calls, epochs, &mut self.merged) == 0 {
+            return false;
         }
+        std::mem::swap(w.frames, &mut self.merged);
+        true
     }
 
     /// Forgets what was kept per thread for threads not in `live` (sorted): they exited.
@@ -341,7 +312,6 @@ impl Native {
         self.timers.keep(live);
         self.copy.retain(|tid, _| alive(tid));
         self.scanned_at.retain(|tid, _| alive(tid));
-        self.latest.retain(|tid, _| alive(tid));
     }
 
     /// Whether a capture taken at the thread's CPU clock `then` still stands for it at
@@ -350,10 +320,10 @@ impl Native {
         now.saturating_sub(then) <= STANDS_FOR * self.interval.as_nanos() as u64
     }
 
-    /// A capture unwound and merged into `w`'s frames, with the Python frames it
-    /// copied where the reader can walk them, else with those the tick read if the
-    /// thread was still in the frame it was captured in; kept to stand for the thread
-    /// until its next. False if the halves disagreed.
+    /// A capture unwound and merged with the Python frames it copied where the reader
+    /// can walk them, else with those the tick read if the thread was still in the
+    /// frame it was captured in; learned from (`lend`), and lent to `w`'s frames.
+    /// False if the halves disagreed.
     fn take(&mut self, c: &Capture, w: &mut Wanted<'_>, reader: &mut dyn StackReader) -> bool {
         self.stats.captures += 1;
         let t0 = Instant::now();
@@ -375,40 +345,25 @@ impl Native {
             (end, merged) = scan.unwrap_or((end, false));
         }
         self.after_unwind(w.tid, end, c.stack.len(), !merged && !moved);
+        let mut shown = merged;
         if merged {
-            std::mem::swap(w.frames, &mut self.merged);
-            self.keep_latest(w, c, reader.epoch(), (end, copy_end));
+            let epochs = (self.resolver.epoch, reader.epoch());
+            self.calls.learn(&self.merged, epochs);
+            // Merged with the capture's own Python frames, the sample keeps the read's.
+            shown = match copied {
+                Some(_) => self.lend_to(w, epochs),
+                None => {
+                    std::mem::swap(w.frames, &mut self.merged);
+                    true
+                }
+            };
         }
-        self.stats.merged += u64::from(merged);
+        self.stats.merged += u64::from(shown);
         // Captured in the interpreter's own code, the native half had nothing to add.
         self.stats.mismatched += u64::from(!(merged || moved && self.in_interpreter()));
         self.stats.moved += u64::from(moved);
         self.keep_costs([t1 - t0, t1.elapsed()].map(|d| d.as_nanos().min(u32::MAX as u128) as u32));
         merged
-    }
-
-    /// Keeps the capture `c` just merged (into `w`'s frames) to stand for its thread,
-    /// in the place of its last.
-    fn keep_latest(&mut self, w: &Wanted<'_>, c: &Capture, reader_epoch: u64, (end, copy_end): (End, u64)) {
-        let tick = self.tick;
-        let clock_ns = if c.cpu_ns != 0 { Some(c.cpu_ns) } else { w.clock_ns };
-        let epochs = (self.resolver.epoch, reader_epoch);
-        let latest = self.latest.entry(w.tid).or_insert_with(|| Latest {
-            tick,
-            clock_ns,
-            time_ns: c.time_ns,
-            epochs,
-            pointer: c.pointer,
-            named: Vec::new(),
-            merged: Vec::new(),
-            end,
-            copy_end,
-        });
-        // Into the Vecs the thread's last one used.
-        latest.named.clone_from(&self.named);
-        latest.merged.clone_from(w.frames);
-        (latest.tick, latest.clock_ns, latest.time_ns, latest.epochs) = (tick, clock_ns, c.time_ns, epochs);
-        (latest.pointer, latest.end, latest.copy_end) = (c.pointer, end, copy_end);
     }
 
     /// The Python frames and eval runs `c` copied, walked by `reader`; None where it
