@@ -213,7 +213,7 @@ def test_a_thread_short_of_cpu_keeps_native_frames_between_its_captures():
         return
     samples = stacks(prof, "caller")
     with_native = sum(w for st, w in samples if native_frames(st))
-    # 0.96-0.98 here alone, 0.89 beside stress-ng; 0.83-0.87 alone before.
+    # 0.97-0.98 here alone, lent; 0.83-0.87 alone before captures stood for their thread.
     assert with_native >= 0.8 * sum(w for _, w in samples), (with_native, s.stats()["native"])
 
 

@@ -21,7 +21,7 @@ pub use merge::NATIVE;
 use crate::profile::model::Frame;
 use crate::reader::{Copied, FramePointer, Run, StackReader};
 use framehop::x86_64::CacheX86_64;
-use lend::{lend, NativeCalls};
+use lend::NativeCalls;
 use merge::{merge, Mismatch, Named};
 use modules::Modules;
 use resolve::{Kind, Resolver};
@@ -288,7 +288,7 @@ impl Native {
                 return;
             }
         }
-        if self.lend_to(w, (self.resolver.epoch, reader.epoch())) {
+        if self.lend_to(w, reader) {
             self.stats.lent += 1;
             self.stats.merged += 1;
         } else {
@@ -298,8 +298,9 @@ impl Native {
 
     /// Gives the Python frames just read the native frames their lines last ran in;
     /// false if none.
-    fn lend_to(&mut self, w: &mut Wanted<'_>, epochs: (u64, u64)) -> bool {
-        if lend(w.frames, &self.calls, epochs, &mut self.merged) == 0 {
+    fn lend_to(&mut self, w: &mut Wanted<'_>, reader: &dyn StackReader) -> bool {
+        let epochs = (self.resolver.epoch, reader.epoch());
+        if self.calls.lend(w.frames, epochs, |id| reader.frame(id), &mut self.merged) == 0 {
             return false;
         }
         std::mem::swap(w.frames, &mut self.merged);
@@ -348,10 +349,10 @@ impl Native {
         let mut shown = merged;
         if merged {
             let epochs = (self.resolver.epoch, reader.epoch());
-            self.calls.learn(&self.merged, epochs);
+            self.calls.learn(&self.merged, epochs, |id| reader.frame(id));
             // Merged with the capture's own Python frames, the sample keeps the read's.
             shown = match copied {
-                Some(_) => self.lend_to(w, epochs),
+                Some(_) => self.lend_to(w, reader),
                 None => {
                     std::mem::swap(w.frames, &mut self.merged);
                     true
