@@ -34,8 +34,10 @@ pub struct NativeCalls {
 
 impl NativeCalls {
     /// Learns from a capture's `merged` stack (innermost first), its Python frame ids
-    /// named by `frame`.
-    pub fn learn(&mut self, merged: &[u64], epochs: (u64, u64), frame: impl Fn(u64) -> Frame) {
+    /// named by `frame`. Not `exact` (merged with the frames the tick read, not those
+    /// the signal copied), its innermost frame's line may have moved since the capture
+    /// (the frame is the same); the frames outside it may not.
+    pub fn learn(&mut self, merged: &[u64], exact: bool, epochs: (u64, u64), frame: impl Fn(u64) -> Frame) {
         if epochs != self.epochs || self.lines.len() >= MAX_LINES {
             self.lines.clear();
             self.toward_python.clear();
@@ -48,10 +50,15 @@ impl NativeCalls {
                 continue;
             }
             let line = self.line(id, &frame);
-            let table = if start == 0 { &mut self.innermost } else { &mut self.toward_python };
-            let natives = table.entry(line).or_default();
-            natives.clear();
-            natives.extend_from_slice(&merged[start..i]);
+            let table = match start {
+                0 if !exact => None,
+                0 => Some(&mut self.innermost),
+                _ => Some(&mut self.toward_python),
+            };
+            if let Some(natives) = table.map(|t| t.entry(line).or_default()) {
+                natives.clear();
+                natives.extend_from_slice(&merged[start..i]);
+            }
             start = i + 1;
         }
     }
@@ -103,7 +110,7 @@ mod tests {
         // Captured: main (12) -> caller (11) -> qsort (2, 3) -> comparator at line 20 -> C leaf (1).
         let merged = [NATIVE | 1, 20, NATIVE | 2, NATIVE | 3, 11, 12];
         let mut calls = NativeCalls::default();
-        calls.learn(&merged, E, frame);
+        calls.learn(&merged, true, E, frame);
         let mut out = Vec::new();
         assert_eq!(calls.lend(&[20, 11, 12], E, frame, &mut out), 3);
         assert_eq!(out, merged, "the same lines: the capture whole");
@@ -123,17 +130,28 @@ mod tests {
     #[test]
     fn a_lines_last_capture_is_what_it_lends() {
         let mut calls = NativeCalls::default();
-        calls.learn(&[NATIVE | 1, 20, NATIVE | 2, 11, 12], E, frame);
+        calls.learn(&[NATIVE | 1, 20, NATIVE | 2, 11, 12], true, E, frame);
         // The caller captured in qsort itself, then calling the comparator directly.
-        calls.learn(&[NATIVE | 4, NATIVE | 2, 11, 12], E, frame);
-        calls.learn(&[20, 11, 12], E, frame);
+        calls.learn(&[NATIVE | 4, NATIVE | 2, 11, 12], true, E, frame);
+        calls.learn(&[20, 11, 12], true, E, frame);
         let mut out = Vec::new();
         assert_eq!(calls.lend(&[11, 12], E, frame, &mut out), 2);
         assert_eq!(out, vec![NATIVE | 4, NATIVE | 2, 11, 12]);
         assert_eq!(calls.lend(&[20, 11, 12], E, frame, &mut out), 0);
         // Learning another epoch forgets the last one's.
-        calls.learn(&[NATIVE | 5, 30, 12], (0, 1), frame);
+        calls.learn(&[NATIVE | 5, 30, 12], true, (0, 1), frame);
         assert_eq!(calls.lend(&[11, 12], (0, 1), frame, &mut out), 0);
         assert_eq!(calls.lend(&[30, 12], (0, 1), frame, &mut out), 1);
+    }
+
+    #[test]
+    fn a_capture_merged_with_the_ticks_frames_teaches_no_innermost_line() {
+        // Merged with the frames the tick read: the comparator may have been at another
+        // line of the same frame when captured.
+        let mut calls = NativeCalls::default();
+        calls.learn(&[NATIVE | 1, 20, NATIVE | 2, 11, 12], false, E, frame);
+        let mut out = Vec::new();
+        assert_eq!(calls.lend(&[20, 11, 12], E, frame, &mut out), 1);
+        assert_eq!(out, vec![20, NATIVE | 2, 11, 12]);
     }
 }

@@ -349,14 +349,15 @@ impl Native {
         let mut shown = merged;
         if merged {
             let epochs = (self.resolver.epoch, reader.epoch());
-            self.calls.learn(&self.merged, epochs, |id| reader.frame(id));
-            // Merged with the capture's own Python frames, the sample keeps the read's.
-            shown = match copied {
-                Some(_) => self.lend_to(w, reader),
-                None => {
-                    std::mem::swap(w.frames, &mut self.merged);
-                    true
-                }
+            self.calls.learn(&self.merged, copied.is_some(), epochs, |id| reader.frame(id));
+            // The sample keeps the read's Python frames, with what the captures taught.
+            // Merged with those, a capture may be of another line of the same innermost
+            // frame; py-spy's reader tells not even the frame: the merge stands.
+            shown = if w.pointer.is_some() {
+                self.lend_to(w, reader)
+            } else {
+                std::mem::swap(w.frames, &mut self.merged);
+                true
             };
         }
         self.stats.merged += u64::from(shown);
