@@ -88,11 +88,11 @@ pub struct NativeStats {
     /// Captures merged with the Python frames their signal copied, of the same
     /// instant; the others (a task or activity begun since, a frame the reader could
     /// not walk) with the frames the tick read. Either way a sample shows the
-    /// Python frames the tick read (`merge::graft`).
+    /// Python frames the tick read (`lend`).
     pub exact: u64,
-    /// Samples of threads on a CPU with no capture to merge: none since their last
-    /// one, or one older than a few ticks (a thread that blocks the signal, or that
-    /// used little CPU).
+    /// Samples of threads on a CPU given no native frame: no capture of their own
+    /// at that tick, and none learned for their lines (a thread that blocks the
+    /// signal, or runs Python only).
     pub no_capture: u64,
     /// Threads left unarmed because every slot was taken.
     pub no_slot: u64,
@@ -106,8 +106,8 @@ pub struct NativeStats {
     /// (see `lend`).
     pub merged: u64,
     pub lent: u64,
-    /// Captures whose halves disagreed, with native frames that their samples lost
-    /// (those kept their Python frames only).
+    /// Captures whose halves disagreed: nothing is learned from them, and their
+    /// samples are lent as if not captured.
     pub mismatched: u64,
     /// Captures not `exact` taken in another innermost Python frame than the one the
     /// tick's read found: mismatched, unless taken in the interpreter's own code
@@ -136,7 +136,6 @@ pub struct Native {
     signal: i32,
     interval: Duration,
     timers: Timers,
-    tick: u64,
     modules: Modules,
     listed: Instant,
     cache: Box<CacheX86_64>,
@@ -202,7 +201,6 @@ impl Native {
             signal: sig,
             interval,
             timers: Timers::new(sig, interval / TIMERS_PER_INTERVAL),
-            tick: 0,
             modules: Modules::new(),
             listed: Instant::now(),
             cache: Box::new(CacheX86_64::new()),
@@ -233,7 +231,6 @@ impl Native {
     /// the native frames of each thread on a CPU into its frames (walking the Python
     /// frames a signal copied with `reader`).
     pub fn capture(&mut self, threads: &mut [Wanted<'_>], reader: &mut dyn StackReader) {
-        self.tick += 1;
         if self.stats.off.is_some() {
             return;
         }
