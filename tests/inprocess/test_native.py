@@ -229,11 +229,13 @@ def churns_code(stop: threading.Event) -> None:
     """Functions made by exec, each called once (native code, then back) and freed:
     their code objects' addresses are reused. The i-th is called by `even_caller` or
     `odd_caller` as i is even or odd, so a frame named from the code object that held
-    its address before shows under the wrong caller."""
+    its address before shows under the wrong caller. Each runs 20 ms of native code: a
+    sample is lent its native frames only where the tick reads it in the call a capture
+    of it taught (a function called once teaches no other)."""
     i = 0
     while not stop.is_set():
         namespace: dict = {"native": _native._testing.native_caller}
-        exec(f"def churned_{i:05d}():\n    native(1, 0.002, int)\n", namespace)
+        exec(f"def churned_{i:05d}():\n    native(1, 0.02, int)\n", namespace)
         (odd_caller if i % 2 else even_caller)(namespace[f"churned_{i:05d}"])
         namespace.clear()  # breaks the function <-> globals cycle: freed now, not at gc
         python_for(0.003)
