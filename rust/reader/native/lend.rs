@@ -38,10 +38,8 @@ impl NativeCalls {
     /// the signal copied), its innermost frame's line may have moved since the capture
     /// (the frame is the same); the frames outside it may not.
     pub fn learn(&mut self, merged: &[u64], exact: bool, epochs: (u64, u64), frame: impl Fn(u64) -> Frame) {
-        if epochs != self.epochs || self.lines.len() >= MAX_LINES {
-            self.lines.clear();
-            self.toward_python.clear();
-            self.innermost.clear();
+        if epochs != self.epochs {
+            self.forget();
             self.epochs = epochs;
         }
         let mut start = 0;
@@ -89,8 +87,19 @@ impl NativeCalls {
         lent
     }
 
+    /// The line frame id `id` shows. Reads name ids as well as captures: the bound is
+    /// kept here, where both add them.
     fn line(&mut self, id: u64, frame: impl Fn(u64) -> Frame) -> u64 {
+        if self.lines.len() >= MAX_LINES && !self.lines.contains_key(&id) {
+            self.forget();
+        }
         *self.lines.entry(id).or_insert_with(|| self.hasher.hash_one(frame(id)))
+    }
+
+    fn forget(&mut self) {
+        self.lines.clear();
+        self.toward_python.clear();
+        self.innermost.clear();
     }
 }
 
@@ -142,6 +151,18 @@ mod tests {
         calls.learn(&[NATIVE | 5, 30, 12], true, (0, 1), frame);
         assert_eq!(calls.lend(&[11, 12], (0, 1), frame, &mut out), 0);
         assert_eq!(calls.lend(&[30, 12], (0, 1), frame, &mut out), 1);
+    }
+
+    #[test]
+    fn reads_alone_never_hold_more_than_the_bound() {
+        let mut calls = NativeCalls::default();
+        calls.learn(&[NATIVE | 1, 20], true, E, frame);
+        let mut out = Vec::new();
+        for id in 1000..1000 + MAX_LINES as u64 {
+            calls.lend(&[id], E, frame, &mut out);
+        }
+        assert!(calls.lines.len() <= MAX_LINES);
+        assert_eq!(calls.lend(&[20], E, frame, &mut out), 0, "forgotten all at once past the bound");
     }
 
     #[test]
