@@ -130,7 +130,7 @@ def cost_run(native: bool, seconds: float, budget: float | None = None) -> dict[
 #: What native capture did, by the names of the build at hand: timers on the threads'
 #: CPU clocks (captures ...), or signals on request in a baseline (asked ...).
 COUNTED = (
-    *("captures", "exact", "lent", "no_capture", "not_signalled", "busy"),
+    *("captures", "spared", "exact", "lent", "no_capture", "not_signalled", "busy"),
     *("asked", "answered", "timed_out", "blocked", "blocked_lately", "still_pending"),
 )
 

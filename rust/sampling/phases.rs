@@ -68,14 +68,24 @@ impl Phases {
     pub fn tick(&mut self) {
         self.ticks += 1;
     }
+
+    /// Mean ns per tick (per measured wake) spent in `phase` so far.
+    pub fn mean_ns(&self, phase: Phase) -> u64 {
+        self.ns[phase as usize] / self.times(phase)
+    }
+
+    /// How many times `phase` was timed (at least 1).
+    fn times(&self, phase: Phase) -> u64 {
+        if phase == Phase::Wake { self.wakes } else { self.ticks }.max(1)
+    }
 }
 
 /// Mean microseconds per tick, by phase.
 impl Serialize for Phases {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let per = |p: Phase| if p == Phase::Wake { self.wakes } else { self.ticks }.max(1) as f64;
-        let per_tick =
-            PHASES.iter().map(|&(p, name)| (name.to_string(), Value::from(self.ns[p as usize] as f64 / 1e3 / per(p))));
+        let per_tick = PHASES
+            .iter()
+            .map(|&(p, name)| (name.to_string(), Value::from(self.ns[p as usize] as f64 / 1e3 / self.times(p) as f64)));
         Map::from_iter(per_tick).serialize(s)
     }
 }

@@ -13,7 +13,7 @@ use crate::heap::live;
 use crate::priority;
 use crate::profile::model::Frame;
 use crate::profile::sample::{Sample, State, FLAG_BLOCKS_LOOP};
-use crate::reader::native::{Native, NativeStats, Wanted, NATIVE};
+use crate::reader::native::{Native, NativeStats, Spare, Wanted, NATIVE};
 use crate::reader::tags::{Marks, ThreadTags};
 use crate::reader::{Chosen, PySpyReader, RawStack, Read, StackReader, ThreadStack, Want};
 use crate::sampling::backlog::{Backlog, Taken};
@@ -365,7 +365,7 @@ impl<'a> Loop<'a> {
                 if again {
                     self.record_again(time_ns, weight);
                 } else {
-                    self.capture_native();
+                    self.capture_native(clocks.1);
                     self.phases.add(Phase::Native, &mut lap);
                     self.record(time_ns, weight, read);
                 }
@@ -455,7 +455,9 @@ impl<'a> Loop<'a> {
 
     /// Merges the native stacks of threads on a CPU (or waiting for one) into their
     /// Python stacks; which threads get a timer is native capture's choice.
-    fn capture_native(&mut self) {
+    /// `began_cpu_ns`: the sampler's clock as the tick began.
+    fn capture_native(&mut self, began_cpu_ns: u64) {
+        let spare = Spare::new(self.native_spare_ns(), began_cpu_ns);
         let Some(native) = self.native.as_mut() else { return };
         let on_cpu = |s: &State| matches!(s, State::Cpu | State::CpuGil | State::CpuWait);
         let kernel = &self.kernel;
@@ -475,7 +477,15 @@ impl<'a> Loop<'a> {
                 })
             })
             .collect();
-        native.capture(&mut wanted, &mut *self.reader);
+        native.capture(&mut wanted, &mut *self.reader, spare);
+    }
+
+    /// The CPU (ns) a tick may spend and leave the next tick on time, less its record
+    /// phase and the wake before the next: the credit and what the next slot earns.
+    fn native_spare_ns(&self) -> i64 {
+        let earned = self.config.cpu_budget * self.base.as_secs_f64();
+        let to_come = self.phases.mean_ns(Phase::Record) + self.phases.mean_ns(Phase::Wake);
+        ((self.credit_s + earned) * 1e9) as i64 - to_come as i64
     }
 
     /// Records the samples of the tick before again, as `repeat` keeps them; where the

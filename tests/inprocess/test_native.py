@@ -44,7 +44,7 @@ def native_frames(stack: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def record(target: Callable[[threading.Event], None], name: str, done: Callable[[Sampler], bool], **options: Any):
-    s = Sampler(native=True, rate=200, cpu_budget=0.5, **options)
+    s = Sampler(native=True, rate=200, **{"cpu_budget": 0.5, **options})
     s.start()
     try:
         with Threads((name, target, ())):
@@ -86,6 +86,35 @@ def test_numpy_matmul_shows_blas_under_the_python_line():
     # ufunc's set-up) are few samples but many stacks.
     with_native = sum(w for st, w in stacks(prof, "matmul") if native_frames(st))
     assert sum(w for _, w in gemm) >= 0.8 * with_native, (sum(w for _, w in gemm), with_native)
+
+
+def sort_loop(stop: threading.Event) -> None:
+    import numpy as np
+
+    a = np.random.default_rng(0).random(1_000_000)
+    while not stop.is_set():
+        np.sort(a)  # in this thread (a matmul waits for BLAS's own threads much of the time)
+
+
+def test_a_budget_too_small_to_unwind_every_capture_lends_native_frames_instead():
+    """Native frames cost captures before they cost rate: past what the budget leaves a
+    tick, a capture is left unread (`spared`) and its sample is lent the native frames
+    its lines last ran in, numpy's sort under the sorting line. On py-spy's reader (3.9,
+    3.10) no capture teaches an innermost line, so none is spared."""
+
+    def spared(s: Sampler) -> bool:
+        native = s.stats()["native"]
+        return native["merged"] >= 100 and (native["spared"] >= 30 or s.stats()["reader"] == "pyspy")
+
+    s, prof = record(sort_loop, "sort", spared, cpu_budget=0.005)
+    stats = s.stats()["native"]
+    assert stats["lent"] >= stats["spared"], stats
+    if s.stats()["reader"] == "pyspy":
+        assert stats["spared"] == 0, stats
+    samples = stacks(prof, "sort")
+    numpy = sum(w for st, w in samples if any("_multiarray_umath" in f["file"] for f in native_frames(st)))
+    with_native = sum(w for st, w in samples if native_frames(st))
+    assert numpy >= 0.8 * with_native and with_native >= 0.5 * sum(w for _, w in samples), (numpy, with_native)
 
 
 # CPU-time timers fire on the kernel's tick (4 ms at HZ=250): a 2 ms + 2 ms cycle was

@@ -19,7 +19,7 @@ mod unwind;
 pub use merge::NATIVE;
 
 use crate::profile::model::Frame;
-use crate::reader::{Copied, FramePointer, Run, StackReader};
+use crate::reader::{clock_ns, Copied, FramePointer, Run, StackReader};
 use framehop::x86_64::CacheX86_64;
 use lend::NativeCalls;
 use merge::{merge, Mismatch, Named};
@@ -49,6 +49,11 @@ const TIMERS_PER_INTERVAL: u32 = 2;
 const LIST_EVERY: Duration = Duration::from_secs(1);
 /// Per-capture costs kept for the medians in the stats.
 const COSTS_KEPT: usize = 1024;
+/// Ticks after which a capture is unwound even where the budget has no room for it, so
+/// the lines' lessons (`lend`) stay fresh: about 25 a second at 100 Hz, 0.1% of a core.
+const REFRESH_TICKS: u32 = 4;
+/// A capture's cost, assumed until one was measured (us on an AMD EPYC VM: 20-30).
+const FIRST_CAPTURE_NS: i64 = 30_000;
 /// Before 4.19 a signal restarts a `fork` in progress, and a large process's fork
 /// can restart for as long as its threads are signalled.
 const LEAST_KERNEL: (u32, u32) = (4, 19);
@@ -85,6 +90,9 @@ pub struct NativeStats {
     pub armed: usize,
     /// Captures taken from threads' slots.
     pub captures: u64,
+    /// Captures left unread where unwinding them would have cost the rate its budget:
+    /// their samples were lent native frames (`lent`), as their lines were known.
+    pub spared: u64,
     /// Captures merged with the Python frames their signal copied, of the same
     /// instant; the others (a task or activity begun since, a frame the reader could
     /// not walk) with the frames the tick read. Either way a sample shows the
@@ -146,10 +154,38 @@ pub struct Native {
     scanned_at: FxHashMap<u64, u64>,
     calls: NativeCalls,
     costs: VecDeque<[u32; 2]>,
+    /// A capture's recent cost, ns (a moving mean).
+    capture_ns: i64,
+    /// Ticks since the last capture taken; and the thread the last tick considered first.
+    since_capture: u32,
+    turn: usize,
     stats: NativeStats,
     unwound: Vec<NativeFrame>,
     named: Vec<Named>,
     merged: Vec<u64>,
+}
+
+/// The CPU a tick may still spend on unwinding captures and leave the next tick on
+/// time: `ns` from the sampler's clock at `since_cpu_ns`, read when first asked (a
+/// wall clock would count the sampler's preemptions, and a `py-spy` pausing it).
+pub struct Spare {
+    ns: i64,
+    since_cpu_ns: Option<u64>,
+}
+
+impl Spare {
+    pub fn new(ns: i64, since_cpu_ns: u64) -> Spare {
+        Spare { ns, since_cpu_ns: Some(since_cpu_ns) }
+    }
+
+    /// What is left now.
+    fn left(&mut self) -> i64 {
+        if let Some(since) = self.since_cpu_ns.take() {
+            let used = clock_ns(nix::libc::CLOCK_THREAD_CPUTIME_ID).map_or(0, |now| now.saturating_sub(since));
+            self.ns = self.ns.saturating_sub(used.min(i64::MAX as u64) as i64);
+        }
+        self.ns
+    }
 }
 
 /// A thread whose native frames are wanted: its kernel id, Python frame ids and eval
@@ -209,6 +245,9 @@ impl Native {
             scanned_at: FxHashMap::default(),
             calls: NativeCalls::default(),
             costs: VecDeque::new(),
+            capture_ns: FIRST_CAPTURE_NS,
+            since_capture: 0,
+            turn: 0,
             stats: NativeStats { signal: sig, ..Default::default() },
             unwound: Vec::new(),
             named: Vec::new(),
@@ -229,8 +268,11 @@ impl Native {
 
     /// Arms the threads that may be signalled (and disarms the others), and merges
     /// the native frames of each thread on a CPU into its frames (walking the Python
-    /// frames a signal copied with `reader`).
-    pub fn capture(&mut self, threads: &mut [Wanted<'_>], reader: &mut dyn StackReader) {
+    /// frames a signal copied with `reader`). Captures are unwound while `spare`
+    /// lasts; past it, a thread whose lines are known is lent their native frames
+    /// instead, so native frames cost captures before they cost rate. Threads take
+    /// turns at going first.
+    pub fn capture(&mut self, threads: &mut [Wanted<'_>], reader: &mut dyn StackReader, mut spare: Spare) {
         if self.stats.off.is_some() {
             return;
         }
@@ -246,10 +288,14 @@ impl Native {
             self.modules.refresh();
             self.listed = Instant::now();
         }
-        for w in threads {
+        self.since_capture += 1;
+        let first = self.turn % threads.len().max(1);
+        self.turn = self.turn.wrapping_add(1);
+        for i in 0..threads.len() {
+            let w = &mut threads[(first + i) % threads.len()];
             if let Some(slot) = self.armed(w) {
                 if w.on_cpu {
-                    self.merge_capture(slot, w, reader);
+                    self.merge_capture(slot, w, reader, &mut spare);
                 }
             }
         }
@@ -276,21 +322,42 @@ impl Native {
     }
 
     /// Merges the capture waiting in `slot` into `w`'s frames, or else lends them the
-    /// native frames earlier captures showed under their Python frames.
-    fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>, reader: &mut dyn StackReader) {
+    /// native frames earlier captures showed under their Python frames. A capture is
+    /// unwound if `spare` pays for it, if none was for `REFRESH_TICKS` ticks, if its
+    /// lines were never learned, or on py-spy's reader; else it is left unread.
+    fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>, reader: &mut dyn StackReader, spare: &mut Spare) {
         if let Some(capture) = slot.capture() {
+            // py-spy's reader walks no copy, so no capture teaches an innermost line (`take`):
+            // there only a sample's own capture gives it its C callees.
+            let affordable =
+                w.pointer.is_none() || spare.left() >= self.capture_ns || self.since_capture >= REFRESH_TICKS;
+            if !affordable && self.lend_counted(w, reader) {
+                slot.release();
+                self.stats.spared += 1;
+                return;
+            }
+            let started = Instant::now();
             let merged = self.take(&capture, w, reader);
             slot.release();
+            let cost = started.elapsed().as_nanos().min(i64::MAX as u128) as i64;
+            self.capture_ns += (cost - self.capture_ns) / 8;
+            spare.ns -= cost;
+            self.since_capture = 0;
             if merged {
                 return;
             }
         }
-        if self.lend_to(w, reader) {
-            self.stats.lent += 1;
-            self.stats.merged += 1;
-        } else {
+        if !self.lend_counted(w, reader) {
             self.stats.no_capture += 1;
         }
+    }
+
+    /// `lend_to`, counted as a lent sample where it lent.
+    fn lend_counted(&mut self, w: &mut Wanted<'_>, reader: &dyn StackReader) -> bool {
+        let lent = self.lend_to(w, reader);
+        self.stats.lent += u64::from(lent);
+        self.stats.merged += u64::from(lent);
+        lent
     }
 
     /// Gives the Python frames just read the native frames their lines last ran in;
