@@ -52,6 +52,10 @@ def built() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(_native.__file__ or "")))
 
 
+#: What native capture did in a cost run, as its table's last column names them.
+COST_COUNTS = ("captures", "spared", "merged", "no_capture")
+
+
 def cost(section: Section, seconds: float, rounds: int, fidelity: list[Fidelity]) -> None:
     contenders: dict[str, Callable[[], dict[str, float]]] = {
         "native=False": lambda: cost_run(False, seconds),
@@ -70,7 +74,7 @@ def cost(section: Section, seconds: float, rounds: int, fidelity: list[Fidelity]
                 spread([100 * c for c in m["cpu"]], "{:.2f}"),
                 spread([100 * t for t in m["throttled"]], "{:.0f}"),
                 " / ".join(spread(m[k], "{:.1f}") for k in ("unwind", "symbols")) if native else "-",
-                f"{sum(m['captures']):.0f} / {sum(m['merged']):.0f} / {sum(m['no_capture']):.0f}" if native else "-",
+                " / ".join(f"{sum(m[k]):.0f}" for k in COST_COUNTS) if native else "-",
             ]
         )
         mismatched = sum(m["mismatched"]) if native else None
@@ -94,7 +98,7 @@ def cost(section: Section, seconds: float, rounds: int, fidelity: list[Fidelity]
                 "sampler CPU, % of a core",
                 "ticks throttled by the budget, %",
                 "per capture µs: unwind / symbols+merge",
-                "captures / samples merged / samples on a CPU without one",
+                "captures unwound / left unread / samples merged / samples on a CPU without one",
             ],
             rows,
         )

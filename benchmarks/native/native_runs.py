@@ -123,7 +123,7 @@ def cost_run(native: bool, seconds: float, budget: float | None = None) -> dict[
         n = stats["native"]
         # The last two medians: a baseline that signalled on request also gave its round trip first.
         out.update(zip(("unwind", "symbols"), n["median_us"][-2:]))
-        out.update({k: float(n.get(k, 0)) for k in ("captures", "no_capture", "merged", "mismatched")})
+        out.update({k: float(n.get(k, 0)) for k in ("captures", "spared", "no_capture", "merged", "mismatched")})
     return out
 
 
