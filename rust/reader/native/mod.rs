@@ -156,7 +156,8 @@ pub struct Native {
     costs: VecDeque<[u32; 2]>,
     /// A capture's recent cost, ns (a moving mean).
     capture_ns: i64,
-    /// Ticks since the last capture taken; and the thread the last tick considered first.
+    /// Ticks since the last capture taken; and the position of the thread after the
+    /// one whose capture was last unwound, which goes first at the next tick.
     since_capture: u32,
     turn: usize,
     stats: NativeStats,
@@ -271,7 +272,7 @@ impl Native {
     /// frames a signal copied with `reader`). Captures are unwound while `spare`
     /// lasts; past it, a thread whose lines are known is lent their native frames
     /// instead, so native frames cost captures before they cost rate. Threads take
-    /// turns at going first.
+    /// turns at going first: the one after the thread last unwound.
     pub fn capture(&mut self, threads: &mut [Wanted<'_>], reader: &mut dyn StackReader, mut spare: Spare) {
         if self.stats.off.is_some() {
             return;
@@ -289,13 +290,13 @@ impl Native {
             self.listed = Instant::now();
         }
         self.since_capture += 1;
-        let first = self.turn % threads.len().max(1);
-        self.turn = self.turn.wrapping_add(1);
+        let first = self.turn;
         for i in 0..threads.len() {
-            let w = &mut threads[(first + i) % threads.len()];
+            let at = (first + i) % threads.len();
+            let w = &mut threads[at];
             if let Some(slot) = self.armed(w) {
-                if w.on_cpu {
-                    self.merge_capture(slot, w, reader, &mut spare);
+                if w.on_cpu && self.merge_capture(slot, w, reader, &mut spare) {
+                    self.turn = at + 1;
                 }
             }
         }
@@ -324,29 +325,42 @@ impl Native {
     /// Merges the capture waiting in `slot` into `w`'s frames, or else lends them the
     /// native frames earlier captures showed under their Python frames. A capture is
     /// unwound if `spare` pays for it, if none was for `REFRESH_TICKS` ticks, if its
-    /// lines were never learned, or on py-spy's reader; else it is left unread.
-    fn merge_capture(&mut self, slot: Armed, w: &mut Wanted<'_>, reader: &mut dyn StackReader, spare: &mut Spare) {
-        if let Some(capture) = slot.capture() {
-            // py-spy's reader walks no copy, so no capture teaches an innermost line (`take`):
-            // there only a sample's own capture gives it its C callees.
-            let affordable =
-                w.pointer.is_none() || spare.left() >= self.capture_ns || self.since_capture >= REFRESH_TICKS;
-            if !affordable && self.lend_counted(w, reader) {
-                slot.release();
-                self.stats.spared += 1;
-                return;
-            }
-            let started = Instant::now();
-            let merged = self.take(&capture, w, reader);
+    /// lines were never learned, or on py-spy's reader; else it is left unread. Whether
+    /// one was unwound.
+    fn merge_capture(
+        &mut self,
+        slot: Armed,
+        w: &mut Wanted<'_>,
+        reader: &mut dyn StackReader,
+        spare: &mut Spare,
+    ) -> bool {
+        let Some(capture) = slot.capture() else {
+            self.lend_or_none(w, reader);
+            return false;
+        };
+        // py-spy's reader walks no copy, so no capture teaches an innermost line (`take`):
+        // there only a sample's own capture gives it its C callees.
+        let affordable = w.pointer.is_none() || spare.left() >= self.capture_ns || self.since_capture >= REFRESH_TICKS;
+        if !affordable && self.lend_counted(w, reader) {
             slot.release();
-            let cost = started.elapsed().as_nanos().min(i64::MAX as u128) as i64;
-            self.capture_ns += (cost - self.capture_ns) / 8;
-            spare.ns -= cost;
-            self.since_capture = 0;
-            if merged {
-                return;
-            }
+            self.stats.spared += 1;
+            return false;
         }
+        let started = Instant::now();
+        let merged = self.take(&capture, w, reader);
+        slot.release();
+        let cost = started.elapsed().as_nanos().min(i64::MAX as u128) as i64;
+        self.capture_ns += (cost - self.capture_ns) / 8;
+        spare.ns -= cost;
+        self.since_capture = 0;
+        if !merged {
+            self.lend_or_none(w, reader);
+        }
+        true
+    }
+
+    /// `lend_counted`, or counted as given no native frame.
+    fn lend_or_none(&mut self, w: &mut Wanted<'_>, reader: &dyn StackReader) {
         if !self.lend_counted(w, reader) {
             self.stats.no_capture += 1;
         }
