@@ -88,7 +88,7 @@ pub struct NativeStats {
     pub off: Option<String>,
     /// Threads with a timer on their CPU clock now.
     pub armed: usize,
-    /// Captures taken from threads' slots.
+    /// Captures unwound (those left unread are `spared`).
     pub captures: u64,
     /// Captures left unread where unwinding them would have cost the rate its budget:
     /// their samples were lent native frames (`lent`), as their lines were known.
