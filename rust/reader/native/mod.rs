@@ -75,6 +75,11 @@ pub fn unsupported() -> Option<String> {
     })
 }
 
+/// A capture's costs (unwind, and the rest), summed.
+fn total_ns(costs: &[u32; 2]) -> i64 {
+    costs.iter().map(|&ns| i64::from(ns)).sum()
+}
+
 /// Whether a kernel `release` ("4.14.0-1-amd64") is older than `LEAST_KERNEL`.
 fn too_old(release: &str) -> bool {
     let mut parts = release.split(|c: char| !c.is_ascii_digit()).map(|p| p.parse::<u32>().unwrap_or(0));
@@ -346,12 +351,9 @@ impl Native {
             self.stats.spared += 1;
             return false;
         }
-        let started = Instant::now();
         let merged = self.take(&capture, w, reader);
         slot.release();
-        let cost = started.elapsed().as_nanos().min(i64::MAX as u128) as i64;
-        self.capture_ns += (cost - self.capture_ns) / 8;
-        spare.ns -= cost;
+        spare.ns -= self.costs.back().map_or(0, total_ns);
         self.since_capture = 0;
         if !merged {
             self.lend_or_none(w, reader);
@@ -580,11 +582,13 @@ impl Native {
         merge(python.frames, python.runs, &self.named, end, copy_end, &mut self.merged)
     }
 
+    /// A capture's costs, kept for the medians and the moving mean.
     fn keep_costs(&mut self, costs: [u32; 2]) {
         if self.costs.len() >= COSTS_KEPT {
             self.costs.pop_front();
         }
         self.costs.push_back(costs);
+        self.capture_ns += (total_ns(&costs) - self.capture_ns) / 8;
     }
 
     /// The counters, with the medians of the recent costs.
