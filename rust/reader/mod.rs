@@ -44,6 +44,9 @@ pub struct Want {
     /// The process's clock says no thread but the sampler used CPU since the last read:
     /// if every thread also stands where that read left it, the read can be given again.
     pub quiet: bool,
+    /// No CPU of the process went unaccounted lately: a thread standing where the last
+    /// read left it may keep its CPU clock unread (`Threads::read`).
+    pub skip_still: bool,
 }
 
 impl Want {

@@ -14,6 +14,12 @@ use std::time::Instant;
 const RUNNING_SHARE: f64 = 0.5;
 /// More thread states than this in one walk means a torn or looping list.
 const MAX_THREADS: usize = 10_000;
+/// A thread standing still (clock unmoved at its last reading, no GIL, its innermost
+/// frame at the same instruction) keeps its last clock for fewer than this many
+/// readings in a row: one is read each time, spread over the threads, so one that used
+/// CPU without moving its frame (native code between two waits) is seen within as many
+/// ticks, and its CPU then counted whole.
+const UNREAD_AT_MOST: u64 = 4;
 
 #[derive(Clone, Debug)]
 pub struct ThreadState {
@@ -128,6 +134,10 @@ pub struct Threads {
     pub clock_reads: u64,
     /// Where each thread of `list` stood at the last reading.
     positions: Vec<Position>,
+    /// Readings so far, which pick the threads whose clocks are read whatever they show.
+    readings: u64,
+    /// Threads' clocks left unread as they stood still, over all readings.
+    pub clocks_unread: u64,
 }
 
 /// The GIL's state spans its `interval`, holder, `locked` and switch fields, then two
@@ -157,6 +167,8 @@ impl Threads {
             walks: 0,
             clock_reads: 0,
             positions: Vec::new(),
+            readings: 0,
+            clocks_unread: 0,
         })
     }
 
@@ -166,13 +178,29 @@ impl Threads {
         start..start + GIL_STATE_BYTES
     }
 
-    /// Every thread state of the interpreter, with its GIL and CPU state.
-    pub fn read(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<ThreadState>, String> {
+    /// Every thread state of the interpreter, with its GIL and CPU state. `skip_still`:
+    /// no CPU went unaccounted lately, so a thread standing still (`standing`) keeps
+    /// its last clock rather than ask the kernel (each read is a system call).
+    pub fn read(
+        &mut self,
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+        skip_still: bool,
+    ) -> Result<Vec<ThreadState>, String> {
+        let walks = self.walks;
         let (holder, states) = self.snapshot(layout, mem, batch)?;
+        let standing = if skip_still && walks == self.walks {
+            self.standing(&states, holder, layout, mem, batch)?
+        } else {
+            vec![false; states.len()]
+        };
+        self.readings += 1;
         let now = Instant::now();
         let list = self.list.clone();
-        let threads: Vec<ThreadState> =
-            list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        let threads: Vec<ThreadState> = (list.iter().zip(&states).zip(&standing))
+            .map(|((&addr, bytes), &standing)| self.state(addr, bytes, holder, now, layout, standing))
+            .collect();
         let still: Vec<bool> = threads.iter().map(|t| t.still).collect();
         self.positions = positions(&states, &still, layout, mem, batch)?;
         self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
@@ -181,6 +209,33 @@ impl Threads {
         self.live.sort_unstable();
         self.forget_dead_clocks();
         Ok(threads)
+    }
+
+    /// Which threads of the list (unchanged since the last reading) stand where it left
+    /// them, still then and still now as far as memory tells (no GIL, not attached, the
+    /// same innermost frame at the same instruction), less the one in `UNREAD_AT_MOST`
+    /// whose turn it is to be read anyway.
+    fn standing(
+        &self,
+        states: &[Vec<u8>],
+        holder: u64,
+        layout: &Layout,
+        mem: &mut Memory,
+        batch: &mut Batch,
+    ) -> Result<Vec<bool>, String> {
+        let attached = |b: &[u8]| layout.tstate_state.is_some_and(|o| u32_at(b, o) == THREAD_ATTACHED);
+        let candidate: Vec<bool> = (self.list.iter().zip(states).enumerate())
+            .map(|(i, (&addr, bytes))| {
+                let turn = (self.readings + i as u64) % UNREAD_AT_MOST == 0;
+                let was_still = self.positions.get(i).is_some_and(Option::is_some);
+                was_still && !turn && addr != holder && !attached(bytes)
+            })
+            .collect();
+        if !candidate.contains(&true) {
+            return Ok(candidate);
+        }
+        let now = positions(states, &candidate, layout, mem, batch)?;
+        Ok(now.iter().zip(&self.positions).map(|(now, before)| now.is_some() && now == before).collect())
     }
 
     /// Whether every thread stands where the last reading left it: the GIL is free (on
@@ -294,9 +349,19 @@ impl Threads {
         Ok(states)
     }
 
-    fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
+    fn state(
+        &mut self,
+        addr: u64,
+        bytes: &[u8],
+        holder: u64,
+        now: Instant,
+        layout: &Layout,
+        standing: bool,
+    ) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
-        let clock = self.clock(native_tid, now);
+        let kept = self.clocks.get(&native_tid).filter(|_| standing).map(|&(cpu, _)| (0.0, 0, cpu));
+        self.clocks_unread += kept.is_some() as u64;
+        let clock = kept.or_else(|| self.clock(native_tid, now));
         let (ran, cpu_ns, clock_ns) = clock.map_or((None, 0, None), |(ran, used, cpu)| (Some(ran), used, Some(cpu)));
         let on_cpu = ran.is_some_and(|r| r >= RUNNING_SHARE);
         let mut state = ThreadState {

@@ -35,6 +35,10 @@ const MAX_OPEN: usize = 256;
 /// the CPU in slices of a few milliseconds: many ticks see none of it.
 const NATIVE_BUSY: f64 = 0.1;
 const NATIVE_SECONDS: f64 = 0.1;
+/// CPU outside the Python threads read (cores, averaged as `NATIVE_BUSY`) below which
+/// a thread standing still keeps its clock unread: above it, the CPU may be such a
+/// thread's, and every clock is read.
+const UNACCOUNTED: f64 = 0.05;
 /// CPU the rest of the process may use between two ticks and still count as idle:
 /// the sampler's own clock is read just after the process's, so the two deltas differ
 /// by its CPU between the reads, up to a cold read's price (~5 us on an AMD EPYC VM;
@@ -243,6 +247,12 @@ impl States {
         others > QUIET_NS
     }
 
+    /// Whether the process used little CPU lately beyond what the Python threads read
+    /// and the sampler account for (`Want::skip_still`).
+    pub fn all_accounted(&self) -> bool {
+        self.native_cores < UNACCOUNTED
+    }
+
     /// Call once a tick, after the read, with the clocks read at its start (`clocks`): the
     /// CPU ns the process and its threads that Python does not know used since the last
     /// call. `python_ns` is what the Python threads used meanwhile.
@@ -252,7 +262,11 @@ impl States {
         let last = self.last_tick.replace((process, own_ns, now));
         let (process_before, own_before, at) = last?;
         let process_used = process.saturating_sub(process_before);
-        let native = process_used.saturating_sub(python_ns).saturating_sub(own_ns.saturating_sub(own_before));
+        let own_used = own_ns.saturating_sub(own_before);
+        // Signed: the process's clock lags a running thread's by up to a kernel tick,
+        // which the next tick gives back; clamped at 0 each tick, that skew would add up.
+        let unread = process_used as f64 - python_ns as f64 - own_used as f64;
+        let native = process_used.saturating_sub(python_ns).saturating_sub(own_used);
         let wall = now.duration_since(at).as_secs_f64();
         // A process without busy native threads skips the `exp` (a cold call into libm
         // was ~4% of a quiet tick on an AMD EPYC VM); `QUIET_NS` is the clocks' skew.
@@ -260,7 +274,7 @@ impl States {
             self.native_cores = 0.0;
         } else if wall > 0.0 {
             let weight = 1.0 - (-wall / NATIVE_SECONDS).exp();
-            self.native_cores += weight * (native as f64 / 1e9 / wall - self.native_cores);
+            self.native_cores += weight * (unread / 1e9 / wall - self.native_cores);
         }
         Some((process_used, native))
     }

@@ -342,7 +342,8 @@ impl<'a> Loop<'a> {
         // A stalling loop's thread is read blocked too: the stall's explanation needs it.
         let late = self.shared.loops.lock().iter().any(|w| w.stalling(time_ns));
         let quiet = !self.kernel.others_ran(clocks);
-        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all, quiet };
+        let skip_still = !all && self.kernel.all_accounted();
+        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all, quiet, skip_still };
         let mut lap = Instant::now();
         let listed = self.reader.list_ns();
         let read = self.read(want, all);
@@ -417,7 +418,7 @@ impl<'a> Loop<'a> {
     /// Opens the files of the threads alive now, before `start` returns: a server's
     /// descriptor count taken once it started is then the one it comes back to.
     fn open_thread_files(&mut self) {
-        let all = Want { idle: true, gil_only: false, quiet: false };
+        let all = Want { idle: true, gil_only: false, quiet: false, skip_still: false };
         if self.reader.read(all, &self.shared.tags, &mut self.stacks).is_ok() {
             self.track_threads();
         }
@@ -581,7 +582,7 @@ impl<'a> Loop<'a> {
     /// those whose marks changed during the read (a task's at selection: left untagged).
     fn kept(&self, boundary: &mut u64) -> Vec<(usize, Marks)> {
         let config = &self.config;
-        let keep = Want { idle: config.idle, gil_only: config.gil_only, quiet: false };
+        let keep = Want { idle: config.idle, gil_only: config.gil_only, quiet: false, skip_still: false };
         let mut kept = Vec::new();
         for (i, t) in self.stacks.iter().enumerate() {
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
