@@ -338,6 +338,7 @@ impl StackReader for FastReader {
                 cpu_ns: r.state.cpu_ns,
                 clock_ns: r.state.clock_ns,
                 ran: r.state.ran,
+                stood: r.state.stood,
                 native_tid: Some(r.state.native_tid).filter(|&t| t != 0),
                 pointer: Some(frame_pointer(&r.state, &self.layout, ids.pointer)),
                 marks: r.marks,

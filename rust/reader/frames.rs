@@ -395,6 +395,7 @@ mod tests {
             clock_ns: None,
             native_tid: 0,
             still: true,
+            stood: true,
         };
         let (mut batch, mut round) = (Batch::default(), Batch::default());
         let stacks = read_stacks(&[&t], &[1], &layout, &mut Memory::new(), &mut batch, &mut round).unwrap();
@@ -458,6 +459,7 @@ mod tests {
             clock_ns: None,
             native_tid: 0,
             still: false,
+            stood: false,
         };
         let mut w = Walker::new(&t, copy_a, &batch, layout);
         w.advance(layout, &batch);

@@ -147,6 +147,7 @@ impl StackReader for PySpyReader {
                 cpu_ns,
                 clock_ns: None,
                 ran,
+                stood: false,
                 native_tid,
                 pointer: None,
                 marks: tags.stable_tag(before.get(&t.thread_id), t.thread_id),

@@ -42,6 +42,9 @@ pub struct ThreadState {
     pub native_tid: u64,
     /// Used no CPU since the last tick and holds no GIL: its frames cannot have changed.
     pub still: bool,
+    /// Holds no GIL and its innermost frame is at the instruction where the last
+    /// reading found it: it ran no Python since, whatever CPU it used.
+    pub stood: bool,
 }
 
 impl ThreadState {
@@ -70,21 +73,25 @@ fn stack_of(bytes: &[u8], layout: &Layout) -> [u64; 3] {
     [frame_ref, u64_at(bytes, layout.tstate_datastack_chunk), u64_at(bytes, layout.tstate_datastack_top)]
 }
 
+/// Whether a thread state's bytes say it is attached to a free-threaded interpreter.
+fn attached(bytes: &[u8], layout: &Layout) -> bool {
+    layout.tstate_state.is_some_and(|o| u32_at(bytes, o) == THREAD_ATTACHED)
+}
+
 /// Where a thread's Python code stands: its innermost frame (0: none) and that
 /// frame's instruction; None where they could not be read.
 type Position = Option<(u64, u64)>;
 
-/// The position of each thread state marked `still`, from its bytes and two small
-/// reads; None for the others: a thread that ran is likely to run on, and its
-/// position is taken once it stands.
+/// The position of each thread state marked in `asked`, from its bytes and two small
+/// reads; None for the others.
 fn positions(
     states: &[Vec<u8>],
-    still: &[bool],
+    asked: &[bool],
     layout: &Layout,
     mem: &mut Memory,
     batch: &mut Batch,
 ) -> Result<Vec<Position>, String> {
-    let kept = states.iter().zip(still).map(|(b, &still)| still.then(|| stack_of(b, layout)[0]));
+    let kept = states.iter().zip(asked).map(|(b, &asked)| asked.then(|| stack_of(b, layout)[0]));
     let frames = match layout.current_frame {
         CurrentFrame::Direct(_) => kept.collect(),
         CurrentFrame::ViaCFrame { current_frame, .. } => {
@@ -132,8 +139,10 @@ pub struct Threads {
     pub walks: u64,
     /// Threads' CPU clocks read, over all readings (one system call each).
     pub clock_reads: u64,
-    /// Where each thread of `list` stood at the last reading.
+    /// Where each thread of `list` stood at the last reading, if it used no CPU then.
     positions: Vec<Position>,
+    /// Where each thread of `list` not holding the GIL stood at the last reading.
+    stood_at: Vec<Position>,
     /// Readings so far, which pick the threads whose clocks are read whatever they show.
     readings: u64,
     /// Threads' clocks left unread as they stood still, over all readings.
@@ -167,6 +176,7 @@ impl Threads {
             walks: 0,
             clock_reads: 0,
             positions: Vec::new(),
+            stood_at: Vec::new(),
             readings: 0,
             clocks_unread: 0,
         })
@@ -190,19 +200,30 @@ impl Threads {
     ) -> Result<Vec<ThreadState>, String> {
         let walks = self.walks;
         let (holder, states) = self.snapshot(layout, mem, batch)?;
-        let standing = if skip_still && walks == self.walks {
-            self.standing(&states, holder, layout, mem, batch)?
-        } else {
-            vec![false; states.len()]
-        };
+        if walks != self.walks {
+            // The list changed: where its threads stood is by index, so forgotten.
+            self.positions.clear();
+            self.stood_at.clear();
+        }
+        // Taken before the clocks: a clock that has not moved since says the thread
+        // stood there until then.
+        let free: Vec<bool> = self.list.iter().map(|&a| a != holder).collect();
+        let at = positions(&states, &free, layout, mem, batch)?;
+        let stood: Vec<bool> = (at.iter().zip(&states).enumerate())
+            .map(|(i, (at, b))| at.is_some() && self.stood_at.get(i) == Some(at) && !attached(b, layout))
+            .collect();
         self.readings += 1;
         let now = Instant::now();
         let list = self.list.clone();
-        let threads: Vec<ThreadState> = (list.iter().zip(&states).zip(&standing))
-            .map(|((&addr, bytes), &standing)| self.state(addr, bytes, holder, now, layout, standing))
-            .collect();
-        let still: Vec<bool> = threads.iter().map(|t| t.still).collect();
-        self.positions = positions(&states, &still, layout, mem, batch)?;
+        let mut threads = Vec::with_capacity(list.len());
+        for (i, (&addr, bytes)) in list.iter().zip(&states).enumerate() {
+            let was_still = self.positions.get(i).is_some_and(Option::is_some);
+            let standing = skip_still && stood[i] && was_still && !self.turn_to_read(i);
+            threads.push(self.state(addr, bytes, holder, now, layout, standing));
+            threads[i].stood = stood[i];
+        }
+        self.positions = (threads.iter().zip(&at)).map(|(t, at)| at.filter(|_| t.still)).collect();
+        self.stood_at = at;
         self.cpu_ns = threads.iter().map(|t| t.cpu_ns).sum();
         self.live.clear();
         self.live.extend(threads.iter().map(|t| t.native_tid).filter(|&t| t != 0));
@@ -211,31 +232,10 @@ impl Threads {
         Ok(threads)
     }
 
-    /// Which threads of the list (unchanged since the last reading) stand where it left
-    /// them, still then and still now as far as memory tells (no GIL, not attached, the
-    /// same innermost frame at the same instruction), less the one in `UNREAD_AT_MOST`
-    /// whose turn it is to be read anyway.
-    fn standing(
-        &self,
-        states: &[Vec<u8>],
-        holder: u64,
-        layout: &Layout,
-        mem: &mut Memory,
-        batch: &mut Batch,
-    ) -> Result<Vec<bool>, String> {
-        let attached = |b: &[u8]| layout.tstate_state.is_some_and(|o| u32_at(b, o) == THREAD_ATTACHED);
-        let candidate: Vec<bool> = (self.list.iter().zip(states).enumerate())
-            .map(|(i, (&addr, bytes))| {
-                let turn = (self.readings + i as u64) % UNREAD_AT_MOST == 0;
-                let was_still = self.positions.get(i).is_some_and(Option::is_some);
-                was_still && !turn && addr != holder && !attached(bytes)
-            })
-            .collect();
-        if !candidate.contains(&true) {
-            return Ok(candidate);
-        }
-        let now = positions(states, &candidate, layout, mem, batch)?;
-        Ok(now.iter().zip(&self.positions).map(|(now, before)| now.is_some() && now == before).collect())
+    /// Whether thread `i` of the list has its clock read whatever it shows: one reading
+    /// in `UNREAD_AT_MOST`, spread over the threads.
+    fn turn_to_read(&self, i: usize) -> bool {
+        (self.readings + i as u64) % UNREAD_AT_MOST == 0
     }
 
     /// Whether every thread stands where the last reading left it: the GIL is free (on
@@ -371,13 +371,14 @@ impl Threads {
             chunk: 0,
             top: 0,
             holds_gil: holder == addr,
-            attached: layout.tstate_state.is_some_and(|o| u32_at(bytes, o) == THREAD_ATTACHED),
+            attached: attached(bytes, layout),
             on_cpu,
             cpu_ns,
             ran,
             clock_ns,
             native_tid,
             still: holder != addr && cpu_ns == 0 && clock.is_some(),
+            stood: false,
         };
         state.set_stack(bytes, layout);
         state

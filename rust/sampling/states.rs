@@ -49,6 +49,13 @@ const QUIET_NS: u64 = 10_000;
 /// `pread` (1-12 us on an AMD EPYC VM) per thread drawn runnable, 6 of a 3.13t tick's
 /// 8 spinning threads. The waits it counts carry over to the next reading.
 const SCHEDSTAT_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+/// A thread found waiting for the GIL that since stood at one instruction, holding no
+/// GIL, and used less than this share of the time waits for it still: what CPU it used
+/// was the wait's own (CPython's waiters wake each switch interval to ask for the
+/// GIL), as taking it would have run Python. Its file is read anyway after
+/// `GIL_WAIT_KEPT` ticks of this.
+const GIL_WAIT_RAN: f64 = 0.02;
+const GIL_WAIT_KEPT: u64 = 4;
 /// How long a wait seen stays in a thread's record (`blocks_on_futexes_only`).
 const WAITS_LATELY: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -78,6 +85,8 @@ struct Files {
     /// The tick that last drew its state: `wait` holds for a tick only if the one
     /// before drew it too, as a thread not read meanwhile (idle) may have run.
     drawn_at: u64,
+    /// The tick at which the file was last read.
+    read_at: u64,
     /// The call that draw found it blocked in, where one was read.
     drawn_call: Option<u16>,
     /// Its `schedstat`, opened with `syscall` so that a thread's descriptors do not
@@ -100,6 +109,7 @@ impl Files {
             call: None,
             eintr_at: None,
             drawn_at: 0,
+            read_at: 0,
             drawn_call: None,
             schedstat: File::open(format!("/proc/self/task/{tid}/schedstat")).ok(),
             queued: None,
@@ -107,11 +117,12 @@ impl Files {
         })
     }
 
-    /// What the thread waits in, and whether its syscall file was read for it.
-    fn wait(&mut self, cpu_ns: u64, gil: &GilAt) -> (Wait, bool) {
+    /// What the thread waits in, and whether its syscall file was read for it at `tick`.
+    fn wait(&mut self, cpu_ns: u64, gil: &GilAt, tick: u64) -> (Wait, bool) {
         if let Some((_, wait)) = self.wait.filter(|(at, _)| *at == cpu_ns) {
             return (wait, false);
         }
+        self.read_at = tick;
         let mut buf = [0u8; 160];
         let line =
             self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
@@ -124,6 +135,17 @@ impl Files {
             self.eintr_at = Some(Instant::now());
         }
         (wait, true)
+    }
+
+    /// Whether `t`, found waiting for the GIL at the tick before, waits for it still
+    /// at `tick` without a read (`GIL_WAIT_RAN`); kept as read then if so.
+    fn still_waits_for_gil(&mut self, t: &ThreadStack, tick: u64) -> bool {
+        let waited = self.wait.is_some_and(|(_, w)| w == Wait::Gil) && tick - self.read_at < GIL_WAIT_KEPT;
+        let Some(clock) = t.clock_ns.filter(|_| waited && t.stood && t.ran.is_some_and(|r| r < GIL_WAIT_RAN)) else {
+            return false;
+        };
+        self.wait = Some((clock, Wait::Gil));
+        true
     }
 
     /// The share of its time off a CPU since its last reading the thread spent in the
@@ -204,6 +226,8 @@ fn ends_with_eintr(nr: u16) -> bool {
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct StateStats {
     pub syscall_reads: u64,
+    /// GIL waits drawn again without a read, the thread having stood in them (`GIL_WAIT_RAN`).
+    pub gil_waits_kept: u64,
     /// Threads past `MAX_OPEN` at a tick, whose states fell back to their CPU clock alone.
     pub unopened: u64,
     /// Threads whose files (`syscall`, `schedstat`) are open now: each live thread.
@@ -296,6 +320,18 @@ impl States {
             files.drawn_call = files.call;
             return blocked(wait, native);
         }
+        if drawn_before && files.still_waits_for_gil(t, self.ticks) {
+            files.drawn_call = files.call;
+            self.stats.gil_waits_kept += 1;
+            // What CPU it used, it used in the wait, without the GIL.
+            return if u < t.ran.unwrap_or(0.0) { State::Cpu } else { State::GilWait };
+        }
+        // Holding the GIL, it ran Python for its share of the interval: a moment drawn
+        // there needs no look at its wait, which then no longer holds.
+        if t.holds_gil && t.ran.is_some_and(|r| u < r) {
+            files.wait = None;
+            return State::CpuGil;
+        }
         // Attached with no GIL (free-threaded): running Python, so in no blocking call
         // (CPython detaches before one). Its file would say "running"; not read, as
         // every such thread's would be each tick.
@@ -303,7 +339,7 @@ impl States {
             (Wait::Running, None)
         } else {
             let Some(before) = t.clock_ns.or_else(|| thread_cpu_ns(tid)) else { return guess(t) };
-            let (wait, read) = files.wait(before, gil);
+            let (wait, read) = files.wait(before, gil, self.ticks);
             self.stats.syscall_reads += read as u64;
             (wait, Some(before))
         };
@@ -446,6 +482,7 @@ mod tests {
             cpu_ns: 0,
             clock_ns: None,
             ran: Some(0.0),
+            stood: false,
             native_tid: Some(tid),
             pointer: None,
             marks,
