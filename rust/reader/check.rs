@@ -59,7 +59,7 @@ fn self_check(py: Python<'_>, reader: &mut FastReader, mode: LineMode) -> Result
     }
     let ident: u64 =
         py.import("threading").and_then(|t| t.call_method0("get_ident")?.extract()).map_err(|e| e.to_string())?;
-    let mut found = reader.read_where(|t| t.ident == ident, &ThreadTags::default(), false)?;
+    let mut found = reader.read_where(|t| t.ident == ident, &ThreadTags::default())?;
     let this = found.pop().ok_or("this thread is not in the interpreter's thread list")?;
     if reader.gil_enabled() && !this.state.holds_gil {
         return Err("the GIL state does not name this thread, which holds the GIL".into());

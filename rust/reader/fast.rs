@@ -133,11 +133,10 @@ impl FastReader {
         &mut self,
         select: impl Fn(&ThreadState) -> bool,
         tags: &ThreadTags,
-        skip_still: bool,
     ) -> Result<Vec<ReadThread>, String> {
         let marked = tags.snapshot();
         let began = std::time::Instant::now();
-        let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch, skip_still);
+        let states = self.threads.read(&self.layout, &mut self.mem, &mut self.batch);
         self.list_ns += began.elapsed().as_nanos() as u64;
         let states = states?;
         for t in states.iter().filter(|t| !t.still) {
@@ -299,6 +298,10 @@ impl StackReader for FastReader {
         100_000
     }
 
+    fn may_stand_still(&self) -> bool {
+        self.last_read.is_some() && self.threads.all_still()
+    }
+
     fn stands_still(&mut self, want: Want) -> Result<bool, String> {
         self.mem.check_handler();
         if self.last_read.as_ref().is_none_or(|(asked, _)| *asked != (want.idle, want.gil_only)) {
@@ -325,7 +328,7 @@ impl StackReader for FastReader {
         self.last_read = None; // a read that fails leaves nothing to give again
         let in_task = tags.tagged();
         let select = |t: &ThreadState| want.keeps(t.working(), t.runs_python(), in_task.contains(&t.ident));
-        for r in self.read_where(select, tags, want.skip_still)? {
+        for r in self.read_where(select, tags)? {
             let Ok(ids) = r.frames else { continue };
             out.push(ThreadStack {
                 ident: r.state.ident,
@@ -419,7 +422,6 @@ impl StackReader for FastReader {
             "reads_by": self.mem.method(),
             "thread_list_walks": self.threads.walks,
             "clock_reads": self.threads.clock_reads,
-            "clocks_unread": self.threads.clocks_unread,
             "quiet_reads": self.quiet_reads,
             "code_objects_reused": self.codes.reused,
             "code_objects_unreadable": self.codes.unreadable,

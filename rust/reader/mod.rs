@@ -44,9 +44,6 @@ pub struct Want {
     /// The process's clock says no thread but the sampler used CPU since the last read:
     /// if every thread also stands where that read left it, the read can be given again.
     pub quiet: bool,
-    /// No CPU of the process went unaccounted lately: a thread standing where the last
-    /// read left it may keep its CPU clock unread (`Threads::read`).
-    pub skip_still: bool,
 }
 
 impl Want {
@@ -151,6 +148,11 @@ pub trait StackReader {
     /// no other thread used CPU): that read's stacks hold now.
     fn stands_still(&mut self, _want: Want) -> Result<bool, String> {
         Ok(false)
+    }
+    /// Whether `stands_still` may say yes at the next tick: every thread stood still
+    /// at the last read. Where not, a tick needs no process clock to tell it is quiet.
+    fn may_stand_still(&self) -> bool {
+        false
     }
     /// Reads the stacks `want` asks for into `out`; Err when the whole tick failed.
     fn read(&mut self, want: Want, tags: &ThreadTags, out: &mut Vec<ThreadStack>) -> Result<Read, String>;

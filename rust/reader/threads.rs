@@ -14,12 +14,6 @@ use std::time::Instant;
 const RUNNING_SHARE: f64 = 0.5;
 /// More thread states than this in one walk means a torn or looping list.
 const MAX_THREADS: usize = 10_000;
-/// A thread standing still (clock unmoved at its last reading, no GIL, its innermost
-/// frame at the same instruction) keeps its last clock for fewer than this many
-/// readings in a row: one is read each time, spread over the threads, so one that used
-/// CPU without moving its frame (native code between two waits) is seen within as many
-/// ticks, and its CPU then counted whole.
-const UNREAD_AT_MOST: u64 = 4;
 
 #[derive(Clone, Debug)]
 pub struct ThreadState {
@@ -143,10 +137,6 @@ pub struct Threads {
     positions: Vec<Position>,
     /// Where each thread of `list` not holding the GIL stood at the last reading.
     stood_at: Vec<Position>,
-    /// Readings so far, which pick the threads whose clocks are read whatever they show.
-    readings: u64,
-    /// Threads' clocks left unread as they stood still, over all readings.
-    pub clocks_unread: u64,
 }
 
 /// The GIL's state spans its `interval`, holder, `locked` and switch fields, then two
@@ -177,8 +167,6 @@ impl Threads {
             clock_reads: 0,
             positions: Vec::new(),
             stood_at: Vec::new(),
-            readings: 0,
-            clocks_unread: 0,
         })
     }
 
@@ -188,16 +176,8 @@ impl Threads {
         start..start + GIL_STATE_BYTES
     }
 
-    /// Every thread state of the interpreter, with its GIL and CPU state. `skip_still`:
-    /// no CPU went unaccounted lately, so a thread standing still (`standing`) keeps
-    /// its last clock rather than ask the kernel (each read is a system call).
-    pub fn read(
-        &mut self,
-        layout: &Layout,
-        mem: &mut Memory,
-        batch: &mut Batch,
-        skip_still: bool,
-    ) -> Result<Vec<ThreadState>, String> {
+    /// Every thread state of the interpreter, with its GIL and CPU state.
+    pub fn read(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<Vec<ThreadState>, String> {
         let walks = self.walks;
         let (holder, states) = self.snapshot(layout, mem, batch)?;
         if walks != self.walks {
@@ -212,14 +192,11 @@ impl Threads {
         let stood: Vec<bool> = (at.iter().zip(&states).enumerate())
             .map(|(i, (at, b))| at.is_some() && self.stood_at.get(i) == Some(at) && !attached(b, layout))
             .collect();
-        self.readings += 1;
         let now = Instant::now();
         let list = self.list.clone();
         let mut threads = Vec::with_capacity(list.len());
         for (i, (&addr, bytes)) in list.iter().zip(&states).enumerate() {
-            let was_still = self.positions.get(i).is_some_and(Option::is_some);
-            let standing = skip_still && stood[i] && was_still && !self.turn_to_read(i);
-            threads.push(self.state(addr, bytes, holder, now, layout, standing));
+            threads.push(self.state(addr, bytes, holder, now, layout));
             threads[i].stood = stood[i];
         }
         self.positions = (threads.iter().zip(&at)).map(|(t, at)| at.filter(|_| t.still)).collect();
@@ -232,10 +209,9 @@ impl Threads {
         Ok(threads)
     }
 
-    /// Whether thread `i` of the list has its clock read whatever it shows: one reading
-    /// in `UNREAD_AT_MOST`, spread over the threads.
-    fn turn_to_read(&self, i: usize) -> bool {
-        (self.readings + i as u64) % UNREAD_AT_MOST == 0
+    /// Whether every thread stood still at the last reading (`stood_still` may say yes).
+    pub fn all_still(&self) -> bool {
+        !self.positions.is_empty() && self.positions.iter().all(Option::is_some)
     }
 
     /// Whether every thread stands where the last reading left it: the GIL is free (on
@@ -247,7 +223,7 @@ impl Threads {
     /// instruction (a frame it returned from or called into moves it too).
     pub fn stood_still(&mut self, layout: &Layout, mem: &mut Memory, batch: &mut Batch) -> Result<bool, String> {
         // Allocates nothing: at a quiet tick this is most of what is done.
-        if self.positions.iter().any(Option::is_none) {
+        if !self.all_still() {
             return Ok(false);
         }
         let attached = layout.tstate_state.filter(|_| !self.gil_enabled);
@@ -349,19 +325,9 @@ impl Threads {
         Ok(states)
     }
 
-    fn state(
-        &mut self,
-        addr: u64,
-        bytes: &[u8],
-        holder: u64,
-        now: Instant,
-        layout: &Layout,
-        standing: bool,
-    ) -> ThreadState {
+    fn state(&mut self, addr: u64, bytes: &[u8], holder: u64, now: Instant, layout: &Layout) -> ThreadState {
         let native_tid = u64_at(bytes, layout.tstate_native_thread_id);
-        let kept = self.clocks.get(&native_tid).filter(|_| standing).map(|&(cpu, _)| (0.0, 0, cpu));
-        self.clocks_unread += kept.is_some() as u64;
-        let clock = kept.or_else(|| self.clock(native_tid, now));
+        let clock = self.clock(native_tid, now);
         let (ran, cpu_ns, clock_ns) = clock.map_or((None, 0, None), |(ran, used, cpu)| (Some(ran), used, Some(cpu)));
         let on_cpu = ran.is_some_and(|r| r >= RUNNING_SHARE);
         let mut state = ThreadState {

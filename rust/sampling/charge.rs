@@ -5,7 +5,7 @@
 //! unwinds) is charged as it ends, so the sleep after it is stretched at once. Mixing the
 //! two for one tick would charge it into one sleep and leave the next unstretched.
 
-use crate::sampling::states::own_cpu_ns;
+use crate::sampling::cpu::own_cpu_ns;
 
 /// One tick in this many reads the clock at its end too, to time the sleep and wake
 /// after it apart from the ticks.

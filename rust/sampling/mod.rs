@@ -6,6 +6,7 @@ pub mod calls;
 pub mod cap;
 pub mod charge;
 pub mod config;
+pub mod cpu;
 pub mod history;
 pub mod lateness;
 pub mod loops;

@@ -13,11 +13,9 @@
 //!   sampler, which has just preempted it. Without the file: the run queue if its CPU
 //!   clock stands still between two readings a few microseconds apart. A thread
 //!   attached to a free-threaded interpreter runs Python and waits in no call: unread.
-//!
-//! Also the CPU time of threads Python does not know (BLAS, arrow).
 
 use crate::profile::sample::State;
-use crate::reader::{clock_ns, thread_cpu_ns, GilAt, ThreadStack};
+use crate::reader::{thread_cpu_ns, GilAt, ThreadStack};
 use nix::libc;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -30,21 +28,6 @@ use std::time::Instant;
 const RAN_THROUGHOUT: f64 = 0.97;
 /// Threads whose files are kept open at most.
 const MAX_OPEN: usize = 256;
-/// Native threads using at least this share of a core, on average over about
-/// `NATIVE_SECONDS`, are busy. Averaged because on a loaded machine a pool's threads get
-/// the CPU in slices of a few milliseconds: many ticks see none of it.
-const NATIVE_BUSY: f64 = 0.1;
-const NATIVE_SECONDS: f64 = 0.1;
-/// CPU outside the Python threads read (cores, averaged as `NATIVE_BUSY`) below which
-/// a thread standing still keeps its clock unread: above it, the CPU may be such a
-/// thread's, and every clock is read.
-const UNACCOUNTED: f64 = 0.05;
-/// CPU the rest of the process may use between two ticks and still count as idle:
-/// the sampler's own clock is read just after the process's, so the two deltas differ
-/// by its CPU between the reads, up to a cold read's price (~5 us on an AMD EPYC VM;
-/// at 2 us, 1 quiet tick in 10 was read in full there). Whether a thread moved is then
-/// the reader's to check (`Want::quiet`), so a larger margin costs no truth.
-const QUIET_NS: u64 = 10_000;
 /// How often a runnable thread's `schedstat` is read at most: each tick, it cost one
 /// `pread` (1-12 us on an AMD EPYC VM) per thread drawn runnable, 6 of a 3.13t tick's
 /// 8 spinning threads. The waits it counts carry over to the next reading.
@@ -237,10 +220,7 @@ pub struct StateStats {
 pub struct States {
     files: FxHashMap<u64, Files>,
     /// Process CPU ns, this thread's CPU ns and the time at the last tick.
-    last_tick: Option<(u64, u64, Instant)>,
-    /// Cores the native threads used, as a moving average over about `NATIVE_SECONDS`.
-    native_cores: f64,
-    /// Ticks so far (`cpu_since_last_tick` counts them).
+    /// Ticks so far (`count_tick` counts them).
     ticks: u64,
     pub stats: StateStats,
     /// The live threads whose files were last opened, all of them; threads past `MAX_OPEN` then.
@@ -250,67 +230,22 @@ pub struct States {
 
 impl States {
     pub fn new() -> States {
-        States {
-            files: FxHashMap::default(),
-            last_tick: None,
-            native_cores: 0.0,
-            ticks: 0,
-            stats: StateStats::default(),
-            tracked: Vec::new(),
-            past_cap: 0,
-        }
+        States { files: FxHashMap::default(), ticks: 0, stats: StateStats::default(), tracked: Vec::new(), past_cap: 0 }
     }
 
-    /// Whether a thread other than the sampler used CPU since the last tick, given the
-    /// process's CPU clock and the sampler's own, read now (`clocks`). That clock counts
-    /// a running thread only at a context switch or the kernel's tick, so "none" only
-    /// asks the reader to check whether any thread moved (`Want::quiet`).
-    pub fn others_ran(&self, (process, own_ns): (u64, u64)) -> bool {
-        let Some((process_before, own_before, _)) = self.last_tick else { return true };
-        let others = process.saturating_sub(process_before).saturating_sub(own_ns.saturating_sub(own_before));
-        others > QUIET_NS
-    }
-
-    /// Whether the process used little CPU lately beyond what the Python threads read
-    /// and the sampler account for (`Want::skip_still`).
-    pub fn all_accounted(&self) -> bool {
-        self.native_cores < UNACCOUNTED
-    }
-
-    /// Call once a tick, after the read, with the clocks read at its start (`clocks`): the
-    /// CPU ns the process and its threads that Python does not know used since the last
-    /// call. `python_ns` is what the Python threads used meanwhile.
-    pub fn cpu_since_last_tick(&mut self, python_ns: u64, (process, own_ns): (u64, u64)) -> Option<(u64, u64)> {
+    /// Call once a tick, before its states are drawn.
+    pub fn count_tick(&mut self) {
         self.ticks += 1;
-        let now = Instant::now();
-        let last = self.last_tick.replace((process, own_ns, now));
-        let (process_before, own_before, at) = last?;
-        let process_used = process.saturating_sub(process_before);
-        let own_used = own_ns.saturating_sub(own_before);
-        // Signed: the process's clock lags a running thread's by up to a kernel tick,
-        // which the next tick gives back; clamped at 0 each tick, that skew would add up.
-        let unread = process_used as f64 - python_ns as f64 - own_used as f64;
-        let native = process_used.saturating_sub(python_ns).saturating_sub(own_used);
-        let wall = now.duration_since(at).as_secs_f64();
-        // A process without busy native threads skips the `exp` (a cold call into libm
-        // was ~4% of a quiet tick on an AMD EPYC VM); `QUIET_NS` is the clocks' skew.
-        if native < QUIET_NS && self.native_cores < 1e-6 {
-            self.native_cores = 0.0;
-        } else if wall > 0.0 {
-            let weight = 1.0 - (-wall / NATIVE_SECONDS).exp();
-            self.native_cores += weight * (unread / 1e9 / wall - self.native_cores);
-        }
-        Some((process_used, native))
     }
 
-    /// The state of `t` at a moment drawn by `u` (uniform in [0, 1)).
-    pub fn state(&mut self, t: &ThreadStack, gil: &GilAt, u: f64) -> State {
+    /// The state of `t` at a moment drawn by `u` (uniform in [0, 1)); `native`: the
+    /// threads Python does not know are busy.
+    pub fn state(&mut self, t: &ThreadStack, gil: &GilAt, u: f64, native: bool) -> State {
         if t.ran.is_some_and(|r| r >= RAN_THROUGHOUT) {
             return if t.holds_gil { State::CpuGil } else { State::Cpu };
         }
         let Some(tid) = t.native_tid else { return guess(t) };
         let Some(files) = self.files.get_mut(&tid) else { return guess(t) };
-        let native = self.native_cores >= NATIVE_BUSY;
         // One that has not run since it was seen blocked, at the tick before, is still
         // in the same call.
         let drawn_before = std::mem::replace(&mut files.drawn_at, self.ticks) + 1 == self.ticks;
@@ -441,16 +376,6 @@ fn guess(t: &ThreadStack) -> State {
     }
 }
 
-/// The process's CPU clock and the calling thread's, in ns, read back to back.
-pub fn clocks() -> (u64, u64) {
-    (clock_ns(libc::CLOCK_PROCESS_CPUTIME_ID).unwrap_or(0), own_cpu_ns())
-}
-
-/// The calling thread's CPU clock, in ns.
-pub fn own_cpu_ns() -> u64 {
-    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,17 +441,17 @@ mod tests {
         }
         let mut states = States::new();
         states.track_threads(&[tid]);
-        states.cpu_since_last_tick(0, (0, 0));
-        assert_eq!(states.state(&drawn(tid), &gil, 0.5), State::Blocked, "asleep");
+        states.count_tick();
+        assert_eq!(states.state(&drawn(tid), &gil, 0.5, false), State::Blocked, "asleep");
         assert!(states.call(tid).is_some(), "in the call it was read in");
         while !spinning.load(Ordering::SeqCst) {
             std::thread::yield_now();
         }
         // A tick that does not draw it, then one that does: the rest of the interval
         // may be drawn as its last wait, but not in that call.
-        states.cpu_since_last_tick(0, (0, 0));
-        states.cpu_since_last_tick(0, (0, 0));
-        states.state(&drawn(tid), &gil, 0.99);
+        states.count_tick();
+        states.count_tick();
+        states.state(&drawn(tid), &gil, 0.99, false);
         assert_eq!(states.call(tid), None, "its nap's call is old news");
         stop.store(true, Ordering::Relaxed);
         napper.join().unwrap();

@@ -20,12 +20,13 @@ use crate::sampling::backlog::{Backlog, Taken};
 use crate::sampling::calls::Pending;
 use crate::sampling::charge::Charge;
 use crate::sampling::config::SamplerConfig;
+use crate::sampling::cpu::{own_cpu_ns, Clocks, ProcessCpu};
 use crate::sampling::lateness::Lateness;
 use crate::sampling::loops::LoopWatch;
 use crate::sampling::phases::{Phase, Phases};
 use crate::sampling::series::Series;
 use crate::sampling::stalls::Stalls;
-use crate::sampling::states::{clocks, own_cpu_ns, StateStats, States};
+use crate::sampling::states::{StateStats, States};
 use crate::sampling::store::{Recorded, Store};
 use crate::sampling::watching::{LoopsNow, Watching};
 use crate::sync::{Condvar, Mutex};
@@ -198,6 +199,7 @@ struct Loop<'a> {
     /// The state of each of `stacks`.
     states: Vec<State>,
     kernel: States,
+    cpu: ProcessCpu,
     rng: fastrand::Rng,
     /// Reader (or native) frame id -> store frame id, valid for `ids_valid_for`
     /// (reader epoch, native epoch, store generation).
@@ -231,6 +233,7 @@ impl<'a> Loop<'a> {
             stacks: Vec::new(),
             states: Vec::new(),
             kernel: States::new(),
+            cpu: ProcessCpu::new(),
             rng: fastrand::Rng::new(),
             store_ids: FxHashMap::default(),
             last_stack: FxHashMap::default(),
@@ -264,14 +267,14 @@ impl<'a> Loop<'a> {
             let weight = (now - slot).clamp(length, 2 * length);
             // Charged by its own clock, not wall time: a tick preempted on a busy machine
             // took milliseconds of wall time, and charging those swung the interval wildly.
-            let clocks = clocks();
-            let (mut spent, wake) = charge.at_start(clocks.1);
+            let clocks = self.cpu.at_start(self.reader.may_stand_still());
+            let (mut spent, wake) = charge.at_start(clocks.own_ns);
             self.adapt(spent, weight);
             if let Some(wake) = wake {
                 self.phases.add_wake(wake);
             }
             self.tick(weight, clocks);
-            let cost = charge.at_end(clocks.1);
+            let cost = charge.at_end(clocks.own_ns);
             self.adapt(cost, Duration::ZERO);
             spent += cost;
             let mut stats = self.shared.stats.lock();
@@ -331,8 +334,8 @@ impl<'a> Loop<'a> {
         self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
     }
 
-    /// `clocks`: the process's CPU clock and the sampler's, read at the tick's start.
-    fn tick(&mut self, weight: Duration, clocks: (u64, u64)) {
+    /// `clocks`: those read at the tick's start.
+    fn tick(&mut self, weight: Duration, clocks: Clocks) {
         if self.shared.inject_panic.swap(false, Ordering::SeqCst) {
             panic!("injected by the test switch");
         }
@@ -341,9 +344,7 @@ impl<'a> Loop<'a> {
         let time_ns = now_ns();
         // A stalling loop's thread is read blocked too: the stall's explanation needs it.
         let late = self.shared.loops.lock().iter().any(|w| w.stalling(time_ns));
-        let quiet = !self.kernel.others_ran(clocks);
-        let skip_still = !all && self.kernel.all_accounted();
-        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all, quiet, skip_still };
+        let want = Want { idle: config.idle || all || late, gil_only: config.gil_only && !all, quiet: clocks.quiet };
         let mut lap = Instant::now();
         let listed = self.reader.list_ns();
         let read = self.read(want, all);
@@ -352,7 +353,7 @@ impl<'a> Loop<'a> {
         match read {
             Ok(read) => {
                 self.track_threads();
-                self.record_cpu(time_ns, clocks);
+                self.record_cpu(time_ns, &clocks);
                 let again = read == Read::Again && self.repeat.is_some();
                 if !again {
                     self.read_states();
@@ -366,7 +367,7 @@ impl<'a> Loop<'a> {
                 if again {
                     self.record_again(time_ns, weight);
                 } else {
-                    self.capture_native(clocks.1);
+                    self.capture_native(clocks.own_ns);
                     self.phases.add(Phase::Native, &mut lap);
                     self.record(time_ns, weight, read);
                 }
@@ -418,7 +419,7 @@ impl<'a> Loop<'a> {
     /// Opens the files of the threads alive now, before `start` returns: a server's
     /// descriptor count taken once it started is then the one it comes back to.
     fn open_thread_files(&mut self) {
-        let all = Want { idle: true, gil_only: false, quiet: false, skip_still: false };
+        let all = Want { idle: true, gil_only: false, quiet: false };
         if self.reader.read(all, &self.shared.tags, &mut self.stacks).is_ok() {
             self.track_threads();
         }
@@ -434,8 +435,9 @@ impl<'a> Loop<'a> {
     }
 
     /// The CPU the process and its native threads used since the last tick.
-    fn record_cpu(&mut self, time_ns: u64, clocks: (u64, u64)) {
-        if let Some((process, native)) = self.kernel.cpu_since_last_tick(self.reader.python_cpu_ns(), clocks) {
+    fn record_cpu(&mut self, time_ns: u64, clocks: &Clocks) {
+        self.kernel.count_tick();
+        if let Some((process, native)) = self.cpu.after_read(self.reader.python_cpu_ns(), clocks) {
             let (p, n) = &mut self.cpu_pending;
             (*p, *n) = (*p + process, *n + native);
             // An export may be reading the series: its CPU waits for the next tick, not the sampler.
@@ -448,9 +450,10 @@ impl<'a> Loop<'a> {
     /// Each stack's state.
     fn read_states(&mut self) {
         let gil = self.reader.gil(&self.stacks);
+        let native = self.cpu.native_busy();
         self.states.clear();
         for t in &self.stacks {
-            self.states.push(self.kernel.state(t, &gil, self.rng.f64()));
+            self.states.push(self.kernel.state(t, &gil, self.rng.f64(), native));
         }
     }
 
@@ -582,7 +585,7 @@ impl<'a> Loop<'a> {
     /// those whose marks changed during the read (a task's at selection: left untagged).
     fn kept(&self, boundary: &mut u64) -> Vec<(usize, Marks)> {
         let config = &self.config;
-        let keep = Want { idle: config.idle, gil_only: config.gil_only, quiet: false, skip_still: false };
+        let keep = Want { idle: config.idle, gil_only: config.gil_only, quiet: false };
         let mut kept = Vec::new();
         for (i, t) in self.stacks.iter().enumerate() {
             let in_task = t.marks.as_ref().map_or(true, |m| m.task.is_some());
