@@ -112,8 +112,9 @@ pub struct ThreadStack {
     /// The share of the wall time since the previous tick the thread was on a CPU;
     /// None where the reader does not know it.
     pub ran: Option<f64>,
-    /// Held no GIL and its innermost frame stood at one instruction since the
-    /// previous tick: it ran no Python meanwhile (false where the reader cannot tell).
+    /// Held no GIL, used little CPU and its innermost frame stood at one instruction
+    /// since the previous tick: it ran no Python meanwhile, as far as its position
+    /// tells (false where the reader cannot tell).
     pub stood: bool,
     /// The kernel's id of the thread, for its `/proc/self/task` files.
     pub native_tid: Option<u64>,

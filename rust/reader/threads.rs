@@ -14,6 +14,10 @@ use std::time::Instant;
 const RUNNING_SHARE: f64 = 0.5;
 /// More thread states than this in one walk means a torn or looping list.
 const MAX_THREADS: usize = 10_000;
+/// A thread that used less than this share of the time since the last reading, held no
+/// GIL and stands at the instruction it stood at then ran no Python meanwhile
+/// (`ThreadState::stood`): what it used went to a wait's own wake-ups, or to native code.
+const STOOD_RAN: f64 = 0.02;
 
 #[derive(Clone, Debug)]
 pub struct ThreadState {
@@ -36,8 +40,9 @@ pub struct ThreadState {
     pub native_tid: u64,
     /// Used no CPU since the last tick and holds no GIL: its frames cannot have changed.
     pub still: bool,
-    /// Holds no GIL and its innermost frame is at the instruction where the last
-    /// reading found it: it ran no Python since, whatever CPU it used.
+    /// Holds no GIL, used little CPU (`STOOD_RAN`), and its innermost frame is at the
+    /// instruction where the last reading found it: it ran no Python since, as far as
+    /// its position tells (a wait left and entered again stands where it stood).
     pub stood: bool,
 }
 
@@ -185,19 +190,17 @@ impl Threads {
             self.positions.clear();
             self.stood_at.clear();
         }
-        // Taken before the clocks: a clock that has not moved since says the thread
-        // stood there until then.
-        let free: Vec<bool> = self.list.iter().map(|&a| a != holder).collect();
-        let at = positions(&states, &free, layout, mem, batch)?;
-        let stood: Vec<bool> = (at.iter().zip(&states).enumerate())
-            .map(|(i, (at, b))| at.is_some() && self.stood_at.get(i) == Some(at) && !attached(b, layout))
-            .collect();
         let now = Instant::now();
         let list = self.list.clone();
-        let mut threads = Vec::with_capacity(list.len());
-        for (i, (&addr, bytes)) in list.iter().zip(&states).enumerate() {
-            threads.push(self.state(addr, bytes, holder, now, layout));
-            threads[i].stood = stood[i];
+        let mut threads: Vec<ThreadState> =
+            list.iter().zip(&states).map(|(&addr, bytes)| self.state(addr, bytes, holder, now, layout)).collect();
+        // Where the threads that may have stood stand: still ones (`stood_still`) and those
+        // that used little CPU, holding no GIL (a GIL wait's own wake-ups).
+        let idle = |t: &ThreadState| t.still || (t.addr != holder && t.ran.is_some_and(|r| r < STOOD_RAN));
+        let asked: Vec<bool> = threads.iter().map(idle).collect();
+        let at = positions(&states, &asked, layout, mem, batch)?;
+        for (i, t) in threads.iter_mut().enumerate() {
+            t.stood = at[i].is_some() && self.stood_at.get(i) == Some(&at[i]) && !t.attached;
         }
         self.positions = (threads.iter().zip(&at)).map(|(t, at)| at.filter(|_| t.still)).collect();
         self.stood_at = at;

@@ -67,7 +67,14 @@ pub struct ProcessCpu {
 
 impl ProcessCpu {
     pub fn new() -> ProcessCpu {
-        ProcessCpu { last: None, python_ns: 0, quiet_own_ns: None, read_at_last_tick: false, derived: 0, native_cores: 0.0 }
+        ProcessCpu {
+            last: None,
+            python_ns: 0,
+            quiet_own_ns: None,
+            read_at_last_tick: false,
+            derived: 0,
+            native_cores: 0.0,
+        }
     }
 
     /// The clocks at a tick's start; `may_be_quiet`: every thread stood still at the last read.

@@ -33,11 +33,9 @@ const MAX_OPEN: usize = 256;
 /// 8 spinning threads. The waits it counts carry over to the next reading.
 const SCHEDSTAT_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 /// A thread found waiting for the GIL that since stood at one instruction, holding no
-/// GIL, and used less than this share of the time waits for it still: what CPU it used
-/// was the wait's own (CPython's waiters wake each switch interval to ask for the
-/// GIL), as taking it would have run Python. Its file is read anyway after
-/// `GIL_WAIT_KEPT` ticks of this.
-const GIL_WAIT_RAN: f64 = 0.02;
+/// GIL and using little CPU (`ThreadStack::stood`), waits for it still: what CPU it used
+/// was the wait's own (CPython's waiters wake each switch interval to ask for the GIL),
+/// as taking it would have run Python. Its file is read anyway after this many ticks.
 const GIL_WAIT_KEPT: u64 = 4;
 /// How long a wait seen stays in a thread's record (`blocks_on_futexes_only`).
 const WAITS_LATELY: std::time::Duration = std::time::Duration::from_secs(5);
@@ -121,10 +119,10 @@ impl Files {
     }
 
     /// Whether `t`, found waiting for the GIL at the tick before, waits for it still
-    /// at `tick` without a read (`GIL_WAIT_RAN`); kept as read then if so.
+    /// at `tick` without a read (`GIL_WAIT_KEPT`); kept as read then if so.
     fn still_waits_for_gil(&mut self, t: &ThreadStack, tick: u64) -> bool {
         let waited = self.wait.is_some_and(|(_, w)| w == Wait::Gil) && tick - self.read_at < GIL_WAIT_KEPT;
-        let Some(clock) = t.clock_ns.filter(|_| waited && t.stood && t.ran.is_some_and(|r| r < GIL_WAIT_RAN)) else {
+        let Some(clock) = t.clock_ns.filter(|_| waited && t.stood) else {
             return false;
         };
         self.wait = Some((clock, Wait::Gil));
@@ -209,7 +207,7 @@ fn ends_with_eintr(nr: u16) -> bool {
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct StateStats {
     pub syscall_reads: u64,
-    /// GIL waits drawn again without a read, the thread having stood in them (`GIL_WAIT_RAN`).
+    /// GIL waits drawn again without a read, the thread having stood in them (`GIL_WAIT_KEPT`).
     pub gil_waits_kept: u64,
     /// Threads past `MAX_OPEN` at a tick, whose states fell back to their CPU clock alone.
     pub unopened: u64,
