@@ -14,7 +14,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 import dask_pyspy
 from tests.cluster.browser import console_errors, flame_labels, screenshot, start_chromium, wait_for_flame_graph
 from tests.cluster.test_pprof import go_pprof
-from tests.cluster.test_report import chromium, speedscope_site  # noqa: F401  (fixtures)
+from tests.cluster.test_report import speedscope_site, webgl_chromium  # noqa: F401  (fixtures)
 from tests.conftest import wait_for
 from tests.inprocess.test_task_memory import named_sites
 
@@ -272,7 +272,7 @@ def named_memory(client: Client) -> dask_pyspy.MemoryProfile:
     return wait_for(named, "stacks named")
 
 
-def test_memory_files_open_in_pprof_and_speedscope(client, tmp_path, speedscope_site, chromium):  # noqa: F811
+def test_memory_files_open_in_pprof_and_speedscope(client, tmp_path, speedscope_site, webgl_chromium):  # noqa: F811
     wait(client.submit(leak, 50, pure=False))
     memory = named_memory(client)
     pb = memory.save(tmp_path / "memory.pb.gz")
@@ -287,12 +287,12 @@ def test_memory_files_open_in_pprof_and_speedscope(client, tmp_path, speedscope_
     doc = memory.speedscope()
     active = doc["activeProfileIndex"]
     assert doc["profiles"][active]["name"].endswith("bytes in use"), doc["profiles"][active]["name"]
-    chromium.get(f"{url}/index.html#profileURL=/memory.json")
+    webgl_chromium.get(f"{url}/index.html#profileURL=/memory.json")
     title = f"{doc['profiles'][active]['name']} ({active + 1}/{len(doc['profiles'])})"
-    WebDriverWait(chromium, 60).until(lambda d: title in d.find_element("tag name", "body").text)
-    assert "went wrong" not in chromium.find_element("tag name", "body").text
-    screenshot(chromium, "speedscope-memory")
-    assert console_errors(chromium) == []
+    WebDriverWait(webgl_chromium, 60).until(lambda d: title in d.find_element("tag name", "body").text)
+    assert "went wrong" not in webgl_chromium.find_element("tag name", "body").text
+    screenshot(webgl_chromium, "speedscope-memory")
+    assert console_errors(webgl_chromium) == []
     with pytest.raises(ValueError, match="for a memory profile"):
         memory.save(tmp_path / "memory.html")
 
