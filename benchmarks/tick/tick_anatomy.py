@@ -160,6 +160,15 @@ PRICED_AS = {
 FLOOR = "getppid (a system call's floor)"
 
 
+def calls_target(calls: dict[str, float], form: Shape) -> str:
+    """Issue 43's count: the sleep and one clock, and one clock per thread that ran (each
+    spinning thread runs or wakes to ask for the GIL between two ticks; parked ones do not)."""
+    if not calls:
+        return "-"
+    ran = form.threads if form.spinning else 0
+    return f"<= {2 + ran}: {verdict(sum(calls.values()) <= 2 + ran)}"
+
+
 def calls_price(calls: dict[str, float], costs: list[dict[str, Any]]) -> str:
     """What a tick's counted system calls cost at this machine's hot and cold prices:
     the cold price is each call's first after a sleep, so the tick's share lies between."""
@@ -191,6 +200,7 @@ def run(quick: bool) -> Section:
                 f"{held['hz']:.0f}",
                 f"{free['clock_reads']:.2f}",
                 calls_text(free["calls"]),
+                calls_target(free["calls"], form),
                 calls_price(free["calls"], costs),
                 free["reads_by"],
             ]
@@ -221,6 +231,7 @@ def run(quick: bool) -> Section:
                 "Hz, 1% budget",
                 "clocks read/tick",
                 "system calls/tick",
+                "target",
                 "their price, us hot-cold",
                 "reads by",
             ],
