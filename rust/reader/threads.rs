@@ -14,9 +14,10 @@ use std::time::Instant;
 const RUNNING_SHARE: f64 = 0.5;
 /// More thread states than this in one walk means a torn or looping list.
 const MAX_THREADS: usize = 10_000;
-/// A thread that used less than this share of the time since the last reading, held no
-/// GIL and stands at the instruction it stood at then ran no Python meanwhile
-/// (`ThreadState::stood`): what it used went to a wait's own wake-ups, or to native code.
+/// A thread that used less than this share of the time since the last reading, holds no
+/// GIL and stands at the instruction it stood at then ran no Python meanwhile, as far
+/// as its position tells (`ThreadState::stood`): what it used went to a wait's own
+/// wake-ups, or to native code.
 const STOOD_RAN: f64 = 0.02;
 
 #[derive(Clone, Debug)]
@@ -140,7 +141,7 @@ pub struct Threads {
     pub clock_reads: u64,
     /// Where each thread of `list` stood at the last reading, if it used no CPU then.
     positions: Vec<Position>,
-    /// Where each thread of `list` not holding the GIL stood at the last reading.
+    /// Where each thread of `list` that may have stood (`read`) stood at the last reading.
     stood_at: Vec<Position>,
 }
 

@@ -2,7 +2,7 @@
 //! tick may be quiet (no thread but the sampler used CPU), and how busy the threads
 //! Python does not know are (BLAS, arrow).
 //!
-//! Each clock is a system call (1-5 us cold on an AMD EPYC VM), so a tick asks only
+//! Each clock is a system call (1-7 us cold on an AMD EPYC VM), so a tick asks only
 //! what it needs. The sampler's own clock, which the budget is charged by, at every
 //! tick. The process's: where the tick may be quiet (every thread stood still at the
 //! last read), and else every `PROCESS_EVERY`, which counts all the CPU of the time
@@ -21,11 +21,11 @@ const PROCESS_EVERY: Duration = Duration::from_millis(100);
 /// by its CPU between the reads, up to a cold read's price (~5 us on an AMD EPYC VM;
 /// at 2 us, 1 quiet tick in 10 was read in full there). Whether a thread moved is then
 /// the reader's to check (`Want::quiet`), so a larger margin costs no truth.
-pub const QUIET_NS: u64 = 10_000;
+const QUIET_NS: u64 = 10_000;
 /// The process's CPU over an interval is taken for the sampler's alone (and its own
 /// clock left unread) up to this many times the sampler's CPU over the last quiet
 /// interval its clock was read for, plus `QUIET_NS`. What else ran then (a timer's
-/// wake) is charged to the budget, so the budget is never underspent unseen; a thread
+/// wake) is charged to the budget, which is then overcharged, never overspent; a thread
 /// that ran that little and came back to the very instruction it stood at (a wait
 /// left and entered again) is seen at the next tick that reads the sampler's clock.
 const QUIET_SLACK: u64 = 2;

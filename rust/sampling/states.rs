@@ -217,7 +217,6 @@ pub struct StateStats {
 
 pub struct States {
     files: FxHashMap<u64, Files>,
-    /// Process CPU ns, this thread's CPU ns and the time at the last tick.
     /// Ticks so far (`count_tick` counts them).
     ticks: u64,
     pub stats: StateStats,
