@@ -353,6 +353,7 @@ impl<'a> Loop<'a> {
         match read {
             Ok(read) => {
                 self.track_threads();
+                self.kernel.count_tick();
                 self.record_cpu(time_ns, &clocks);
                 let again = read == Read::Again && self.repeat.is_some();
                 if !again {
@@ -436,7 +437,6 @@ impl<'a> Loop<'a> {
 
     /// The CPU the process and its native threads used since the last tick.
     fn record_cpu(&mut self, time_ns: u64, clocks: &Clocks) {
-        self.kernel.count_tick();
         if let Some((process, native)) = self.cpu.after_read(self.reader.python_cpu_ns(), clocks) {
             let (p, n) = &mut self.cpu_pending;
             (*p, *n) = (*p + process, *n + native);
