@@ -37,6 +37,13 @@ const SCHEDSTAT_EVERY: std::time::Duration = std::time::Duration::from_millis(50
 /// was the wait's own (CPython's waiters wake each switch interval to ask for the GIL),
 /// as taking it would have run Python. Its file is read anyway after this many ticks.
 const GIL_WAIT_KEPT: u64 = 4;
+/// A wait read at one tick stands for the next, unread, in a thread holding no GIL: a
+/// thread that ran part of each interval (GIL contention, an event loop, tasks sharing
+/// cores) had its file read at most ticks, the costliest read of a dask worker's tick
+/// (19% of its sampler's CPU on an AMD EPYC VM). The wait then drawn is the thread's at
+/// a moment one tick earlier, so drawn as often as it is seen: unbiased, a change of
+/// wait seen one tick late.
+const WAIT_STANDS_TICKS: u64 = 1;
 /// How long a wait seen stays in a thread's record (`blocks_on_futexes_only`).
 const WAITS_LATELY: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -68,6 +75,8 @@ struct Files {
     drawn_at: u64,
     /// The tick at which the file was last read.
     read_at: u64,
+    /// Whether the last draw took the wait read at the draw before (`WAIT_STANDS_TICKS`).
+    reused: bool,
     /// The call that draw found it blocked in, where one was read.
     drawn_call: Option<u16>,
     /// Its `schedstat`, opened with `syscall` so that a thread's descriptors do not
@@ -91,6 +100,7 @@ impl Files {
             eintr_at: None,
             drawn_at: 0,
             read_at: 0,
+            reused: false,
             drawn_call: None,
             schedstat: File::open(format!("/proc/self/task/{tid}/schedstat")).ok(),
             queued: None,
@@ -98,9 +108,14 @@ impl Files {
         })
     }
 
-    /// What the thread waits in, and whether its syscall file was read for it at `tick`.
-    fn wait(&mut self, cpu_ns: u64, gil: &GilAt, tick: u64) -> (Wait, bool) {
+    /// What the thread waits in, and whether its syscall file was read for it at `tick`;
+    /// `holds_gil`: it holds the GIL now, so it waits in no wait read before.
+    fn wait(&mut self, cpu_ns: u64, gil: &GilAt, tick: u64, holds_gil: bool) -> (Wait, bool) {
         if let Some((_, wait)) = self.wait.filter(|(at, _)| *at == cpu_ns) {
+            return (wait, false);
+        }
+        if let Some((_, wait)) = self.wait.filter(|_| !holds_gil && tick - self.read_at <= WAIT_STANDS_TICKS) {
+            self.reused = true;
             return (wait, false);
         }
         self.read_at = tick;
@@ -209,6 +224,8 @@ pub struct StateStats {
     pub syscall_reads: u64,
     /// GIL waits drawn again without a read, the thread having stood in them (`GIL_WAIT_KEPT`).
     pub gil_waits_kept: u64,
+    /// Waits drawn as read at the tick before, unread (`WAIT_STANDS_TICKS`).
+    pub waits_reused: u64,
     /// Threads past `MAX_OPEN` at a tick, whose states fell back to their CPU clock alone.
     pub unopened: u64,
     /// Threads whose files (`syscall`, `schedstat`) are open now: each live thread.
@@ -247,12 +264,15 @@ impl States {
         // in the same call.
         let drawn_before = std::mem::replace(&mut files.drawn_at, self.ticks) + 1 == self.ticks;
         files.drawn_call = None;
-        let still = drawn_before && t.cpu_ns == 0 && t.ran.is_some();
+        // A wait taken from the draw before was not seen: one not run since is read.
+        let reused = std::mem::take(&mut files.reused);
+        let seen = drawn_before && !reused;
+        let still = seen && t.cpu_ns == 0 && t.ran.is_some();
         if let Some((_, wait)) = files.wait.filter(|(_, w)| still && *w != Wait::Running) {
             files.drawn_call = files.call;
             return blocked(wait, native);
         }
-        if drawn_before && files.still_waits_for_gil(t, self.ticks) {
+        if seen && files.still_waits_for_gil(t, self.ticks) {
             files.drawn_call = files.call;
             self.stats.gil_waits_kept += 1;
             // What CPU it used, it used in the wait, without the GIL.
@@ -271,8 +291,9 @@ impl States {
             (Wait::Running, None)
         } else {
             let Some(before) = t.clock_ns.or_else(|| thread_cpu_ns(tid)) else { return guess(t) };
-            let (wait, read) = files.wait(before, gil, self.ticks);
+            let (wait, read) = files.wait(before, gil, self.ticks, t.holds_gil);
             self.stats.syscall_reads += read as u64;
+            self.stats.waits_reused += files.reused as u64;
             (wait, Some(before))
         };
         if wait != Wait::Running {
@@ -452,6 +473,50 @@ mod tests {
         assert_eq!(states.call(tid), None, "its nap's call is old news");
         stop.store(true, Ordering::Relaxed);
         napper.join().unwrap();
+    }
+
+    #[test]
+    fn a_wait_read_stands_for_one_tick_and_never_for_a_thread_still_since() {
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let (wake, waiting) = std::sync::mpsc::channel::<()>();
+        let waiter = std::thread::spawn(move || {
+            tid_tx.send(nix::unistd::gettid().as_raw() as u64).unwrap();
+            waiting.recv().unwrap();
+        });
+        let tid = tid_rx.recv().unwrap();
+        let in_call = || {
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")).is_ok_and(|l| !l.starts_with("running"))
+        };
+        while !in_call() {
+            std::thread::yield_now();
+        }
+        let (mut states, gil) = (States::new(), GilAt::HeldElsewhere(false));
+        states.track_threads(&[tid]);
+        // Each tick: its CPU clock, what it ran since the tick before, whether it holds
+        // the GIL; then the reads and reuses counted so far.
+        let ticks = [
+            (100, 0, false, 1, 0),   // read: a lock's futex
+            (200, 100, false, 1, 1), // ran a little: the wait read at the tick before stands
+            (200, 0, false, 2, 1),   // still since, but its wait was not seen: read
+            (300, 100, false, 2, 2),
+            (300, 0, false, 3, 2),
+            (400, 100, true, 4, 2), // holding the GIL it is in no wait read before
+        ];
+        for (clock, ran_ns, holds_gil, reads, reused) in ticks {
+            states.count_tick();
+            let t = ThreadStack {
+                clock_ns: Some(clock),
+                cpu_ns: ran_ns,
+                ran: Some(ran_ns as f64 / 10_000.0),
+                holds_gil,
+                ..drawn(tid)
+            };
+            let state = states.state(&t, &gil, 0.5, false);
+            assert_eq!(state, State::Blocked, "at clock {clock}");
+            assert_eq!((states.stats.syscall_reads, states.stats.waits_reused), (reads, reused), "at clock {clock}");
+        }
+        wake.send(()).unwrap();
+        waiter.join().unwrap();
     }
 
     #[test]
