@@ -347,7 +347,9 @@ impl StackReader for FastReader {
                 marks: r.marks,
             });
         }
-        self.last_read = Some(((want.idle, want.gil_only), out.clone()));
+        // Kept only where the next tick may give it again (`may_stand_still`), not
+        // cloned stack by stack at every busy tick.
+        self.last_read = self.threads.all_still().then(|| ((want.idle, want.gil_only), out.clone()));
         Ok(Read::Fresh)
     }
 
