@@ -120,9 +120,8 @@ impl Files {
         }
         self.read_at = tick;
         let mut buf = [0u8; 160];
-        let line =
-            self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok().map(str::to_owned));
-        let (wait, call) = line.map_or((Wait::Running, None), |l| classify(&l, gil));
+        let line = self.syscall.read_at(&mut buf, 0).ok().and_then(|n| std::str::from_utf8(&buf[..n]).ok());
+        let (wait, call) = line.map_or((Wait::Running, None), |l| classify(l, gil));
         self.wait = Some((cpu_ns, wait));
         if call.is_some() {
             self.call = call;
