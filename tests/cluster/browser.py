@@ -36,7 +36,11 @@ def start_chromium(webgl: bool = False) -> webdriver.Chrome:
         opts.add_argument(flag)
     opts.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    # On a loaded machine a lookup right after a page's load can miss an element that is
+    # in the page (seen once in 60 loads beside stress-ng); the driver retries until found.
+    driver.implicitly_wait(20)
+    return driver
 
 
 def console_errors(driver: webdriver.Chrome) -> list[str]:
