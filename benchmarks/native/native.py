@@ -22,7 +22,7 @@ from benchmarks.native.native_runs import Fidelity, cost_run, run_child, signals
 COST_RATE, COST_CPU = 0.02, 0.015
 SYMBOLS_MAX = 64 << 20
 LOST_MAX, BIAS_MAX = 0.01, 2.0
-SLEEPS = 10_000
+CALLS = 10_000
 
 
 def run(quick: bool) -> Section:
@@ -238,32 +238,34 @@ def fidelity_table(section: Section, fidelity: list[Fidelity]) -> None:
 def eintr(section: Section) -> None:
     rows = []
     total = 0
-    for case, what in (("a", "back to back"), ("b", "each after ~1 ms of numpy/Python work")):
-        print(f"  EINTR case {case}", flush=True)
-        r = run_child({"mode": "eintr", "case": case, "count": SLEEPS})
+    for case, call in (("a", "nanosleep"), ("b", "nanosleep"), ("b", "sem_timedwait"), ("b", "select")):
+        what = "back to back" if case == "a" else "each after ~1 ms of numpy/Python work"
+        print(f"  EINTR case {case}, {call}", flush=True)
+        r = run_child({"mode": "eintr", "case": case, "call": call, "count": CALLS})
         n = r["stats"]["native"]
         total += r["eintr"]
         rows.append(
             [
-                f"({case}) {what}",
-                r["sleeps"],
+                f"`{call}`, {what}",
+                r["calls"],
                 r["eintr"],
                 r["other_errors"],
-                f"{r['sleeper_s']:.2f} / {r['sleeper_native_s']:.2f}",
+                f"{r['caller_s']:.2f} / {r['caller_native_s']:.2f}",
                 signals(n),
                 f"{r['stats']['achieved_rate']:.1f}",
             ]
         )
     section.tables.append(
-        f"EINTR: a thread doing {SLEEPS:,} libc nanosleeps of 1 ms (ctypes) beside 2 busy numpy matmul threads, "
+        f"EINTR: a thread making {CALLS:,} libc calls that block ~1 ms (ctypes: `nanosleep`, `sem_timedwait` "
+        "with a 1 ms deadline, `select` with a 1 ms timeout) beside 2 busy numpy matmul threads, "
         "sampled at 100 Hz with native=True (budget 0.2):\n\n"
         + table(
             [
-                "case",
-                "sleeps",
+                "call",
+                "calls",
                 "EINTR",
                 "other errors",
-                "sleeper sampled s / with native frames",
+                "caller sampled s / with native frames",
                 "native capture, all threads",
                 "achieved Hz",
             ],
@@ -271,6 +273,6 @@ def eintr(section: Section) -> None:
         )
     )
     section.notes.append(
-        f"Target: 0 sleeps interrupted in {SLEEPS:,}, in each case. Measured {', '.join(str(r[2]) for r in rows)}: "
+        f"Target: 0 calls interrupted in {CALLS:,}, in each case. Measured {', '.join(str(r[2]) for r in rows)}: "
         f"{verdict(total == 0)}."
     )

@@ -10,6 +10,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import itertools
 import json
@@ -236,24 +237,49 @@ def memory(native: bool, seconds: float) -> dict[str, Any]:
     return {"before": before, "after": after, "stats": s.stats()}
 
 
-def nanosleeps(case: str, count: int, a: Any) -> dict[str, int]:
-    """`count` libc nanosleeps of 1 ms, back to back ("a") or each after ~1 ms of
+class Timeval(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_usec", ctypes.c_long)]
+
+
+def blocking_call(call: str) -> Callable[[], int]:
+    """One libc call through ctypes that sleeps ~1 ms, and that a signal handler can cut
+    short with EINTR: `nanosleep`, `sem_timedwait` on a semaphore nobody posts, or `select`
+    on no descriptors. It returns the call's own return value (0 or -1, errno set)."""
+    if call == "nanosleep":
+        ts = Timespec(0, 1_000_000)
+        return lambda: libc.nanosleep(ctypes.byref(ts), None)
+    if call == "select":
+        return lambda: libc.select(0, None, None, None, ctypes.byref(Timeval(0, 1000)))
+    sem = ctypes.create_string_buffer(64)  # a sem_t is 32 bytes on 64-bit Linux
+    if libc.sem_init(sem, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def timedwait() -> int:
+        now = time.time_ns() + 1_000_000  # sem_timedwait's deadline is on CLOCK_REALTIME
+        r = libc.sem_timedwait(sem, ctypes.byref(Timespec(now // 1_000_000_000, now % 1_000_000_000)))
+        return 0 if r != 0 and ctypes.get_errno() == errno.ETIMEDOUT else r  # the normal end
+
+    return timedwait
+
+
+def blocking_calls(case: str, call: str, count: int, a: Any) -> dict[str, int]:
+    """`count` blocking calls of ~1 ms, back to back ("a") or each after ~1 ms of
     numpy/Python work ("b"); counts those that returned early with EINTR."""
-    ts = Timespec(0, 1_000_000)
-    out = {"sleeps": 0, "eintr": 0, "other_errors": 0}
+    once = blocking_call(call)
+    out = {"calls": 0, "eintr": 0, "other_errors": 0}
     for _ in range(count):
         if case == "b":
             until = time.perf_counter() + 0.001
             while time.perf_counter() < until:
                 (a * 2.0).sum()
-        if libc.nanosleep(ctypes.byref(ts), None) != 0:
-            out["eintr" if ctypes.get_errno() == 4 else "other_errors"] += 1  # 4: EINTR
-        out["sleeps"] += 1
+        if once() != 0:
+            out["eintr" if ctypes.get_errno() == errno.EINTR else "other_errors"] += 1
+        out["calls"] += 1
     return out
 
 
-def eintr(case: str, count: int) -> dict[str, Any]:
-    """A thread doing `count` nanosleeps beside 2 busy numpy threads, sampled with native frames."""
+def eintr(case: str, call: str, count: int) -> dict[str, Any]:
+    """A thread doing `count` blocking calls beside 2 busy numpy threads, sampled with native frames."""
     import numpy as np
 
     j = jobs(rows=10)
@@ -261,14 +287,14 @@ def eintr(case: str, count: int) -> dict[str, Any]:
     s = Sampler(native=True, rate=100, cpu_budget=0.2)
     s.start()
     result: dict[str, int] = {}
-    sleeper = threading.Thread(
-        target=lambda: result.update(nanosleeps(case, count, np.ones(1000))), name="sleeper", daemon=True
+    caller = threading.Thread(
+        target=lambda: result.update(blocking_calls(case, call, count, np.ones(1000))), name="caller", daemon=True
     )
-    sleeper.start()
-    sleeper.join()
+    caller.start()
+    caller.join()
     s.stop()
     stop_threads(threads, stop)
-    return {**result, **sleeper_samples(s.profile().speedscope()), "stats": s.stats()}
+    return {**result, **caller_samples(s.profile().speedscope()), "stats": s.stats()}
 
 
 def is_native(frame: dict[str, Any]) -> bool:
@@ -276,15 +302,15 @@ def is_native(frame: dict[str, Any]) -> bool:
     return "line" not in frame and not str(frame.get("file", "")).endswith(".py")
 
 
-def sleeper_samples(doc: dict[str, Any]) -> dict[str, float]:
-    """Seconds of the sleeper's samples, and of those with native frames (it was signalled)."""
+def caller_samples(doc: dict[str, Any]) -> dict[str, float]:
+    """Seconds of the caller's samples, and of those with native frames (it was signalled)."""
     frames = doc["shared"]["frames"]
-    out = {"sleeper_s": 0.0, "sleeper_native_s": 0.0}
+    out = {"caller_s": 0.0, "caller_native_s": 0.0}
     for p in doc["profiles"]:
-        if " sleeper (" in p["name"]:
+        if " caller (" in p["name"]:
             for sample, weight in zip(p["samples"], p["weights"]):
-                out["sleeper_s"] += weight
-                out["sleeper_native_s"] += weight * any(is_native(frames[i]) for i in sample)
+                out["caller_s"] += weight
+                out["caller_native_s"] += weight * any(is_native(frames[i]) for i in sample)
     return out
 
 
