@@ -31,6 +31,7 @@ SECTIONS = {
     "bounded_loads": "benchmarks.history.bounded_loads",
     "free_threaded": "benchmarks.free_threaded.free_threaded",
     "native": "benchmarks.native.native",
+    "native_merge": "benchmarks.native.native_merge",
     "task_memory": "benchmarks.task_memory.task_memory",
     "stalls": "benchmarks.stalls.stalls",
 }

@@ -21,7 +21,7 @@ import dask_pyspy
 
 READERS = ("fast", "pyspy")
 # The free-threaded interpreter ci/matrix.sh builds, in its venv in the sid root.
-FREE_THREADED_ROOT = os.path.join(os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots"), "sid")
+ROOTS = os.environ.get("DASK_PYSPY_ROOTS", "/var/cache/dask-pyspy-roots")
 FREE_THREADED_PYTHON = "/opt/venv-3.13t/bin/python"
 
 
@@ -46,14 +46,14 @@ def sampler_tid() -> int | None:
     return None
 
 
-def in_free_threaded_root(args: list[str], timeout: float = 900) -> str:
-    """Runs `python ARGS` in the free-threaded interpreter (as root, through chroot) from a
-    copy of this checkout's benchmarks/ in the root, and gives its stdout."""
+def in_root(suite: str, python: str, args: list[str], timeout: float = 900) -> str:
+    """Runs `python ARGS` (a path inside the `suite` root of ci/matrix.sh, as root, through
+    chroot) from a copy of this checkout's benchmarks/ in the root, and gives its stdout."""
     from benchmarks import ROOT as CHECKOUT
 
-    root = FREE_THREADED_ROOT
-    if not os.path.lexists(root + FREE_THREADED_PYTHON):  # a link into the root
-        raise RuntimeError(f"no free-threaded interpreter at {root}{FREE_THREADED_PYTHON}: ci/matrix.sh builds it")
+    root = os.path.join(ROOTS, suite)
+    if not os.path.lexists(root + python):  # a link into the root
+        raise RuntimeError(f"no interpreter at {root}{python}: ci/matrix.sh builds it")
     dest = os.path.join(root, "opt", "t")
     subprocess.run(["rm", "-rf", dest], check=True)
     os.makedirs(dest)
@@ -61,8 +61,13 @@ def in_free_threaded_root(args: list[str], timeout: float = 900) -> str:
     for m in ("proc", "dev", "sys"):
         if not os.path.ismount(os.path.join(root, m)):
             subprocess.run(["mount", "--bind", f"/{m}", os.path.join(root, m)], check=True)
-    cmd = ["chroot", root, "/usr/bin/env", "-C", "/opt/t", FREE_THREADED_PYTHON, *args]
+    cmd = ["chroot", root, "/usr/bin/env", "-C", "/opt/t", python, *args]
     return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=timeout).stdout
+
+
+def in_free_threaded_root(args: list[str], timeout: float = 900) -> str:
+    """`in_root` for the free-threaded interpreter ci/matrix.sh builds in the sid root."""
+    return in_root("sid", FREE_THREADED_PYTHON, args, timeout)
 
 
 def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:

@@ -297,6 +297,28 @@ def eintr(case: str, call: str, count: int) -> dict[str, Any]:
     return {**result, **caller_samples(s.profile().speedscope()), "stats": s.stats()}
 
 
+def merge(seconds: float) -> dict[str, Any]:
+    """2 numpy matmul threads and a qsort calling back a Python comparator, sampled with
+    native frames: whether captures merge with the Python frames they copied on this
+    interpreter. numpy only, so it runs on every interpreter of the matrix."""
+    import numpy as np
+
+    square = np.random.default_rng(0).random((384, 384))
+    values = list(range(2000, 0, -1))
+    steps: dict[str, Step] = {
+        "work-0": lambda: square @ square,
+        "work-1": lambda: square @ square,
+        "work-2": lambda: sort_with_qsort(values),
+    }
+    threads, stop = start_threads({name: functools.partial(loop, [step]) for name, step in steps.items()})
+    s = Sampler(native=True, rate=100, cpu_budget=0.2)
+    s.start()
+    time.sleep(seconds)
+    s.stop()
+    stop_threads(threads, stop)
+    return {"python": sys.version.split()[0], "stats": s.stats(), "doc": s.profile().speedscope()}
+
+
 def is_native(frame: dict[str, Any]) -> bool:
     """dask-pyspy's native frames have no line and a library for their file."""
     return "line" not in frame and not str(frame.get("file", "")).endswith(".py")
@@ -320,6 +342,7 @@ MODES: dict[str, Callable[..., dict[str, Any]]] = {
     "cost": cost,
     "memory": memory,
     "eintr": eintr,
+    "merge": merge,
 }
 
 if __name__ == "__main__":
