@@ -273,7 +273,7 @@ impl<'a> Loop<'a> {
             if let Some(wake) = wake {
                 self.phases.add_wake(wake);
             }
-            self.tick(weight, clocks);
+            self.tick(weight, clocks, now);
             let cost = charge.at_end(clocks.own_ns);
             self.adapt(cost, Duration::ZERO);
             spent += cost;
@@ -334,8 +334,8 @@ impl<'a> Loop<'a> {
         self.interval = Duration::from_secs_f64((-self.credit_s / budget).max(0.0)).max(self.base);
     }
 
-    /// `clocks`: those read at the tick's start.
-    fn tick(&mut self, weight: Duration, clocks: Clocks) {
+    /// `clocks`: those read at the tick's start; `began`: when it woke.
+    fn tick(&mut self, weight: Duration, clocks: Clocks, began: Instant) {
         if self.shared.inject_panic.swap(false, Ordering::SeqCst) {
             panic!("injected by the test switch");
         }
@@ -368,7 +368,7 @@ impl<'a> Loop<'a> {
                 if again {
                     self.record_again(time_ns, weight);
                 } else {
-                    self.capture_native(clocks.own_ns);
+                    self.capture_native(began);
                     self.phases.add(Phase::Native, &mut lap);
                     self.record(time_ns, weight, read);
                 }
@@ -460,8 +460,8 @@ impl<'a> Loop<'a> {
     /// Merges the native stacks of threads on a CPU (or waiting for one) into their
     /// Python stacks; which threads get a timer is native capture's choice.
     /// `began_cpu_ns`: the sampler's clock as the tick began.
-    fn capture_native(&mut self, began_cpu_ns: u64) {
-        let spare = Spare::new(self.native_spare_ns(), began_cpu_ns);
+    fn capture_native(&mut self, began: Instant) {
+        let spare = Spare::new(self.native_spare_ns(), began);
         let Some(native) = self.native.as_mut() else { return };
         let on_cpu = |s: &State| matches!(s, State::Cpu | State::CpuGil | State::CpuWait);
         let kernel = &self.kernel;
