@@ -73,7 +73,9 @@ class Merge:
 
 def wheel() -> str:
     """This checkout's abi3 wheel, built by ci/wheel.sh."""
-    out = subprocess.run(["bash", "ci/wheel.sh"], cwd=CHECKOUT, capture_output=True, text=True, check=True)
+    out = subprocess.run(["bash", "ci/wheel.sh"], cwd=CHECKOUT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"ci/wheel.sh could not build the wheel to measure:\n{out.stderr[-2000:]}")
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -163,6 +165,9 @@ def run(quick: bool) -> Section:
             [m.row() for m in merges],
         )
     )
+    if not merges:
+        section.notes.append(f"No interpreter found: neither pyenv's ({PYENV_VERSIONS}) nor ci/matrix.sh's roots.")
+        return section
     worst = max(merges, key=lambda m: m.mismatched_share)
     met = verdict(worst.mismatched_share <= MISMATCHED_MAX)
     section.notes.append(
