@@ -22,7 +22,7 @@ from benchmarks import ROOT as CHECKOUT
 from benchmarks.common import FREE_THREADED_PYTHON, ROOTS, Section, in_root, table, verdict
 from benchmarks.native.native_agreement import comparator_order
 from benchmarks.native.native_coverage import thread_share
-from benchmarks.native.native_runs import CHILD, ENV
+from benchmarks.native.native_runs import run_child
 
 MISMATCHED_MAX = 0.02
 PYENV_VERSIONS = os.path.join(os.environ.get("PYENV_ROOT", "/root/.pyenv"), "versions")
@@ -106,15 +106,7 @@ def in_pyenv(seconds: float, whl: str) -> list[Merge]:
             continue
         print(f"  pyenv {os.path.basename(version_dir)}", flush=True)
         python = pyenv_python(version_dir, whl)
-        done = subprocess.run(
-            [python, CHILD, json.dumps({"mode": "merge", "seconds": seconds})],
-            capture_output=True,
-            text=True,
-            env=ENV,
-            timeout=300,
-            check=True,
-        )
-        result = json.loads(done.stdout.splitlines()[-1])
+        result = run_child({"mode": "merge", "seconds": seconds}, timeout=300, python=python)
         out.append(Merge(result["python"], "pyenv's build (symbols kept)", result))
     return out
 

@@ -21,10 +21,9 @@ PYSPY_RATE = 50
 Doc = dict[str, Any]
 
 
-def run_child(args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, CHILD, json.dumps(args)], capture_output=True, text=True, env=ENV, timeout=timeout
-    )
+def run_child(args: dict[str, Any], timeout: float = 600, python: str = sys.executable) -> dict[str, Any]:
+    """native_child.py's result for `args`, run by `python` (another interpreter: native_merge)."""
+    done = subprocess.run([python, CHILD, json.dumps(args)], capture_output=True, text=True, env=ENV, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"native_child {args} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
