@@ -10,6 +10,7 @@ mod elf;
 mod lend;
 mod merge;
 mod modules;
+mod realigned;
 mod resolve;
 mod signal;
 mod symbols;
@@ -527,12 +528,12 @@ impl Native {
     /// kept; and again each time it met a module read only then, whose tables lead on.
     fn unwind_copy(&mut self, regs: Regs, stack: &[u8], from: Option<(usize, (u64, u64))>) -> End {
         loop {
-            let (unwinder, cache, out) = (&self.modules.unwinder, &mut self.cache, &mut self.unwound);
+            let (modules, cache, out) = (&self.modules, &mut self.cache, &mut self.unwound);
             let end = match from {
-                None => unwind(unwinder, cache, regs, stack, out),
+                None => unwind(modules, cache, regs, stack, out),
                 Some((kept, at)) => {
                     out.truncate(kept);
-                    unwind_from(unwinder, cache, regs, stack, at, out)
+                    unwind_from(modules, cache, regs, stack, at, out)
                 }
             };
             if !self.modules.read_tables(self.unwound.iter().map(|f| f.pc)) {

@@ -8,6 +8,7 @@
 //! loader's counts of loads and unloads moved.
 
 use super::elf::{segments, Elf, Reader, Source, SEGMENT_SIZE};
+use super::realigned::{Realigned, Tables};
 use super::signal::{read_memory, read_word};
 use super::symbols::{readable, Symbols};
 use framehop::x86_64::UnwinderX86_64;
@@ -172,6 +173,8 @@ pub struct ModuleStats {
     pub symbol_bytes: usize,
     /// Memory the unwind tables copied take.
     pub table_bytes: usize,
+    /// Spans of code whose frames framehop cannot step (see `realigned`).
+    pub realigned: usize,
     pub listings: u64,
     /// Modules whose file could not be read (gone, or no ELF file).
     pub unreadable: u64,
@@ -192,6 +195,8 @@ pub struct Modules {
     /// Sorted by code address.
     list: Vec<Module>,
     pub unwinder: UnwinderX86_64<Table>,
+    /// The rows of their tables framehop cannot step.
+    pub realigned: Realigned,
     counts: (u64, u64),
     /// The counters of `stats`.
     counted: ModuleStats,
@@ -207,6 +212,7 @@ impl Modules {
         let mut m = Modules {
             list: Vec::new(),
             unwinder: UnwinderX86_64::new(),
+            realigned: Realigned::default(),
             counts: (u64::MAX, u64::MAX),
             counted: ModuleStats::default(),
             calls: FxHashMap::default(),
@@ -263,6 +269,12 @@ impl Modules {
         let module = &mut self.list[i];
         match module.read(budget) {
             Ok(Some(info)) => {
+                if let (Some(eh_frame), Some(at)) = (&info.eh_frame, &info.eh_frame_svma) {
+                    let (text_svma, got_svma) = (info.text_svma.as_ref(), info.got_svma.as_ref());
+                    let (text_svma, got_svma) = (text_svma.map(|r| r.start), got_svma.map(|r| r.start));
+                    let tables = Tables { eh_frame, eh_frame_svma: at.start, text_svma, got_svma };
+                    self.realigned.add(&tables, module.bias);
+                }
                 let unwind = UnwindModule::new(module.name.clone(), module.code.clone(), module.bias, info);
                 self.unwinder.add_module(unwind);
                 true
@@ -303,6 +315,7 @@ impl Modules {
             std::mem::take(&mut self.list).into_iter().partition(|m| listed.iter().any(|l| same(m, l)));
         for m in gone {
             self.unwinder.remove_module(m.code.start);
+            self.realigned.remove(&m.code);
         }
         self.list = kept;
         for l in listed {
@@ -327,6 +340,7 @@ impl Modules {
             symbols: self.list.iter().map(|m| m.symbols().len()).sum(),
             symbol_bytes: self.list.iter().map(|m| m.symbols().bytes()).sum(),
             table_bytes: self.list.iter().map(|m| m.tables).sum(),
+            realigned: self.realigned.len(),
             ..self.counted
         }
     }

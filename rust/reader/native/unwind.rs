@@ -1,11 +1,12 @@
 //! Unwinding a copied stack: framehop follows each module's `.eh_frame` (frame
-//! pointers where a module has none) over the bytes the signal handler copied.
+//! pointers where a module has none) over the bytes the signal handler copied, but
+//! for the rows it cannot step (`realigned`).
 //! Hand-written assembly (BLAS kernels) often has neither: there the unwind can go
 //! on from a return address found by scanning the stack (`unwind_from`).
 
-use super::modules::Table;
+use super::modules::Modules;
 use super::signal::Regs;
-use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64};
 use framehop::{FrameAddress, Unwinder};
 
 /// Deeper stacks are cut here.
@@ -36,23 +37,17 @@ pub struct NativeFrame {
 }
 
 /// The frames of the stack in `stack` (copied from `regs.sp` up), innermost first.
-pub fn unwind(
-    unwinder: &UnwinderX86_64<Table>,
-    cache: &mut CacheX86_64,
-    regs: Regs,
-    stack: &[u8],
-    out: &mut Vec<NativeFrame>,
-) -> End {
+pub fn unwind(modules: &Modules, cache: &mut CacheX86_64, regs: Regs, stack: &[u8], out: &mut Vec<NativeFrame>) -> End {
     out.clear();
     let state = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
-    walk(unwinder, cache, regs.sp, stack, state, FrameAddress::from_instruction_pointer(regs.ip), out)
+    walk(modules, cache, regs.sp, stack, state, FrameAddress::from_instruction_pointer(regs.ip), out)
 }
 
 /// Unwinds `out` again from the return address `ra` found at `at` in the copy: the
 /// frames below `at` stay, the last of them spanning the words up to it (assembly
 /// without unwind information, often with a stack of its own it realigned).
 pub fn unwind_from(
-    unwinder: &UnwinderX86_64<Table>,
+    modules: &Modules,
     cache: &mut CacheX86_64,
     regs: Regs,
     stack: &[u8],
@@ -65,7 +60,7 @@ pub fn unwind_from(
     };
     last.caller_sp = at + 8;
     let state = UnwindRegsX86_64::new(ra, at + 8, regs.bp);
-    walk(unwinder, cache, regs.sp, stack, state, address, out)
+    walk(modules, cache, regs.sp, stack, state, address, out)
 }
 
 /// Where return addresses may be, for a frame at `from` that led nowhere: above each
@@ -108,7 +103,7 @@ pub fn word_at(stack: &[u8], low: u64, at: u64) -> Option<u64> {
 /// Appends the frames from `address` (with `state`) to `out`, over the copy `stack` of
 /// the stack from `low` up.
 fn walk(
-    unwinder: &UnwinderX86_64<Table>,
+    modules: &Modules,
     cache: &mut CacheX86_64,
     low: u64,
     stack: &[u8],
@@ -128,9 +123,13 @@ fn walk(
             break End::Cut;
         }
         let sp = state.sp();
-        let step = unwinder.unwind_frame(address, &mut state, cache, &mut read);
+        let pc = address.address_for_lookup();
+        let step = match modules.realigned.step(pc, &mut state, &mut read) {
+            Some(step) => step.map(Some),
+            None => modules.unwinder.unwind_frame(address, &mut state, cache, &mut read).map_err(drop),
+        };
         let caller_sp = state.sp().max(sp);
-        out.push(NativeFrame { pc: address.address_for_lookup(), sp, caller_sp });
+        out.push(NativeFrame { pc, sp, caller_sp });
         match step {
             Ok(Some(ra)) => match FrameAddress::from_return_address(ra) {
                 Some(next) => address = next,
