@@ -36,6 +36,12 @@ const NAME_PROBE_LEN: usize = 48;
 /// Tables are emptied past these sizes (many short-lived code objects).
 const MAX_CODES: usize = 50_000;
 const MAX_FRAMES: usize = 500_000;
+/// The name of 3.12's code object for an eval loop's entry frame, a shim the walk
+/// skips by its owner. Yet a stack read as a C function called back into Python showed
+/// a frame of this code as a Python frame (pyenv's 3.12.1, in the matrix): an entry
+/// frame read while being written or after it was left, its owner not (or no longer)
+/// the shim's. Its code is never Python's, whatever its owner reads.
+const TRAMPOLINE: &str = "<interpreter trampoline>";
 
 /// What a frame shows: its line's meaning depends on the sampler's line mode.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,6 +62,8 @@ pub enum Found {
 
 struct Code {
     serial: u64,
+    /// 3.12's code object of an eval loop's entry frame, which is never a Python frame.
+    trampoline: bool,
     name: Arc<str>,
     file: Arc<str>,
     first_line: i32,
@@ -339,9 +347,11 @@ impl CodeCache {
         let probe_end = needed(name, 0, 0, layout)?.min(probe_from + NAME_PROBE_LEN);
         let name_probe = name.get(probe_from..probe_end)?.to_vec();
         self.serial += 1;
+        let name: Arc<str> = decode_string(name, layout)?.into();
         Some(Code {
             serial: self.serial,
-            name: decode_string(name, layout)?.into(),
+            trampoline: &*name == TRAMPOLINE,
+            name,
             file: decode_string(file, layout)?.into(),
             first_line: u32_at(&f.header, layout.code_firstlineno) as i32,
             bytecode_len: 2 * code_units(&f.header, layout) as i64,
@@ -365,6 +375,9 @@ impl CodeCache {
         let Some(c) = self.codes.get_mut(&code) else {
             return if self.not_code.contains(&code) { Found::NotCode } else { Found::Torn };
         };
+        if c.trampoline {
+            return Found::NotCode;
+        }
         if offset >= c.bytecode_len {
             return Found::Torn;
         }
