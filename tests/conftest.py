@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 import time
 from typing import Any, Callable
 
 # A free-threaded build (3.13t): no GIL, and py-spy's reader does not read it.
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+# The fast reader reads CPython 3.11+; before, py-spy's is the only reader, no fallback.
+FAST_WORKS = sys.version_info >= (3, 11)
 
 
 def wait_for(condition: Callable[[], Any], what: str = "condition", timeout: float = 60.0) -> Any:

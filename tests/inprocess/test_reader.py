@@ -13,9 +13,8 @@ import time
 import pytest
 
 from dask_pyspy import Sampler
-from tests.conftest import FREE_THREADED, frame_names, wait_for
+from tests.conftest import FAST_WORKS, FREE_THREADED, frame_names, wait_for
 
-FAST_WORKS = sys.version_info >= (3, 11)
 needs_fast = pytest.mark.skipif(not FAST_WORKS, reason="the fast reader reads CPython 3.11+")
 
 
