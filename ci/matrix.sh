@@ -2,7 +2,9 @@
 # Runs a subset of the suite against the installed wheel on other CPythons, each in a
 # Debian root: 3.13, 3.14, 3.15 from sid; 3.9 from bullseye (glibc 2.31) with the
 # oldest dask/distributed pyproject.toml allows; free-threaded 3.13t, built in the sid
-# root from Debian stable's source package, with its own cp313t wheel.
+# root from Debian stable's source package, with its own cp313t wheel. No Debian suite
+# has 3.10 or 3.12: pyenv's builds (with symbols, unlike Debian's), where the machine
+# has them, run on the host, their venvs in $DASK_PYSPY_ROOTS/pyenv.
 #   bash ci/matrix.sh [WHEEL]     # as root; without WHEEL it runs ci/wheel.sh
 # Roots and venvs stay in $DASK_PYSPY_ROOTS (default below) for the next run; logs in its logs/.
 set -euo pipefail
@@ -28,10 +30,15 @@ MATRIX_TESTS_FREE_THREADED="tests/inprocess/test_sampler.py tests/inprocess/test
     tests/inprocess/test_free_threaded.py tests/inprocess/test_local.py tests/inprocess/test_native.py tests/inprocess/test_stalls.py
     tests/inprocess/test_task_memory.py tests/cluster/test_cluster.py::test_task_attribution $REPORT_TESTS
     $MEMORY_TESTS tests/cluster/test_no_trace.py"
+# pyenv's 3.10 and 3.12, on the host: what reads the interpreter's own structures (the
+# rest runs on 3.9, 3.11 and 3.13+), to keep CI near 45 minutes.
+MATRIX_TESTS_PYENV="tests/inprocess/test_sampler.py tests/inprocess/test_reader.py tests/inprocess/test_states.py
+    tests/inprocess/test_native.py tests/cluster/test_cluster.py::test_task_attribution"
 # arrow's native frames need pyarrow.
 MATRIX_DESELECT_FREE_THREADED="tests/inprocess/test_native.py::test_pyarrow_names_are_demangled
     tests/inprocess/test_native.py::test_cpp_exceptions_while_sampling"
-PYTHONS=${MATRIX_PYTHONS:-"3.13:sid 3.14:sid 3.15:sid 3.9:bullseye 3.13t:sid"} # MATRIX_PYTHONS: a few only
+PYTHONS=${MATRIX_PYTHONS:-"3.13:sid 3.14:sid 3.15:sid 3.9:bullseye 3.13t:sid 3.10:pyenv 3.12:pyenv"} # MATRIX_PYTHONS: a few only
+PYENV_VERSIONS=${PYENV_ROOT:-/root/.pyenv}/versions
 # Debian ships no free-threaded CPython; sid's 3.14 and 3.15 sources cannot be fetched.
 FREE_THREADED_SOURCE=python3.13/trixie
 FREE_THREADED_BUILD_DEPS="build-essential libssl-dev zlib1g-dev libffi-dev libbz2-dev liblzma-dev libsqlite3-dev
@@ -57,15 +64,20 @@ if [[ -z $MIRROR ]]; then
 fi
 CA=/etc/dask-pyspy-ca.crt
 
+host() { [[ $1 == "$ROOTS/pyenv" ]]; } # ROOT: pyenv's is a directory of the host's, entered by no chroot
+inside() { if host "$1"; then echo "$1$2"; else echo "$2"; fi; } # ROOT PATH: PATH in ROOT, as its commands see it
+
 in_root() { # ROOT COMMAND...: a clean environment, so the host's PIP_FIND_LINKS and PATH stay out
-    local root=$1; shift
-    chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive \
+    local root=$1 enter=(chroot "$1") ca=$CA; shift
+    if host "$root"; then enter=() ca=${PIP_CERT:-}; fi
+    "${enter[@]}" /usr/bin/env -i HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 ${PIP_CERT:+PIP_CERT=$CA} "$@"
+        PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 ${PIP_CERT:+PIP_CERT=$ca} "$@"
 }
 
 ready_root() { # ROOT: mounts (idempotent), name resolution, the host's CA bundle for pip
     local root=$1 m
+    if host "$root"; then return; fi
     mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
     # /dev/shm: multiprocessing's semaphores (LocalCluster worker processes).
     for m in /dev /dev/pts /dev/shm /sys; do mountpoint -q "$root$m" || mount --bind "$m" "$root$m"; done
@@ -86,6 +98,7 @@ unmount_under() { # DIR: stop what still runs in a root (chromedriver, stray wor
 build_root() { # SUITE PACKAGE...
     local suite=$1 root=$ROOTS/$1; shift
     local want="$suite $*"
+    if host "$root"; then mkdir -p "$root/opt"; return; fi
     if [[ $(cat "$root.ok" 2>/dev/null) == "$want" ]]; then
         echo "reusing $root"; ready_root "$root"; return
     fi
@@ -103,7 +116,11 @@ build_root() { # SUITE PACKAGE...
 }
 
 free_threaded() { [[ $1 == *t ]]; } # PYTHON
-python_in_root() { if free_threaded "$1"; then echo "/opt/python$1/bin/python$1"; else echo "python$1"; fi; }
+python_in_root() { # PYTHON [ROOT]: nothing for a pyenv version the machine does not have
+    if free_threaded "$1"; then echo "/opt/python$1/bin/python$1"
+    elif host "${2:-}"; then ls -d "$PYENV_VERSIONS/$1".*/bin/"python$1" 2>/dev/null | sort -V | tail -n 1
+    else echo "python$1"; fi
+}
 
 build_free_threaded() { # ROOT PYTHON: built once into /opt/pythonPYTHON, kept in the root for the next run
     local root=$1 py=$2 src=/opt/src-$2
@@ -128,28 +145,30 @@ build_free_threaded_wheel() { # ROOT PYTHON: its path in $LOGS/wheel PYTHON.path
 
 make_venv() { # ROOT PYTHON WHEEL [REQUIREMENT...]: reused while the wheel's requirements are unchanged
     local root=$1 py=$2 wheel=$3; shift 3
-    local venv=/opt/venv-$py whl=/opt/wheels/${wheel##*/} sha
+    local venv=/opt/venv-$py sha iv iwhl
+    iv=$(inside "$root" "$venv") iwhl=$(inside "$root" "/opt/wheels/${wheel##*/}")
     sha=$(sha256sum "$wheel" | cut -d' ' -f1)
     local deps; deps=$(printf '%s\n' "$REQUIRES" "$@" | sha256sum)
     if [[ $(cat "$root$venv/.deps" 2>/dev/null) != "$deps" ]]; then
         rm -rf --one-file-system "${root:?}$venv"
-        in_root "$root" "$(python_in_root "$py")" -m venv "$venv"
+        in_root "$root" "$(python_in_root "$py" "$root")" -m venv "$iv"
         if free_threaded "$py"; then
-            in_root "$root" /usr/bin/env MSGPACK_PUREPYTHON=1 "$venv/bin/pip" install -q "$whl" $FREE_THREADED_TEST_DEPS "$@"
+            in_root "$root" /usr/bin/env MSGPACK_PUREPYTHON=1 "$iv/bin/pip" install -q "$iwhl" $FREE_THREADED_TEST_DEPS "$@"
         else
-            in_root "$root" "$venv/bin/pip" install -q "$whl[test]" "$@"
+            in_root "$root" "$iv/bin/pip" install -q "$iwhl[test]" "$@"
         fi
         echo "$deps" >"$root$venv/.deps"
     elif [[ $(cat "$root$venv/.wheel" 2>/dev/null) != "$sha" ]]; then
-        in_root "$root" "$venv/bin/pip" install -q --no-deps --force-reinstall "$whl"
+        in_root "$root" "$iv/bin/pip" install -q --no-deps --force-reinstall "$iwhl"
     fi
     echo "$sha" >"$root$venv/.wheel"
-    in_root "$root" "$venv/bin/pip" list 2>/dev/null | grep -E '^(dask|distributed|pandas|numpy) '
+    in_root "$root" "$iv/bin/pip" list 2>/dev/null | grep -E '^(dask|distributed|pandas|numpy) '
 }
 
 run_tests() { # ROOT PYTHON
-    local root=$1 py=$2 tests=$MATRIX_TESTS t
+    local root=$1 py=$2 tests=$MATRIX_TESTS t dir python
     local selected=() env=()
+    dir=$(inside "$root" /opt/t) python=$(inside "$root" "/opt/venv-$py/bin/python")
     if free_threaded "$py"; then
         tests=$MATRIX_TESTS_FREE_THREADED
         for t in $MATRIX_DESELECT_FREE_THREADED; do selected+=(--deselect "$t"); done
@@ -157,14 +176,16 @@ run_tests() { # ROOT PYTHON
         # sys._current_frames(), a use-after-free on free-threaded 3.13 (CPython issue
         # 152355): it crashed a test's worker with a segfault. Ours copies frames as bytes.
         env=(DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False)
+    elif host "$root"; then
+        tests=$MATRIX_TESTS_PYENV
     fi
     for t in $tests; do
         if [[ -e ${t%%::*} ]]; then selected+=("$t"); else echo "matrix: skipping $t: ${t%%::*} does not exist yet"; fi
     done
     # Run from /opt/t, where no dask_pyspy/ lies: prove the installed one is what is tested.
-    in_root "$root" /usr/bin/env -C /opt/t "/opt/venv-$py/bin/python" -c \
+    in_root "$root" /usr/bin/env -C "$dir" "$python" -c \
         'import dask_pyspy, sys; f = dask_pyspy.__file__; print(sys.version, f); assert "/opt/venv-" in f' &&
-    in_root "$root" /usr/bin/env -C /opt/t "${env[@]}" "/opt/venv-$py/bin/python" -m pytest -q -rfEs \
+    in_root "$root" /usr/bin/env -C "$dir" "${env[@]}" "$python" -m pytest -q -rfEs \
         -p no:cacheprovider -p matrix_plugin "${selected[@]}"
 }
 
@@ -267,6 +288,7 @@ EOF
             [[ ${status[wheel $py]:-} == ok ]] || continue
             wheel=$(cat "$LOGS/wheel $py.path")
         fi
+        if [[ -z $(python_in_root "$py" "$root") ]]; then status[venv $py]=absent; continue; fi
         pins=(); if [[ $py == "$OLDEST_DASK_ON" ]]; then pins=($OLDEST); fi
         job "venv $py" make_venv "$root" "$py" "$wheel" "${pins[@]}"
     done
@@ -277,6 +299,10 @@ wait_jobs
 failed=()
 for e in $PYTHONS; do
     py=${e%:*} suite=${e#*:} name="CPython ${e%:*} (${e#*:})"
+    if [[ ${status[venv $py]:-} == absent ]]; then
+        echo "matrix: $name is not on this machine (no $PYENV_VERSIONS/$py.*): not run"
+        status[tests $py]="not on this machine"; continue
+    fi
     if [[ ${status[venv $py]:-} != ok ]]; then failed+=("$name: no root, interpreter, wheel or venv"); continue; fi
     echo "matrix: tests on $name"
     s=$SECONDS

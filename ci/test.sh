@@ -2,8 +2,8 @@
 # Installs everything the tests need on a fresh machine, builds the extension, runs
 # the linters (ci/lint.sh) and builds the docs (sphinx-build -W: a warning fails), then
 # every test: Rust unit tests, the Python suite on a loaded machine, and a subset on
-# CPython 3.13, 3.14, 3.15, 3.9 and 3.13t on an idle one (ci/matrix.sh, with the
-# manylinux2014 wheel).
+# CPython 3.13, 3.14, 3.15, 3.9, 3.13t and pyenv's 3.10 and 3.12 on an idle one
+# (ci/matrix.sh, with the manylinux2014 wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
