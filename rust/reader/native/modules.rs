@@ -8,7 +8,7 @@
 //! loader's counts of loads and unloads moved.
 
 use super::elf::{segments, Elf, Reader, Source, SEGMENT_SIZE};
-use super::realigned::{Realigned, Tables};
+use super::realigned::Realigned;
 use super::signal::{read_memory, read_word};
 use super::symbols::{readable, Symbols};
 use framehop::x86_64::UnwinderX86_64;
@@ -269,12 +269,7 @@ impl Modules {
         let module = &mut self.list[i];
         match module.read(budget) {
             Ok(Some(info)) => {
-                if let (Some(eh_frame), Some(at)) = (&info.eh_frame, &info.eh_frame_svma) {
-                    let (text_svma, got_svma) = (info.text_svma.as_ref(), info.got_svma.as_ref());
-                    let (text_svma, got_svma) = (text_svma.map(|r| r.start), got_svma.map(|r| r.start));
-                    let tables = Tables { eh_frame, eh_frame_svma: at.start, text_svma, got_svma };
-                    self.realigned.add(&tables, module.bias);
-                }
+                self.realigned.add(&info, module.bias);
                 let unwind = UnwindModule::new(module.name.clone(), module.code.clone(), module.bias, info);
                 self.unwinder.add_module(unwind);
                 true

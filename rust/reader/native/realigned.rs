@@ -8,7 +8,9 @@
 //! before its eval loops. These rows are found (gimli parses the tables) when a
 //! module's tables are read, decoded to `Place`s, and stepped here.
 
+use super::modules::Table;
 use framehop::x86_64::UnwindRegsX86_64;
+use framehop::ExplicitModuleSectionInfo;
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, EhFrame, EndianSlice, Expression, LittleEndian, Operation, RegisterRule,
     UnwindContext, UnwindSection, X86_64,
@@ -39,14 +41,6 @@ struct Rule {
     bp: SavedBp,
 }
 
-/// Where the tables of one module are and what they hold, as its file states them.
-pub struct Tables<'a> {
-    pub eh_frame: &'a [u8],
-    pub eh_frame_svma: u64,
-    pub text_svma: Option<u64>,
-    pub got_svma: Option<u64>,
-}
-
 /// The rows framehop cannot step, of every module read, by code address.
 #[derive(Default)]
 pub struct Realigned {
@@ -54,8 +48,9 @@ pub struct Realigned {
 }
 
 impl Realigned {
-    /// Adds the rows of a module loaded with load bias `bias`.
-    pub fn add(&mut self, tables: &Tables<'_>, bias: u64) {
+    /// Adds the rows of a module's `tables` (as framehop takes them), loaded with load
+    /// bias `bias`.
+    pub fn add(&mut self, tables: &ExplicitModuleSectionInfo<Table>, bias: u64) {
         let found = rows(tables).unwrap_or_default();
         if found.is_empty() {
             return;
@@ -144,14 +139,15 @@ type Reader<'a> = EndianSlice<'a, LittleEndian>;
 
 /// The rows of `tables` whose CFA is a place (and whose return address is at CFA-8,
 /// as on every x86-64 row), adjacent rows of one rule joined; file addresses.
-fn rows(tables: &Tables<'_>) -> gimli::Result<Vec<(Range<u64>, Rule)>> {
-    let section = EhFrame::new(tables.eh_frame, LittleEndian);
-    let mut bases = BaseAddresses::default().set_eh_frame(tables.eh_frame_svma);
-    if let Some(text) = tables.text_svma {
-        bases = bases.set_text(text);
+fn rows(tables: &ExplicitModuleSectionInfo<Table>) -> gimli::Result<Vec<(Range<u64>, Rule)>> {
+    let (Some(eh_frame), Some(at)) = (&tables.eh_frame, &tables.eh_frame_svma) else { return Ok(Vec::new()) };
+    let section = EhFrame::new(eh_frame, LittleEndian);
+    let mut bases = BaseAddresses::default().set_eh_frame(at.start);
+    if let Some(text) = &tables.text_svma {
+        bases = bases.set_text(text.start);
     }
-    if let Some(got) = tables.got_svma {
-        bases = bases.set_got(got);
+    if let Some(got) = &tables.got_svma {
+        bases = bases.set_got(got.start);
     }
     let mut context = Box::new(UnwindContext::new());
     let mut found: Vec<(Range<u64>, Rule)> = Vec::new();
@@ -229,7 +225,12 @@ mod tests {
     #[test]
     fn rows_whose_cfa_reads_memory_are_found_in_eh_frame() {
         let eh_frame = minimal_eh_frame();
-        let tables = Tables { eh_frame: &eh_frame, eh_frame_svma: 0x10000, text_svma: None, got_svma: None };
+        let len = eh_frame.len() as u64;
+        let tables = ExplicitModuleSectionInfo {
+            eh_frame_svma: Some(0x10000..0x10000 + len),
+            eh_frame: Some(eh_frame),
+            ..Default::default()
+        };
         let found = rows(&tables).unwrap();
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].0, 0x5004..0x5040);
