@@ -155,6 +155,9 @@ def test_a_budget_too_small_to_unwind_every_capture_lends_native_frames_instead(
     on_line = on_sort_line(s, prof)
     kernel = sum(w for st, w in on_line if sort_kernel(st))
     assert kernel >= 0.8 * sum(w for _, w in on_line), (kernel, sum(w for _, w in on_line))
+    samples = stacks(prof, "sort")
+    with_native = sum(w for st, w in samples if native_frames(st))
+    assert with_native >= 0.5 * sum(w for _, w in samples), (with_native, sum(w for _, w in samples))
 
 
 # CPU-time timers fire on the kernel's tick (4 ms at HZ=250): a 2 ms + 2 ms cycle was
