@@ -8,7 +8,7 @@ import importlib
 import os
 import time
 
-from benchmarks.common import kept_sections, machine
+from benchmarks.common import cpu_kind, kept_sections, machine
 
 # The sections in the order they run and are written, each with the module whose run(quick) makes it.
 SECTIONS = {
@@ -35,6 +35,14 @@ SECTIONS = {
     "task_memory": "benchmarks.task_memory.task_memory",
     "stalls": "benchmarks.stalls.stalls",
 }
+# Sections kept once per kind of CPU (`name@kind`): what a tick asks of the kernel is priced
+# differently on each, and the team's machines are of both kinds.
+PER_CPU_KIND = {"tick_anatomy"}
+
+
+def keys(name: str, sections: dict[str, str]) -> list[str]:
+    """The keys `name` is kept under: itself, or one per kind of CPU it ran on."""
+    return sorted(k for k in sections if k == name or k.startswith(f"{name}@"))
 
 
 def main() -> None:
@@ -55,7 +63,12 @@ def main() -> None:
     if args.baseline:
         for name in ("bias", "export_lateness"):
             importlib.import_module(SECTIONS[name]).BASELINE = args.baseline
-    parts = ["# dask-pyspy benchmarks", machine(), "Each section says when and in which mode it last ran."]
+    parts = [
+        "# dask-pyspy benchmarks",
+        machine(),
+        "The table is the machine of the last run. Each section says when, in which mode and on which CPU it "
+        "last ran: figures from different machines are not comparable.",
+    ]
     sections = kept_sections(args.output)
     for name in chosen:
         print(f"== {name}", flush=True)
@@ -64,15 +77,20 @@ def main() -> None:
         # The machine may be shared: the load says how much the figures are worth.
         mode = "quick" if args.quick else "full"
         section.notes.append(
-            f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}); section took {time.time() - began:.0f} s; "
-            f"1-minute load average at its end "
+            f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}) on {cpu_kind()}; section took "
+            f"{time.time() - began:.0f} s; 1-minute load average at its end "
             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
         )
-        sections[name] = f"<!-- section: {name} -->\n{section.markdown()}"
+        key = name
+        if name in PER_CPU_KIND:
+            key = f"{name}@{cpu_kind()}"
+            section.title += f" ({cpu_kind()})"
+        sections[key] = f"<!-- section: {key} -->\n{section.markdown()}"
         print(section.markdown(), flush=True)
-    parts += [sections[name] for name in SECTIONS if name in sections]
+    ours = [key for name in SECTIONS for key in keys(name, sections)]
+    parts += [sections[key] for key in ours]
     # Sections their own scripts wrote (peer_suite needs a checkout of distributed) stay.
-    parts += [text for name, text in sections.items() if name not in SECTIONS]
+    parts += [text for key, text in sections.items() if key not in ours]
     with open(args.output, "w") as f:
         f.write("\n\n".join(parts) + "\n")
     print(f"wrote {args.output}")

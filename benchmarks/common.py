@@ -114,6 +114,15 @@ def cpu_model() -> str:
         return "?"
 
 
+def cpu_kind() -> str:
+    """The CPU's make and family ("Intel Xeon", "AMD EPYC"): what a system call costs differs
+    between kinds far more than within one."""
+    model = cpu_model().split("@")[0]
+    for word in ("(R)", "(TM)", " Processor", " CPU"):
+        model = model.replace(word, "")
+    return " ".join(model.split()) or "?"
+
+
 def machine() -> str:
     try:
         pyspy = subprocess.run(
