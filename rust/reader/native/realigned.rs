@@ -154,6 +154,9 @@ fn rows(tables: &ExplicitModuleSectionInfo<Table>) -> gimli::Result<Vec<(Range<u
     let mut entries = section.entries(&bases);
     while let Some(entry) = entries.next()? {
         let CieOrFde::Fde(partial) = entry else { continue };
+        if !may_set_cfa_by_expression(eh_frame, partial.offset(), partial.entry_len()) {
+            continue; // most, unparsed: parsing every FDE of a large library took ~10 ms
+        }
         let Ok(fde) = partial.parse(|s, b, o| s.cie_from_offset(b, o)) else { continue };
         if !sets_cfa_by_expression(fde.instructions(&section, &bases)) {
             continue; // most: rows are built only where one can be ours (GCC's CIEs set none)
@@ -169,6 +172,18 @@ fn rows(tables: &ExplicitModuleSectionInfo<Table>) -> gimli::Result<Vec<(Range<u
         }
     }
     Ok(found)
+}
+
+/// Whether the FDE at `offset` of `eh_frame` (`len` bytes after its 32-bit length) may
+/// hold `DW_CFA_def_cfa_expression`: whether any byte after its CIE pointer is that
+/// opcode. True where that cannot be told (64-bit lengths, bytes missing).
+fn may_set_cfa_by_expression(eh_frame: &[u8], offset: usize, len: usize) -> bool {
+    const DWARF64: [u8; 4] = [0xff; 4];
+    if eh_frame.get(offset..offset + 4).is_none_or(|length| length == DWARF64) {
+        return true;
+    }
+    let opcode = gimli::constants::DW_CFA_def_cfa_expression.0;
+    eh_frame.get(offset + 8..offset + 4 + len).is_none_or(|body| body.contains(&opcode))
 }
 
 fn sets_cfa_by_expression(mut instructions: gimli::CallFrameInstructionIter<'_, Reader<'_>>) -> bool {
@@ -235,6 +250,19 @@ mod tests {
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].0, 0x5004..0x5040);
         assert_eq!(found[0].1, realigned());
+    }
+
+    #[test]
+    fn only_fdes_holding_the_opcode_are_parsed() {
+        let eh_frame = minimal_eh_frame();
+        let fde_at = 4 + u32::from_le_bytes(eh_frame[..4].try_into().unwrap()) as usize;
+        let fde_len = u32::from_le_bytes(eh_frame[fde_at..fde_at + 4].try_into().unwrap()) as usize;
+        assert!(may_set_cfa_by_expression(&eh_frame, fde_at, fde_len), "the realigned FDE");
+        let mut plain = eh_frame.clone();
+        let opcode = plain[fde_at..].iter().position(|&b| b == 0x0f).unwrap() + fde_at;
+        plain[opcode] = 0x0e; // def_cfa_offset 3: no expression left
+        assert!(!may_set_cfa_by_expression(&plain, fde_at, fde_len));
+        assert!(may_set_cfa_by_expression(&plain, fde_at, fde_len + 64), "bytes missing: parsed");
     }
 
     /// A CIE (CFA = rsp+8, ra at CFA-8) and an FDE for 0x5000..0x5040 (pcrel) that
