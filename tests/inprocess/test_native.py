@@ -21,7 +21,7 @@ from typing import Any, Callable
 import pytest
 
 from dask_pyspy import Sampler, _native
-from tests.conftest import FREE_THREADED, wait_for
+from tests.conftest import FAST_WORKS, FREE_THREADED, wait_for
 from tests.inprocess.test_sampler import Threads
 
 pytestmark = pytest.mark.skipif(
@@ -141,13 +141,15 @@ def test_a_budget_too_small_to_unwind_every_capture_lends_native_frames_instead(
     """Native frames cost captures before they cost rate: past what the budget leaves a
     tick, a capture is left unread (`spared`) and its sample is lent the native frames
     its lines last ran in, numpy's sort kernel under the sorting line. On py-spy's
-    reader (3.9, 3.10) no capture teaches an innermost line, so none is spared."""
+    reader (3.9, 3.10) no capture teaches an innermost line, so none is spared; at 0.5%
+    that reader ran at 1-5 Hz on an Intel Xeon VM (its first ticks are repaid for
+    seconds), too few to merge 100 captures within the wait: it gets 2% (~40 Hz)."""
 
     def spared(s: Sampler) -> bool:
         native = s.stats()["native"]
         return native["merged"] >= 100 and (native["spared"] >= 30 or s.stats()["reader"] == "pyspy")
 
-    s, prof = record(sort_loop, "sort", spared, cpu_budget=0.005)
+    s, prof = record(sort_loop, "sort", spared, cpu_budget=0.005 if FAST_WORKS else 0.02)
     stats = s.stats()["native"]
     assert stats["lent"] >= stats["spared"], stats
     if s.stats()["reader"] == "pyspy":
