@@ -70,6 +70,7 @@ def main() -> None:
         "last ran: figures from different machines are not comparable.",
     ]
     sections = kept_sections(args.output)
+    kind = cpu_kind()
     for name in chosen:
         print(f"== {name}", flush=True)
         began = time.time()
@@ -77,14 +78,14 @@ def main() -> None:
         # The machine may be shared: the load says how much the figures are worth.
         mode = "quick" if args.quick else "full"
         section.notes.append(
-            f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}) on {cpu_kind()}; section took "
+            f"Run {time.strftime('%Y-%m-%d %H:%M')} ({mode}) on {kind}; section took "
             f"{time.time() - began:.0f} s; 1-minute load average at its end "
             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
         )
         key = name
         if name in PER_CPU_KIND:
-            key = f"{name}@{cpu_kind()}"
-            section.title += f" ({cpu_kind()})"
+            key = f"{name}@{kind}"
+            section.title += f" ({kind})"
         sections[key] = f"<!-- section: {key} -->\n{section.markdown()}"
         print(section.markdown(), flush=True)
     ours = [key for name in SECTIONS for key in keys(name, sections)]
